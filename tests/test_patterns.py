@@ -1,0 +1,270 @@
+"""Pattern index builders against brute-force sets written straight from DESIGN.md §2."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sparse_jax import patterns as P
+
+
+# ---------------------------------------------------------------------------------------------
+# Brute force: loop over every (i, j <= i) and test the formula.
+
+
+def brute(seq_len, keep):
+    return [[j for j in range(i + 1) if keep(i, j)] for i in range(seq_len)]
+
+
+def brute_strided(n, l, part="both", w=None):
+    w = l + 1 if w is None else w
+    local = lambda i, j: i - w + 1 <= j  # noqa: E731
+    strided = lambda i, j: (i - j) % l == 0  # noqa: E731
+    keep = {"local": local, "strided": strided, "both": lambda i, j: local(i, j) or strided(i, j)}
+    return brute(n, keep[part])
+
+
+def brute_fixed(n, l, c, part="both", head=0, summary="paper"):
+    residues = set(range(l - (head + 1) * c, l - head * c)) | ({0} if summary == "lra" else set())
+    block = lambda i, j: j // l == i // l  # noqa: E731
+    summ = lambda i, j: j % l in residues  # noqa: E731
+    keep = {"block": block, "summary": summ, "both": lambda i, j: block(i, j) or summ(i, j)}
+    return brute(n, keep[part])
+
+
+def rows(indices):
+    return [[int(j) for j in row if j >= 0] for row in indices]
+
+
+def check_format(indices, seq_len):
+    """Ascending, no duplicates, padded with -1 at the end, K minimal, causal."""
+    assert indices.dtype == np.int32 and indices.ndim == 2 and indices.shape[0] == seq_len
+    valid = indices >= 0
+    counts = valid.sum(1)
+    assert counts.max() == indices.shape[1], "K is not the smallest width that fits every row"
+    assert np.all(valid == (np.arange(indices.shape[1])[None] < counts[:, None])), "padding not at end"
+    diffs = np.diff(np.where(valid, indices, np.iinfo(np.int32).max), axis=1)
+    assert np.all(diffs[valid[:, 1:]] > 0), "rows not strictly ascending"
+    assert np.all(indices <= np.arange(seq_len)[:, None]), "a key after its query"
+
+
+SHAPES = [(1, 1), (5, 1), (16, 4), (17, 4), (23, 5), (12, 12), (7, 12), (40, 3), (64, 8), (31, 7)]
+
+
+@pytest.mark.parametrize("n,l", SHAPES)
+@pytest.mark.parametrize("part", ["both", "local", "strided"])
+@pytest.mark.parametrize("w", [None, "l", 1, "2l"])
+def test_strided_matches_brute_force(n, l, part, w):
+    w = {"l": l, "2l": 2 * l}.get(w, w)
+    got = P.strided_indices(n, l, part=part, local_width=w)
+    check_format(got, n)
+    assert rows(got) == brute_strided(n, l, part, w)
+
+
+@pytest.mark.parametrize("n,l", SHAPES)
+@pytest.mark.parametrize("part", ["both", "block", "summary"])
+@pytest.mark.parametrize("summary", ["paper", "lra"])
+def test_fixed_matches_brute_force(n, l, part, summary):
+    for c in sorted({1, max(1, l // 4), l}):
+        for head in range(l // c):
+            got = P.fixed_indices(n, l, c, part=part, head=head, summary=summary)
+            check_format(got, n)
+            assert rows(got) == brute_fixed(n, l, c, part, head, summary), (c, head)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 33])
+def test_dense_and_local(n):
+    check_format(P.dense_indices(n), n)
+    assert rows(P.dense_indices(n)) == brute(n, lambda i, j: True)
+    for w in [1, 2, 5, 40]:
+        got = P.local_indices(n, w)
+        check_format(got, n)
+        assert rows(got) == brute(n, lambda i, j: i - j < w)
+        assert got.shape[1] == min(w, n)
+
+
+def test_worked_example_each_convention():
+    """DESIGN.md §2: l=4, c=1, query 13."""
+    paper = P.fixed_indices(16, 4, 1)
+    assert rows(paper)[13] == [3, 7, 11, 12, 13]
+    lra = P.fixed_indices(16, 4, 1, summary="lra")
+    assert rows(lra)[13] == [0, 3, 4, 7, 8, 11, 12, 13]
+    # Strided windows: paper l+1 keys (i-l .. i); openai/DeepSpeed l keys (i-l+1 .. i).
+    assert rows(P.strided_indices(16, 4, part="local"))[13] == [9, 10, 11, 12, 13]
+    assert rows(P.strided_indices(16, 4, part="local", local_width=4))[13] == [10, 11, 12, 13]
+    assert rows(P.strided_indices(16, 4))[13] == [1, 5, 9, 10, 11, 12, 13]
+
+
+def test_indices_to_mask_roundtrip():
+    idx = P.strided_indices(37, 5)
+    mask = P.indices_to_mask(idx, 37)
+    assert mask.shape == (37, 37) and mask.dtype == bool
+    assert [list(np.flatnonzero(r)) for r in mask] == rows(idx)
+    assert not np.triu(mask, 1).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds on K (the docstring formulas) and exact row sizes.
+
+
+@pytest.mark.parametrize("n,l", SHAPES + [(200, 9), (300, 16)])
+def test_row_sizes_and_bounds(n, l):
+    i = np.arange(n)
+    for w in [l + 1, l, 2 * l + 3]:
+        counts = (P.strided_indices(n, l, local_width=w) >= 0).sum(1)
+        assert np.array_equal(counts, np.minimum(i + 1, w) + np.maximum(0, i // l - (w - 1) // l))
+        assert counts.max() <= min(n, w + -(-n // l) - 1)
+        assert P.strided_indices(n, l, part="strided", local_width=w).shape[1] == -(-n // l)
+        assert P.strided_indices(n, l, part="local", local_width=w).shape[1] == min(w, n)
+    for c in sorted({1, max(1, l // 3), l}):
+        for summary in ["paper", "lra"]:
+            s = len(P.summary_residues(l, c, 0, summary))
+            counts = (P.fixed_indices(n, l, c, summary=summary) >= 0).sum(1)
+            assert np.array_equal(counts, i % l + 1 + (i // l) * s)
+            assert counts.max() <= l + s * (-(-n // l) - 1)
+            assert P.fixed_indices(n, l, c, part="summary", summary=summary).shape[1] <= s * -(-n // l)
+            assert P.fixed_indices(n, l, c, part="block").shape[1] == min(l, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Connectivity (paper §4.2): every j <= i reachable from i within two attention steps.
+
+
+def reach_two_steps(later, earlier, n):
+    """Positions reachable by an output at i of a layer using ``later`` stacked on ``earlier``:
+    one step through either part, or i -> k (later) -> j (earlier)."""
+    a = P.indices_to_mask(later, n).astype(np.int32)
+    b = P.indices_to_mask(earlier, n).astype(np.int32)
+    return (a @ b + a + b) > 0
+
+
+@pytest.mark.parametrize("n,l", [(16, 4), (30, 4), (50, 7), (64, 8), (9, 16)])
+def test_connectivity(n, l):
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    for w in [l, l + 1]:
+        local = P.strided_indices(n, l, part="local", local_width=w)
+        strided = P.strided_indices(n, l, part="strided")
+        both = P.strided_indices(n, l, local_width=w)
+        assert np.array_equal(reach_two_steps(strided, local, n), causal)
+        assert np.array_equal(reach_two_steps(local, strided, n), causal)
+        assert np.array_equal(reach_two_steps(both, both, n), causal)
+    for c in range(1, l + 1):
+        for summary in ["paper", "lra"]:
+            block = P.fixed_indices(n, l, c, part="block")
+            summ = P.fixed_indices(n, l, c, part="summary", summary=summary)
+            both = P.fixed_indices(n, l, c, summary=summary)
+            assert np.array_equal(reach_two_steps(summ, block, n), causal)
+            assert np.array_equal(reach_two_steps(both, both, n), causal)
+    # A local window alone is not connected beyond two windows: the criterion can fail.
+    if n > 2 * l + 1:
+        local = P.local_indices(n, l)
+        assert not np.array_equal(reach_two_steps(local, local, n), causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-level view: disjoint terms whose union is the pattern.
+
+
+def term_specs(l):
+    yield "local", dict(stride=l)
+    yield "local", dict(stride=l, local_width=3)
+    for part in P.PARTS["strided"]:
+        for w in [None, l, 2 * l + 1, 1]:
+            yield "strided", dict(stride=l, part=part, local_width=w)
+    for part in P.PARTS["fixed"]:
+        for summary in ["paper", "lra"]:
+            for c in sorted({1, max(1, l // 2), l}):
+                for head in range(l // c):
+                    yield "fixed", dict(stride=l, c=c, part=part, summary=summary, head=head)
+
+
+@pytest.mark.parametrize("n,l", [(16, 4), (17, 4), (3, 8), (40, 6), (25, 1)])
+def test_terms_are_disjoint_and_cover_pattern(n, l):
+    for kind, spec in term_specs(l):
+        terms = P.pattern_terms(kind, **spec)
+        expected = P.indices_to_mask(P.pattern_indices(kind, n, **spec), n)
+        total = np.zeros((n, n), dtype=np.int32)
+        for term in terms:
+            total += P.indices_to_mask(P.terms_to_indices([term], n), n)
+        assert total.max() <= 1, f"terms overlap for {kind} {spec}"
+        assert np.array_equal(total.astype(bool), expected), f"{kind} {spec}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Property-based.
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 90), l=st.integers(1, 20), w=st.one_of(st.none(), st.integers(1, 45)),
+       part=st.sampled_from(P.PARTS["strided"]))
+def test_strided_property(n, l, w, part):
+    got = P.strided_indices(n, l, part=part, local_width=w)
+    check_format(got, n)
+    assert rows(got) == brute_strided(n, l, part, w)
+    assert rows(P.terms_to_indices(P.pattern_terms("strided", stride=l, part=part, local_width=w), n)) == rows(got)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 90), l=st.integers(1, 20),
+       part=st.sampled_from(P.PARTS["fixed"]), summary=st.sampled_from(P.SUMMARY_CONVENTIONS))
+def test_fixed_property(data, n, l, part, summary):
+    c = data.draw(st.integers(1, l))
+    head = data.draw(st.integers(0, l // c - 1))
+    got = P.fixed_indices(n, l, c, part=part, head=head, summary=summary)
+    check_format(got, n)
+    assert rows(got) == brute_fixed(n, l, c, part, head, summary)
+    terms = P.pattern_terms("fixed", stride=l, c=c, part=part, head=head, summary=summary)
+    assert rows(P.terms_to_indices(terms, n)) == rows(got)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input and scale.
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: P.strided_indices(0, 4), "seq_len"),
+    (lambda: P.strided_indices(16.0, 4), "seq_len"),
+    (lambda: P.strided_indices(True, 4), "seq_len"),
+    (lambda: P.strided_indices(16, -1), "stride"),
+    (lambda: P.strided_indices(16, 4, part="row"), "part"),
+    (lambda: P.strided_indices(16, 4, local_width=0), "local_width"),
+    (lambda: P.fixed_indices(16, 4, 5), "c"),
+    (lambda: P.fixed_indices(16, 4, 0), "c"),
+    (lambda: P.fixed_indices(16, 4, 2, head=2), "head"),
+    (lambda: P.fixed_indices(16, 4, 2, head=-1), "head"),
+    (lambda: P.fixed_indices(16, 4, 2, part="strided"), "part"),
+    (lambda: P.fixed_indices(16, 4, 2, summary="openai"), "summary"),
+    (lambda: P.local_indices(16, 2.5), "width"),
+    (lambda: P.dense_indices(-3), "seq_len"),
+    (lambda: P.pattern_indices("butterfly", 16, stride=4), "kind"),
+    (lambda: P.indices_to_mask(np.zeros((3, 2), np.int32), 4), "shape"),
+    (lambda: P.indices_to_mask(np.full((4, 2), 9, np.int32), 4), "lie in"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_error_names_value_and_range():
+    with pytest.raises(ValueError) as err:
+        P.fixed_indices(64, 8, 4, head=2)
+    assert "head" in str(err.value) and "2" in str(err.value) and "[0, 1]" in str(err.value)
+
+
+def test_huge_input_fails_before_allocating():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="head"):
+        P.fixed_indices(10**12, 128, 32, head=4)
+    assert time.perf_counter() - start < 0.1
+
+
+def test_long_sequences_are_fast():
+    for build in [lambda: P.strided_indices(16384, 128),
+                  lambda: P.fixed_indices(16384, 128, 32, part="block"),
+                  lambda: P.local_indices(16384, 129)]:
+        start = time.perf_counter()
+        idx = build()
+        assert time.perf_counter() - start < 1.0
+        assert idx.shape[0] == 16384 and idx.shape[1] <= 300
