@@ -1,0 +1,351 @@
+"""Data loading on small files written here in the real formats (enwik8.zip, CIFAR-10 binary)."""
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import time
+import zipfile
+
+import ml_collections
+import numpy as np
+import pytest
+
+from sparse_jax import data as D
+
+
+# ---------------------------------------------------------------------------------------------
+# enwik8 and byte files.
+
+
+def fake_enwik8(folder, size=5000, seed=0):
+    """A tiny enwik8.zip (single member `enwik8`); returns (zip path, bytes, md5)."""
+    raw = np.random.default_rng(seed).integers(32, 127, size=size, dtype=np.uint8).tobytes()
+    path = os.path.join(folder, "enwik8.zip")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("enwik8", raw)
+    return path, raw, hashlib.md5(raw).hexdigest()
+
+
+@pytest.mark.parametrize("n", [10**8, 1000, 21, 3])
+def test_split_bytes_contiguous_with_paper_sizes(n):
+    positions = range(n)  # sliced like an array, costs nothing even at 10^8
+    for fractions in [D.ENWIK8_FRACTIONS, (0.8, 0.1, 0.1)]:
+        splits = [D.split_bytes(positions, fractions)[s] for s in D.SPLITS]
+        assert [r.start for r in splits] == [0, splits[0].stop, splits[1].stop]  # contiguous
+        assert splits[2].stop == n and all(r.step == 1 for r in splits)
+        assert np.allclose([len(r) for r in splits], np.multiply(fractions, n), atol=1)
+    if n == 10**8:
+        splits = D.split_bytes(positions, D.ENWIK8_FRACTIONS)
+        assert [len(splits[s]) for s in D.SPLITS] == [90_000_000, 5_000_000, 5_000_000]
+    with pytest.raises(ValueError):
+        D.split_bytes(positions, (0.9, 0.05, 0.1))
+
+
+def test_load_enwik8_from_zip_extracts_once_and_caches_verification(tmp_path, monkeypatch):
+    zip_path, raw, md5 = fake_enwik8(tmp_path)
+    data = D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+    assert isinstance(data, np.memmap) and data.dtype == np.uint8
+    assert data.tobytes() == raw
+    assert (tmp_path / "enwik8").read_bytes() == raw
+    assert os.path.exists(tmp_path / "enwik8.verified")
+    assert not [p for p in os.listdir(tmp_path) if ".part" in p]
+
+    def no_hashing(*args, **kwargs):
+        raise AssertionError("hashed again although size and mtime did not change")
+
+    monkeypatch.setattr(D.hashlib, "file_digest", no_hashing)
+    again = D.load_enwik8(tmp_path / "enwik8", expected_size=len(raw), expected_md5=md5)
+    assert again.tobytes() == raw
+    os.utime(tmp_path / "enwik8", ns=(1, 1))  # a changed file must be hashed again
+    with pytest.raises(AssertionError, match="hashed again"):
+        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+
+
+def test_load_enwik8_wrong_checksum_or_size(tmp_path):
+    zip_path, raw, md5 = fake_enwik8(tmp_path)
+    with pytest.raises(ValueError, match="MD5"):
+        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5="0" * 32)
+    assert os.listdir(tmp_path) == ["enwik8.zip"]  # nothing half-extracted left behind
+    with pytest.raises(ValueError, match="bytes"):
+        D.load_enwik8(zip_path)  # the real 10^8-byte size
+    (tmp_path / "enwik8").write_bytes(raw[:-1])
+    with pytest.raises(ValueError, match=f"{len(raw) - 1:,} bytes, expected {len(raw):,}"):
+        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+    (tmp_path / "enwik8").write_bytes(raw[::-1])
+    with pytest.raises(ValueError, match="MD5"):
+        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+
+
+def test_extraction_never_replaces_an_existing_file(tmp_path):
+    zip_path, raw, md5 = fake_enwik8(tmp_path)
+    mine = b"my own notes, not enwik8"
+    (tmp_path / "enwik8").write_bytes(mine)
+    with pytest.raises(ValueError):
+        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+    assert (tmp_path / "enwik8").read_bytes() == mine
+
+
+def test_missing_enwik8_says_what_to_download_and_where(tmp_path, monkeypatch):
+    path = tmp_path / "corpora" / "enwik8"
+    with pytest.raises(FileNotFoundError) as e:
+        D.load_enwik8(path)
+    assert D.ENWIK8_URL in str(e.value) and f"{path}.zip" in str(e.value)
+    # Offline download fails fast with the same advice (port 9: connection refused at once).
+    monkeypatch.setattr(D, "ENWIK8_URL", "http://127.0.0.1:9/enwik8.zip")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="127.0.0.1:9/enwik8.zip") as e:
+        D.load_enwik8(path, download=True)
+    assert time.perf_counter() - start < 5
+    assert f"{path}.zip" in str(e.value) and not os.listdir(tmp_path / "corpora")
+
+
+def test_make_dataset_enwik8_and_bytes(tmp_path, monkeypatch):
+    zip_path, raw, md5 = fake_enwik8(tmp_path, size=2000)
+    monkeypatch.setattr(D, "ENWIK8_SIZE", len(raw))
+    monkeypatch.setattr(D, "ENWIK8_MD5", md5)
+    ds = D.make_dataset({"name": "enwik8", "path": zip_path}, seq_len=16)
+    assert ds.unit == "byte" and [len(ds.splits[s]) for s in D.SPLITS] == [1800, 100, 100]
+    assert ds.splits["test"].tobytes() == raw[1900:]
+    (tmp_path / "notes.png").write_bytes(raw)  # any file type
+    config = ml_collections.ConfigDict(
+        {"name": "bytes", "path": str(tmp_path / "notes.png"), "split_fractions": (0.5, 0.3, 0.2)})
+    ds = D.make_dataset(config, seq_len=16)
+    assert [len(ds.splits[s]) for s in D.SPLITS] == [1000, 600, 400]
+    assert ds.splits["valid"].tobytes() == raw[1000:1600]
+    with pytest.raises(ValueError, match="unknown dataset"):
+        D.make_dataset({"name": "enwik9"}, seq_len=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training windows and evaluation windows.
+
+
+def test_byte_windows_are_shifted_slices_in_bounds():
+    data = np.random.default_rng(1).integers(0, 256, size=300, dtype=np.uint8)
+    it = D.ByteWindows(data, seq_len=32, batch_size=8, seed=3)
+    all_starts = []
+    for step in range(40):
+        starts = it.starts_at(step)
+        batch = next(it)
+        assert batch["inputs"].shape == batch["targets"].shape == (8, 32)
+        assert batch["inputs"].dtype == np.int32
+        for row, s in enumerate(starts):
+            np.testing.assert_array_equal(batch["inputs"][row], data[s:s + 32])
+            np.testing.assert_array_equal(batch["targets"][row], data[s + 1:s + 33])
+        all_starts.extend(starts)
+    assert min(all_starts) >= 0 and max(all_starts) == len(data) - 33  # last window fits exactly
+
+
+def test_train_batches_resume_exactly_and_differ_per_process():
+    ds = D.make_dataset({"name": "embedded", "embedded_bytes": 20_000, "seed": 5}, seq_len=64)
+    it = ds.train_batches(batch_size=4)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state == {"seed": 5, "step": 3}
+    expected = [next(it) for _ in range(2)]
+    resumed = ds.train_batches(batch_size=4, state=state)
+    for want in expected:
+        got = next(resumed)
+        np.testing.assert_array_equal(got["inputs"], want["inputs"])
+        np.testing.assert_array_equal(got["targets"], want["targets"])
+    other = D.make_dataset({"name": "embedded", "embedded_bytes": 20_000, "seed": 5}, seq_len=64,
+                           process_index=1, process_count=2).train_batches(batch_size=4)
+    other.set_state(state)
+    assert not np.array_equal(next(other)["inputs"], expected[0]["inputs"])
+
+
+@pytest.mark.parametrize("n,seq_len,m", [(1000, 64, None), (1000, 64, 0), (1000, 64, 32),
+                                         (1000, 64, 63), (65, 64, 10), (64, 64, None),
+                                         (10, 64, 5), (2, 4, 1), (777, 100, 90)])
+def test_eval_windows_score_every_byte_once(n, seq_len, m):
+    windows = D.eval_windows(np.zeros(n, np.uint8), seq_len, m)
+    counts = np.zeros(n, int)
+    for w, (s, a, b) in enumerate(zip(*windows)):
+        assert 0 <= a < b <= seq_len
+        if w > 0:  # overlapping windows: stride L - m, score only positions with >= m context
+            assert s - windows.starts[w - 1] == seq_len - (m or 0) and a == (m or 0)
+        counts[s + 1 + a:s + 1 + b] += 1  # position j predicts data[s + j + 1]
+    assert counts[0] == 0 and np.all(counts[1:] == 1)
+
+
+@pytest.mark.parametrize("m,process_count", [(None, 1), (48, 1), (20, 2)])
+def test_eval_batches_mask_and_targets_align(m, process_count):
+    data = np.random.default_rng(2).integers(0, 256, size=1001, dtype=np.uint8)
+    splits = {"train": data, "valid": data, "test": data}
+    scored = []
+    for p in range(process_count):
+        ds = D.Dataset("bytes", "byte", 64, splits, process_index=p, process_count=process_count)
+        windows = D.eval_windows(data, 64, m)
+        for k, batch in enumerate(ds.eval_batches("valid", batch_size=3, min_context=m)):
+            assert batch["mask"].shape == (3, 64) and batch["mask"].dtype == bool
+            for row in range(3):
+                w = (k * process_count + p) * 3 + row
+                j = np.flatnonzero(batch["mask"][row])
+                if w >= len(windows.starts):
+                    assert len(j) == 0  # padding row
+                    continue
+                t = windows.starts[w] + 1 + j
+                np.testing.assert_array_equal(batch["targets"][row, j], data[t])
+                np.testing.assert_array_equal(batch["inputs"][row, j], data[t - 1])
+                scored.extend(t)
+    assert sorted(scored) == list(range(1, len(data)))
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10 through the real TFDS builder, from a tiny archive in the official binary format.
+
+TRAIN_PER_FILE, NUM_TEST = 4, 5
+
+
+def cifar_batch_file(rng, n):
+    """Records of 1 label byte + 3,072 bytes (R plane, G plane, B plane, each 32x32 row-major)."""
+    labels = rng.integers(0, 10, size=n, dtype=np.uint8)
+    planes = rng.integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
+    raw = np.concatenate([labels[:, None], planes.reshape(n, -1)], axis=1).tobytes()
+    return raw, planes.transpose(0, 2, 3, 1).reshape(n, -1)  # expected raster order (r, c, ch)
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory):
+    """Prepares the real `cifar10` builder once from a tiny archive; yields (data_dir, images)."""
+    root = tmp_path_factory.mktemp("cifar")
+    manual = root / "manual"
+    manual.mkdir()
+    rng = np.random.default_rng(0)
+    members, expected = {}, {}
+    for i in range(1, 6):
+        raw, images = cifar_batch_file(rng, TRAIN_PER_FILE)
+        members[f"data_batch_{i}.bin"] = raw
+        for j, image in enumerate(images):
+            expected[f"train_{(i - 1) * TRAIN_PER_FILE + j:05d}"] = image
+    raw, images = cifar_batch_file(rng, NUM_TEST)
+    members["test_batch.bin"] = raw
+    expected.update({f"test_{j:05d}": image for j, image in enumerate(images)})
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+             "truck"]
+    members["batches.meta.txt"] = "\n".join(names + ["", ""]).encode()
+    archive = manual / "cifar-10-binary.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(f"cifar-10-batches-bin/{name}")
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+
+    from tensorflow_datasets.core.download import checksums
+    from tensorflow_datasets.image_classification import cifar as tfds_cifar
+
+    recorded = tfds_cifar.Cifar10.url_infos[D.CIFAR10_URL]  # the real record, before patching
+    assert recorded.filename == archive.name and recorded.size == 170_052_171
+    content = archive.read_bytes()
+    tiny = checksums.UrlInfo(size=len(content), checksum=hashlib.sha256(content).hexdigest(),
+                             filename=archive.name)
+    data_dir = root / "tfds"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tfds_cifar.Cifar10, "url_infos", {D.CIFAR10_URL: tiny})
+        prepared = D.prepare_cifar10(str(data_dir), str(manual))
+    assert any(name.startswith("cifar10-train.array_record") for name in os.listdir(prepared))
+    return str(data_dir), expected
+
+
+def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
+    data_dir, expected = cifar
+    num_train = 5 * TRAIN_PER_FILE
+    train, valid, test = (D.cifar10_source(s, data_dir, valid_size=4) for s in D.SPLITS)
+    assert (len(train), len(valid), len(test)) == (num_train - 4, 4, NUM_TEST)
+    assert sorted([*train.indices, *valid.indices]) == list(range(num_train))
+    perm = np.random.default_rng(D.CIFAR10_SPLIT_SEED).permutation(num_train)
+    np.testing.assert_array_equal(valid.indices, np.sort(perm[-4:]))  # fixed-seed permutation
+    seen = set()
+    for source in (train, valid, test):
+        idx = np.arange(len(source))
+        images = source.images(idx)
+        assert images.dtype == np.uint8 and images.shape == (len(source), 3072)
+        for example, image in zip(source.examples(idx), images):
+            name = example["id"].decode()
+            np.testing.assert_array_equal(image, expected[name])
+            seen.add(name)
+    assert seen == set(expected)
+    assert D.prepare_cifar10(data_dir) == os.path.join(data_dir, "cifar10", "3.0.2")  # reused
+
+
+def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
+    data_dir, expected = cifar
+    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)
+    config = {"name": "cifar10", "data_dir": data_dir, "seed": 7}
+    shards = [D.make_dataset(config, 3072, process_index=p, process_count=2) for p in range(2)]
+    ds = shards[0]
+    assert ds.unit == "dim" and [len(ds.splits[s]) for s in D.SPLITS] == [16, 4, NUM_TEST]
+    its = [s.train_batches(batch_size=2) for s in shards]
+    assert its[0].steps_per_epoch == 4  # 16 images / global batch 4
+    epoch = np.concatenate([np.concatenate([it.indices_at(k) for it in its]) for k in range(4)])
+    assert sorted(epoch) == list(range(16))  # one epoch: every image once, split over processes
+    batch = next(its[0])
+    np.testing.assert_array_equal(batch["targets"], ds.splits["train"].images(its[0].indices_at(0)))
+    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    assert np.all(batch["inputs"][:, 0] == 0)
+    for _ in range(4):  # across the epoch boundary
+        next(its[0])
+    want = next(its[0])
+    resumed = ds.train_batches(batch_size=2, state={"seed": 7, "step": 5})
+    np.testing.assert_array_equal(next(resumed)["targets"], want["targets"])
+    # 5 test images in one global batch of 2 x 4: process 0 reads 0-3, process 1 reads 4 + padding.
+    batches = [list(s.eval_batches("test", batch_size=4)) for s in shards]
+    assert [len(b) for b in batches] == [1, 1]
+    mask = np.concatenate([b[0]["mask"] for b in batches])
+    assert mask.shape == (8, 3072) and mask[:5].all() and not mask[5:].any()
+    targets = np.concatenate([b[0]["targets"] for b in batches])
+    np.testing.assert_array_equal(targets[:5], ds.splits["test"].images(range(5)))
+    with pytest.raises(ValueError, match="3072"):
+        D.make_dataset(config, 1024)
+
+
+def test_cifar10_missing_archive_or_data_fails_fast_and_says_where(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as e:
+        D.prepare_cifar10(str(tmp_path / "tfds"), str(tmp_path / "manual"))
+    message = str(e.value)
+    assert D.CIFAR10_URL in message and str(tmp_path / "manual") in message
+    assert "cifar-10-binary.tar.gz" in message
+    with pytest.raises(FileNotFoundError, match="prepare_cifar10"):
+        D.cifar10_source("train", str(tmp_path / "tfds"))
+    assert time.perf_counter() - start < 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded quickstart data.
+
+
+def test_embedded_is_deterministic_with_documented_structure():
+    w, k, p = 32, 4, 0.75
+    x = D.embedded_bytes(64_000 + 7, seed=3)
+    assert len(x) == 64_007 and x.dtype == np.uint8
+    np.testing.assert_array_equal(x, D.embedded_bytes(64_007, seed=3))
+    assert not np.array_equal(x, D.embedded_bytes(64_007, seed=4))
+    rows = x[:64_000].reshape(-1, w)
+    assert np.all(rows[:, -1] == ord("\n")) and not np.any(rows[:, :-1] == ord("\n"))
+    copies = np.all(rows[k:] == rows[:-k], axis=1)
+    assert abs(copies.mean() - p) < 0.02  # rows that repeat the row k back
+    assert np.all(rows[1:] == rows[:-1], axis=1).mean() < 0.01  # no copies at distance 1
+    fresh = rows[k:][~copies][:, :-1]
+    successors = {}
+    for a, b in zip(fresh[:, :-1].ravel(), fresh[:, 1:].ravel()):
+        successors.setdefault(a, set()).add(b)
+    assert len(successors) == 16 and all(len(s) == 8 for s in successors.values())
+    unigram = D.unigram_entropy_bits(x)
+    assert 4.0 < unigram < 4.15
+    best, local = D.embedded_entropy_rate(), D.embedded_entropy_rate(sees_copies=False)
+    assert np.isclose(local, (4 + 30 * 3) / 32)  # log2(16) + 30 log2(8) bits per 32-byte row
+    assert np.isclose(best, (0.8113 + 0.25 * 94) / 32, atol=1e-3)  # + H(0.75), 1/4 rows fresh
+    assert best < unigram / 2 < local  # "half the unigram entropy" needs the long-range copies
+
+
+def test_embedded_is_fast_and_unigram_entropy_is_exact():
+    start = time.perf_counter()
+    x = D.embedded_bytes(4_000_000, seed=0)
+    assert time.perf_counter() - start < 2
+    assert np.isclose(D.unigram_entropy_bits(np.arange(256, dtype=np.uint8)), 8)
+    assert D.unigram_entropy_bits(np.full(10, 7, np.uint8)) == 0
+    assert len(x) == 4_000_000
