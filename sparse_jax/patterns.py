@@ -403,7 +403,7 @@ def draw_pattern(parts: dict[str, np.ndarray], path: str, *, title: str = "",
     ax.legend(handles, list(labels.values()), loc="upper right", fontsize=8)
     ax.set_xlabel("key position j")
     ax.set_ylabel("query position i")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
