@@ -1,0 +1,425 @@
+"""Block-sparse attention for the factorized patterns, and the Flax NNX self-attention layer.
+
+``sparse_attention(q, k, v, spec)`` computes exactly ``softmax(q kᵀ / √d + mask) v`` for the
+pattern's mask, without an n×n array and without a per-query copy of K/V. It follows the
+block-level view of ``patterns.pattern_terms``: the sequence is viewed as a grid of rows of
+``block`` positions and each term is a few batched matmuls with static shapes:
+
+* ``BandTerm``: each query row against the keys of its own and ``prev`` previous rows
+  (local window, fixed block): scores ``[B, H, rows, block, (prev + 1) * block]``;
+* ``ColumnTerm``: each grid column against itself, the strided part ("strided transpose"):
+  scores ``[B, H, stride, rows, rows]``;
+* ``SummaryTerm``: each query row against the summary keys of all earlier rows, sliced out of
+  K/V once: scores ``[B, H, rows, block, rows * residues]``, computed in triangular chunks so
+  the keys after a query row are (mostly) never scored.
+
+The terms are disjoint (a key two parts share is scored once) and are combined with one joint
+softmax: each term returns its row maximum, sum of exponentials and weighted values, and the
+log-sum-exp merge rescales them. Time and memory are O(n·|S|) with |S| the keys per query,
+O(n·√n) for strided and fixed with stride ≈ √n.
+
+Sequence lengths that are not a multiple of the block are padded at the end: a padded key sits
+after every real query, so causality already hides it, and padded query rows are dropped.
+A query with no key at all (possible only for the fixed summary part alone) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_jax import patterns
+
+_NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
+_FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
+_SUMMARY_CHUNKS = 8  # query-row chunks of the summary term; fewer chunks score more masked keys
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternSpec:
+    """Names an attention pattern; hashable, so it can be a static argument of ``jax.jit``.
+
+    kind: "dense" | "local" | "strided" | "fixed".
+    stride: l (strided/fixed); the window of "local" is ``local_width`` (default stride + 1).
+    c: summary width of "fixed".
+    part: "both", or one part ("local"/"strided" for strided, "block"/"summary" for fixed).
+    local_width: local window of "strided"/"local" (default stride + 1, the paper's formula).
+    summary: "paper" or "lra" (fixed summary convention).
+    head: which summary sub-block of "fixed" (residues [l-(h+1)c, l-hc)).
+    """
+    kind: str = "strided"
+    stride: int | None = None
+    c: int | None = None
+    part: str = "both"
+    local_width: int | None = None
+    summary: str = "paper"
+    head: int = 0
+
+    def __post_init__(self):
+        patterns._check_choice("kind", self.kind, ("dense", "local", "strided", "fixed"))
+        if self.kind != "dense":
+            self.terms()  # validates every field
+
+    def _fields(self) -> dict:
+        return dict(stride=self.stride, c=self.c, part=self.part, local_width=self.local_width,
+                    summary=self.summary, head=self.head)
+
+    def indices(self, seq_len: int) -> np.ndarray:
+        """``int32[seq_len, K]`` key indices per query (see ``patterns``)."""
+        return patterns.pattern_indices(self.kind, seq_len, **self._fields())
+
+    def terms(self) -> tuple[patterns.Term, ...]:
+        """Disjoint block-level terms of the pattern (``patterns.pattern_terms``)."""
+        return patterns.pattern_terms(self.kind, **self._fields())
+
+    @property
+    def block(self) -> int:
+        """Row length of the grid the fast path works on (all terms share it)."""
+        terms = self.terms()
+        blocks = {t.stride if isinstance(t, patterns.ColumnTerm) else t.block for t in terms}
+        assert len(blocks) == 1, blocks
+        return blocks.pop()
+
+    def mask(self, seq_len: int) -> np.ndarray:
+        """``bool[seq_len, seq_len]`` (for references and pictures; O(n²))."""
+        return patterns.indices_to_mask(self.indices(seq_len), seq_len)
+
+    def mean_keys(self, seq_len: int) -> float:
+        """Mean number of keys per query (|S| in FLOP counts)."""
+        if self.kind == "dense":
+            return (seq_len + 1) / 2
+        return patterns.mean_keys_per_query(self.indices(seq_len))
+
+    def __str__(self) -> str:
+        if self.kind == "dense":
+            return "dense"
+        extras = {k: v for k, v in self._fields().items()
+                  if v is not None and v != PatternSpec.__dataclass_fields__[k].default}
+        return self.kind + "(" + ", ".join(f"{k}={v}" for k, v in extras.items()) + ")"
+
+
+def _check_qkv(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got {q.shape} and {k.shape}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must match q in [batch, seq, heads], got {v.shape} vs {q.shape}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# References.
+
+
+def dense_attention(q, k, v, mask):
+    """The obviously-correct reference: ``softmax(q kᵀ / √d, masked) v`` in float32.
+
+    q, k: [B, n, H, d]; v: [B, n, H, dv]; mask: bool, broadcastable to [B, H, n, n]
+    (``mask[..., i, j]``: query i may attend key j). Rows with no key give zeros.
+    """
+    _check_qkv(q, k, v)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    mask = jnp.asarray(mask, dtype=bool)
+    scores = jnp.where(mask, scores, _NEG)
+    probs = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32))
+    return out.astype(q.dtype)
+
+
+def gather_attention(q, k, v, indices):
+    """Second reference: gathers each query's keys (``k[idx]``, [B, n, K, H, d]). Slow, O(n·K·d)
+    memory; never the default."""
+    _check_qkv(q, k, v)
+    idx = jnp.asarray(indices)
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    k_g, v_g = k[:, safe], v[:, safe]  # [B, n, K, H, d]
+    scores = jnp.einsum("bqhd,bqkhd->bhqk", q, k_g, preferred_element_type=jnp.float32)
+    scores = jnp.where(valid[None, None], scores / math.sqrt(q.shape[-1]), _NEG)
+    probs = jnp.where(valid[None, None], jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum("bhqk,bqkhd->bqhd", probs, v_g.astype(jnp.float32)).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast path. Each term becomes one or more "pieces": a batched score tile over a range of
+# query rows of the grid, with its scores, values and mask as functions, so that the forward
+# pass and the custom backward pass share one definition of each term.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Query rows ``[r0, r1)`` of the grid against one term's keys.
+
+    ``scores(q_g, k_g)`` and ``values(p, v_g)`` are linear maps (float32 results) in the
+    piece's layout: ``[B, H, r1 - r0, block, ...]``, or ``[B, H, block, rows, ...]`` if
+    ``transposed`` (column attention). ``keep()`` is the boolean mask, broadcastable to scores.
+    """
+    r0: int
+    r1: int
+    transposed: bool
+    scores: Callable
+    values: Callable
+    keep: Callable
+
+    def take(self, x):
+        """A per-query grid array ``[B, H, R, block, ...]`` in this piece's layout."""
+        x = x[:, :, self.r0:self.r1]
+        return x.swapaxes(2, 3) if self.transposed else x
+
+    def put(self, x):
+        """Inverse of ``take`` (rows outside ``[r0, r1)`` not included)."""
+        return x.swapaxes(2, 3) if self.transposed else x
+
+
+def _dot(subscripts, a, b):
+    return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
+
+
+def _band_pieces(term: patterns.BandTerm, rows: int):
+    prev, block = term.prev, term.block
+
+    def window(x):  # keys of rows r-prev .. r side by side: [B, H, R, (prev+1) * block, d]
+        if not prev:
+            return x
+        padded = jnp.pad(x, ((0, 0), (0, 0), (prev, 0), (0, 0), (0, 0)))
+        return jnp.concatenate([padded[:, :, p:p + rows] for p in range(prev + 1)], axis=3)
+
+    key_row = np.arange(rows)[:, None] - prev + np.arange((prev + 1) * block)[None] // block
+    tile, valid = term.tile_mask(), key_row >= 0
+    return [_Piece(
+        0, rows, False,
+        scores=lambda q, k: _dot("bhrqd,bhrkd->bhrqk", q, window(k)),
+        values=lambda p, v: _dot("bhrqk,bhrkd->bhrqd", p, window(v)),
+        keep=lambda: jnp.asarray(tile)[None] & jnp.asarray(valid)[:, None, :])]
+
+
+def _column_pieces(term: patterns.ColumnTerm, rows: int):
+    r = np.arange(rows)
+    keep = (r[:, None] - r[None, :]) >= term.min_rows  # [R (query), R (key)]
+    return [_Piece(
+        0, rows, True,
+        scores=lambda q, k: _dot("bhcqd,bhckd->bhcqk", q.swapaxes(2, 3), k.swapaxes(2, 3)),
+        values=lambda p, v: _dot("bhcqk,bhckd->bhcqd", p, v.swapaxes(2, 3)),
+        keep=lambda: jnp.asarray(keep))]
+
+
+def _summary_pieces(term: patterns.SummaryTerm, rows: int):
+    """The summary keys are a strided slice of K/V ([B, H, R * s, d]) shared by all queries.
+    Query rows go in chunks; chunk ``[r0, r1)`` scores only the summary keys of rows
+    ``< r1 - 1``, so few keys after a query row are scored (half of all summary keys would be)."""
+    residues = np.asarray(term.residues)
+    s = len(residues)
+
+    def summary(x, num_keys):
+        return x[:, :, :, residues].reshape(*x.shape[:2], rows * s, -1)[:, :, :num_keys]
+
+    bounds = np.unique(np.linspace(0, rows, min(_SUMMARY_CHUNKS, rows) + 1).round().astype(int))
+    pieces = []
+    for r0, r1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        n_keys = max(r1 - 1, 1) * s  # keys of rows < r1 - 1 (one masked row when r1 = 1)
+        keep = (np.arange(n_keys)[None, :] // s < np.arange(r0, r1)[:, None])[:, None, :]
+        pieces.append(_Piece(
+            r0, r1, False,
+            scores=lambda q, k, r0=r0, r1=r1, n=n_keys: _dot(
+                "bhrqd,bhkd->bhrqk", q[:, :, r0:r1], summary(k, n)),
+            values=lambda p, v, n=n_keys: _dot("bhrqk,bhkd->bhrqd", p, summary(v, n)),
+            keep=lambda keep=keep: jnp.asarray(keep)))
+    return pieces
+
+
+_PIECES = {patterns.BandTerm: _band_pieces, patterns.ColumnTerm: _column_pieces,
+           patterns.SummaryTerm: _summary_pieces}
+
+
+def _pieces(spec: PatternSpec, rows: int) -> list[_Piece]:
+    return [p for term in spec.terms() for p in _PIECES[type(term)](term, rows)]
+
+
+def _grid_forward(spec, q_g, k_g, v_g):
+    """Joint softmax over all pieces by log-sum-exp merge. q_g is pre-scaled by 1/√d.
+    Returns the output [B, H, R, block, dv] and the log-sum-exp [B, H, R, block], float32."""
+    batch_shape = q_g.shape[:4]
+    row_max = jnp.full(batch_shape, _FLOOR, jnp.float32)
+    partials = []
+    for piece in _pieces(spec, q_g.shape[2]):
+        scores = jnp.where(piece.keep(), piece.scores(q_g, k_g), _NEG)
+        m = jnp.maximum(scores.max(-1), _FLOOR)  # a row with no key keeps _FLOOR and sum 0
+        probs = jnp.exp(scores - m[..., None])
+        acc = piece.values(probs.astype(v_g.dtype), v_g)
+        m, total, acc = piece.put(m), piece.put(probs.sum(-1)), piece.put(acc)
+        row_max = row_max.at[:, :, piece.r0:piece.r1].max(m)
+        partials.append((piece, m, total, acc))
+    total = jnp.zeros(batch_shape, jnp.float32)
+    out = jnp.zeros((*batch_shape, v_g.shape[-1]), jnp.float32)
+    for piece, m, piece_total, acc in partials:
+        w = jnp.exp(m - row_max[:, :, piece.r0:piece.r1])
+        total = total.at[:, :, piece.r0:piece.r1].add(w * piece_total)
+        out = out.at[:, :, piece.r0:piece.r1].add(w[..., None] * acc)
+    out = out / jnp.maximum(total, 1e-30)[..., None]
+    lse = jnp.where(total > 0, row_max + jnp.log(jnp.maximum(total, 1e-30)), -_NEG)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grid_attention(spec, q_g, k_g, v_g):
+    return _grid_forward(spec, q_g, k_g, v_g)[0]
+
+
+def _grid_attention_fwd(spec, q_g, k_g, v_g):
+    out, lse = _grid_forward(spec, q_g, k_g, v_g)
+    return out, (q_g, k_g, v_g, out, lse)
+
+
+def _grid_attention_bwd(spec, residuals, d_out):
+    """Flash-style backward: recompute each piece's probabilities from the saved log-sum-exp,
+    one piece at a time, so memory stays at one score tile (O(n·|S|)) instead of all of them."""
+    q_g, k_g, v_g, out, lse = residuals
+    d_out = d_out.astype(jnp.float32)
+    delta = (d_out * out).sum(-1)  # D_i = sum_j P_ij dP_ij = dO_i · O_i
+    grads = [jnp.zeros(x.shape, jnp.float32) for x in (q_g, k_g, v_g)]
+    for piece in _pieces(spec, q_g.shape[2]):
+        scores, scores_vjp = jax.vjp(piece.scores, q_g, k_g)
+        probs = jnp.where(piece.keep(), jnp.exp(scores - piece.take(lse)[..., None]), 0.0)
+        _, values_vjp = jax.vjp(piece.values, probs.astype(v_g.dtype), v_g)
+        d_probs, d_v = values_vjp(piece.take(d_out))
+        d_scores = probs * (d_probs.astype(jnp.float32) - piece.take(delta)[..., None])
+        d_q, d_k = scores_vjp(d_scores)
+        grads = [g + d.astype(jnp.float32) for g, d in zip(grads, (d_q, d_k, d_v))]
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_g, k_g, v_g)))
+
+
+_grid_attention.defvjp(_grid_attention_fwd, _grid_attention_bwd)
+
+
+def sparse_attention(q, k, v, spec: PatternSpec):
+    """Attention of q over k, v restricted to ``spec``'s pattern; equals
+    ``dense_attention(q, k, v, spec.mask(n))``.
+
+    q, k: [B, n, H, d]; v: [B, n, H, dv]; float32, bfloat16 or float16 (scores and softmax
+    in float32, output in the input dtype). Any n >= 1 (padded internally to a multiple of
+    the pattern's block). ``spec`` must be static under ``jax.jit``. Differentiable with a
+    custom backward pass whose memory is O(n·|S|) like the forward.
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(spec, PatternSpec):
+        raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
+    batch, seq_len, heads, _ = q.shape
+    if spec.kind == "dense":
+        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+        return dense_attention(q, k, v, causal)
+    block = spec.block
+    rows = -(-seq_len // block)
+    pad = rows * block - seq_len
+
+    def to_grid(x):  # [B, n, H, d] -> [B, H, R, block, d]
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
+        return x.transpose(0, 2, 1, 3).reshape(batch, heads, rows, block, x.shape[-1])
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = _grid_attention(spec, to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v))
+    out = out.reshape(batch, heads, rows * block, -1)[:, :, :seq_len].transpose(0, 2, 1, 3)
+    return out.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ways of combining the parts in a layer (paper §4.3).
+
+MODES = ("merged", "interleaved", "multihead")
+
+
+def _parts(kind: str) -> tuple[str, str]:
+    return patterns.PARTS[kind][1:] if kind in patterns.PARTS else ()
+
+
+def layer_specs(spec: PatternSpec, mode: str, layer: int = 0, *,
+                distinct_summaries: bool = False) -> tuple[PatternSpec, ...]:
+    """Pattern of each head group of layer ``layer``; heads are split evenly over the groups.
+
+    merged: one group attending the union of the parts (``spec`` with part="both").
+    interleaved: one group, the part ``layer mod 2`` (local/strided, block/summary).
+    multihead: one group per part; for fixed with ``distinct_summaries``, group h instead takes
+    the whole pattern with summary sub-block ``head=h`` (``stride // c`` groups).
+    Dense and local patterns have one part: every mode gives ``(spec,)``.
+    """
+    patterns._check_choice("mode", mode, MODES)
+    parts = _parts(spec.kind)
+    if not parts or mode == "merged":
+        return (spec,)
+    if mode == "interleaved":
+        return (dataclasses.replace(spec, part=parts[layer % 2]),)
+    if spec.kind == "fixed" and distinct_summaries:
+        return tuple(dataclasses.replace(spec, part="both", head=h)
+                     for h in range(spec.stride // spec.c))
+    return tuple(dataclasses.replace(spec, part=p) for p in parts)
+
+
+def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec]):
+    """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``."""
+    heads = q.shape[2]
+    if heads % len(specs):
+        raise ValueError(f"{heads} heads cannot be split evenly into {len(specs)} groups "
+                         f"({', '.join(map(str, specs))})")
+    if len(specs) == 1:
+        return sparse_attention(q, k, v, specs[0])
+    g = heads // len(specs)
+    outs = [sparse_attention(q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g],
+                             v[:, :, i * g:(i + 1) * g], s) for i, s in enumerate(specs)]
+    return jnp.concatenate(outs, axis=2)
+
+
+class SparseSelfAttention(nnx.Module):
+    """Multi-head causal self-attention over a factorized pattern.
+
+    ``specs`` is one pattern per head group (see ``layer_specs``): one spec for merged or
+    interleaved layers, several for multi-head mode. ``qk_dim`` (default ``d_model``) sets the
+    total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
+    Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
+    N(0, out_std²) (default init_std), biases 0.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
+                 qk_dim: int | None = None, init_std: float | None = None,
+                 out_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        qk_dim = d_model if qk_dim is None else qk_dim
+        for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
+            if dim % num_heads:
+                raise ValueError(f"{name}={dim} must be divisible by num_heads={num_heads}")
+        specs = tuple(specs)
+        if not specs or num_heads % len(specs):
+            raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
+                             f"groups ({len(specs)})")
+        init_std = 0.125 / math.sqrt(d_model) if init_std is None else init_std
+        out_std = init_std if out_std is None else out_std
+        dense = lambda i, o, std: nnx.Linear(  # noqa: E731
+            i, o, kernel_init=nnx.initializers.normal(std), dtype=dtype, param_dtype=param_dtype,
+            rngs=rngs)
+        self.query = dense(d_model, qk_dim, init_std)
+        self.key = dense(d_model, qk_dim, init_std)
+        self.value = dense(d_model, d_model, init_std)
+        self.out = dense(d_model, d_model, out_std)
+        self.num_heads = num_heads
+        self.specs = specs
+
+    def __call__(self, x):
+        """x: [B, n, d_model] -> [B, n, d_model]."""
+        batch, seq_len, _ = x.shape
+        split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        out = multi_spec_attention(q, k, v, self.specs)
+        return self.out(out.reshape(batch, seq_len, -1))
