@@ -1,0 +1,247 @@
+"""Block-sparse attention against the dense masked reference, forward and gradients."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax import attention as A
+from sparse_jax.attention import PatternSpec
+
+
+def qkv(shape, dtype=jnp.float32, seed=0, dv=None):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    v_shape = shape if dv is None else (*shape[:3], dv)
+    return (jax.random.normal(kq, shape, dtype), jax.random.normal(kk, shape, dtype),
+            jax.random.normal(kv, v_shape, dtype))
+
+
+SPECS = [
+    PatternSpec("local", stride=4),
+    PatternSpec("local", stride=4, local_width=3),
+    PatternSpec("strided", stride=4),
+    PatternSpec("strided", stride=4, part="local"),
+    PatternSpec("strided", stride=4, part="strided"),
+    PatternSpec("strided", stride=4, local_width=4),  # openai / DeepSpeed window
+    PatternSpec("strided", stride=4, local_width=11),  # window over three grid rows
+    PatternSpec("strided", stride=5, local_width=1),
+    PatternSpec("fixed", stride=8, c=2),
+    PatternSpec("fixed", stride=8, c=2, part="block"),
+    PatternSpec("fixed", stride=8, c=2, part="summary"),
+    PatternSpec("fixed", stride=8, c=2, summary="lra"),
+    PatternSpec("fixed", stride=8, c=2, head=3),
+    PatternSpec("fixed", stride=8, c=2, part="summary", summary="lra", head=1),
+    PatternSpec("fixed", stride=6, c=6),
+    PatternSpec("dense"),
+]
+
+
+def dense_ref(q, k, v, spec):
+    return A.dense_attention(q, k, v, spec.mask(q.shape[1]))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("seq_len", [37, 64])
+def test_matches_dense_forward_and_gradients(spec, seq_len):
+    """seq_len 37 is not a multiple of any stride here: padded internally."""
+    q, k, v = qkv((2, seq_len, 3, 8))
+    cot = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+
+    def out_and_grads(attend):
+        loss = lambda q, k, v: (attend(q, k, v, spec) * cot).sum()  # noqa: E731
+        return jax.jit(lambda q, k, v: (attend(q, k, v, spec),
+                                        jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+    out, got = out_and_grads(A.sparse_attention)
+    want_out, want = out_and_grads(dense_ref)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=16), PatternSpec("fixed", stride=16, c=4)], ids=str)
+def test_long_sequence_and_gather_reference(spec):
+    """n=1000 (not a multiple of the stride), many summary chunks; three implementations agree."""
+    q, k, v = qkv((1, 1000, 2, 16), seed=3)
+    out = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
+    np.testing.assert_allclose(out, jax.jit(dense_ref, static_argnums=3)(q, k, v, spec), atol=1e-5, rtol=0)
+    gathered = jax.jit(A.gather_attention)(q, k, v, spec.indices(1000))
+    np.testing.assert_allclose(gathered, out, atol=1e-5, rtol=0)
+
+
+def test_value_dim_may_differ_from_query_dim():
+    """Half-size query/key projections give head_dim(q, k) != head_dim(v)."""
+    q, k, v = qkv((1, 40, 2, 4), dv=8)
+    spec = PatternSpec("fixed", stride=8, c=2)
+    got = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
+    np.testing.assert_allclose(got, dense_ref(q, k, v, spec), atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [SPECS[2], SPECS[8]], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_within_tolerance(spec, dtype):
+    """bf16/fp16 inputs, fp32 softmax: within 2e-2 (bf16) / 4e-3 (fp16) of the fp32 result on
+    the same (rounded) inputs; the output keeps the input dtype."""
+    q, k, v = qkv((2, 64, 2, 16), dtype=dtype)
+    out = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
+    assert out.dtype == dtype
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    np.testing.assert_allclose(out.astype(jnp.float32), dense_ref(*f32, spec), atol=tol)
+    grads = jax.jit(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).astype(jnp.float32).sum()))(q)
+    assert grads.dtype == dtype and bool(jnp.isfinite(grads.astype(jnp.float32)).all())
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.part != "summary"], ids=str)
+def test_causal_by_gradients(spec):
+    """d out[i] / d (q, k, v)[j] == 0 for every j > i, and != 0 for the attended j."""
+    n = 24
+    q, k, v = qkv((1, n, 1, 4))
+    grad_fn = jax.jit(jax.grad(lambda q, k, v, i: A.sparse_attention(q, k, v, spec)[0, i].sum(),
+                               argnums=(0, 1, 2)))
+    for i in [0, 5, 13, n - 1]:
+        grads = grad_fn(q, k, v, i)
+        touched = np.zeros(n, bool)
+        for g in grads:
+            per_pos = np.abs(np.asarray(g[0, :, 0])).sum(-1)
+            assert np.all(per_pos[i + 1:] == 0), f"query {i} depends on a future position"
+            touched |= per_pos > 0
+        keys = spec.indices(n)[i]
+        assert touched[keys[keys >= 0]].all()
+
+
+def test_query_without_keys_outputs_zero():
+    """The fixed summary part alone leaves early queries with no key: zeros, finite grads."""
+    spec = PatternSpec("fixed", stride=8, c=2, part="summary")
+    q, k, v = qkv((1, 16, 1, 4))
+    out = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
+    assert np.all(np.asarray(out[0, :6]) == 0) and np.all(np.asarray(out[0, 6:]) != 0)
+    g = jax.jit(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).sum()))(q)
+    assert bool(jnp.isfinite(g).all())
+
+
+def _jaxpr_sizes(jaxpr):
+    """Element counts of every value computed in a jaxpr, recursing into sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield int(np.prod(getattr(var.aval, "shape", ()) or (1,)))
+        for param in eqn.params.values():
+            for inner in (param if isinstance(param, (list, tuple)) else [param]):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxpr_sizes(inner)
+
+
+def test_never_materializes_seq_by_seq():
+    """No intermediate of the forward or backward pass has n²/4 elements (n=2048), while the
+    dense reference does (so the check can fail)."""
+    n = 2048
+    q, k, v = qkv((1, n, 1, 8))
+    for spec in [PatternSpec("strided", stride=32), PatternSpec("fixed", stride=32, c=8)]:
+        fn = jax.value_and_grad(lambda q, k, v: A.sparse_attention(q, k, v, spec).sum(), argnums=(0, 1, 2))
+        assert max(_jaxpr_sizes(jax.make_jaxpr(fn)(q, k, v).jaxpr)) < n * n / 4, spec
+    dense = jax.grad(lambda q: dense_ref(q, k, v, PatternSpec("dense")).sum())
+    assert max(_jaxpr_sizes(jax.make_jaxpr(dense)(q).jaxpr)) >= n * n
+
+
+def test_no_recompilation_for_equal_shapes():
+    traces = []
+
+    def attend(q, k, v, spec):
+        traces.append(spec)
+        return A.sparse_attention(q, k, v, spec)
+
+    fn = jax.jit(attend, static_argnums=3)
+    for seed in range(3):
+        fn(*qkv((1, 64, 2, 8), seed=seed), PatternSpec("strided", stride=8))  # equal specs hash equal
+    assert len(traces) == 1
+    fn(*qkv((1, 64, 2, 8)), PatternSpec("strided", stride=16))
+    assert len(traces) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer and the three ways of combining parts.
+
+
+def dense_layer(layer, x, specs):
+    """The module's computation with dense_attention and per-group masks."""
+    b, n, _ = x.shape
+    h = layer.num_heads
+    split = lambda y: y.reshape(b, n, h, -1)  # noqa: E731
+    q, k, v = split(layer.query(x)), split(layer.key(x)), split(layer.value(x))
+    g = h // len(specs)
+    outs = [A.dense_attention(q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g],
+                              v[:, :, i * g:(i + 1) * g], s.mask(n)) for i, s in enumerate(specs)]
+    return layer.out(jnp.concatenate(outs, axis=2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("base", [PatternSpec("strided", stride=8), PatternSpec("fixed", stride=8, c=2)], ids=str)
+@pytest.mark.parametrize("mode", A.MODES)
+@pytest.mark.parametrize("qk_dim", [32, 16])
+def test_layer_modes_match_dense_masked(base, mode, qk_dim):
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 40, 32))
+    for layer_index in [0, 1]:
+        specs = A.layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
+        layer = A.SparseSelfAttention(32, 4, specs, qk_dim=qk_dim, rngs=nnx.Rngs(0))
+        got = nnx.jit(lambda layer, x: layer(x))(layer, x)
+        np.testing.assert_allclose(got, nnx.jit(dense_layer, static_argnums=2)(layer, x, specs), atol=1e-5)
+
+
+def test_layer_specs():
+    strided = PatternSpec("strided", stride=8)
+    assert A.layer_specs(strided, "merged") == (strided,)
+    assert [s.part for s in (A.layer_specs(strided, "interleaved", i)[0] for i in range(3))] == ["local", "strided", "local"]
+    assert [s.part for s in A.layer_specs(strided, "multihead")] == ["local", "strided"]
+    fixed = PatternSpec("fixed", stride=8, c=2)
+    assert [s.head for s in A.layer_specs(fixed, "multihead", distinct_summaries=True)] == [0, 1, 2, 3]
+    assert A.layer_specs(PatternSpec("dense"), "interleaved", 1) == (PatternSpec("dense"),)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_inputs():
+    spec = PatternSpec("strided", stride=4)
+    q, k, v = qkv((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="same shape"):
+        A.sparse_attention(q, k[:, :8], v, spec)
+    with pytest.raises(ValueError, match="dtype"):
+        A.sparse_attention(q, k.astype(jnp.bfloat16), v, spec)
+    with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
+        A.sparse_attention(q[0], k[0], v[0], spec)
+    with pytest.raises(ValueError, match="floating"):
+        A.sparse_attention(*(x.astype(jnp.int32) for x in (q, k, v)), spec)
+    with pytest.raises(ValueError, match="PatternSpec"):
+        A.sparse_attention(q, k, v, "strided")
+    with pytest.raises(ValueError, match="evenly"):
+        A.multi_spec_attention(q, k, v, A.layer_specs(PatternSpec("fixed", stride=8, c=2), "multihead",
+                                                      distinct_summaries=True)[:3])
+    with pytest.raises(ValueError, match="divisible"):
+        A.SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(kind="butterfly", stride=4), "kind"),
+    (dict(kind="strided"), "stride"),
+    (dict(kind="strided", stride=0), "stride"),
+    (dict(kind="strided", stride=4, part="block"), "part"),
+    (dict(kind="fixed", stride=4, c=8), "c"),
+    (dict(kind="fixed", stride=4, c=2, head=2), "head"),
+    (dict(kind="fixed", stride=4, c=2, summary="openai"), "summary"),
+    (dict(kind="local", stride=4, local_width=0), "local_width"),
+])
+def test_spec_validation(fields, match):
+    with pytest.raises(ValueError, match=match):
+        PatternSpec(**fields)
+
+
+def test_spec_is_hashable_and_describes_itself():
+    spec = PatternSpec("fixed", stride=128, c=32)
+    assert hash(spec) == hash(dataclasses.replace(spec))
+    assert str(spec) == "fixed(stride=128, c=32)"
+    assert spec.block == 128
+    assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
