@@ -1,0 +1,99 @@
+"""Fields every training config shares, and the parser of config arguments.
+
+Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py` and `quickstart.py` import it (their
+folder is put on sys.path) and set what differs. `base()` returns an unlocked ConfigDict with every
+field the trainer (`sparse_jax.train`) and the model (`sparse_jax.model.model_config`) read; the
+config files call `finish()` on it, which locks it so a mistyped override fails.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def parse_args(arg: str | None, **choices: tuple[str, ...]) -> dict[str, str]:
+    """`"pattern=strided,size=tiny"` -> {"pattern": "strided", "size": "tiny"}.
+
+    `choices` maps each accepted key to its allowed values, the first being the default.
+    Unknown keys, unknown values and malformed items raise ValueError.
+    """
+    values = {key: allowed[0] for key, allowed in choices.items()}
+    for item in filter(None, (s.strip() for s in (arg or "").split(","))):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep:
+            raise ValueError(f"config argument {item!r} is not key=value (got {arg!r})")
+        if key not in choices:
+            accepted = ", ".join(f"{k}={'|'.join(v)}" for k, v in choices.items())
+            raise ValueError(f"unknown config argument {key!r} in {arg!r}; accepted: {accepted}")
+        if value not in choices[key]:
+            raise ValueError(f"{key}={value!r} is not one of {list(choices[key])}")
+        values[key] = value
+    return values
+
+
+def base() -> ml_collections.ConfigDict:
+    """Every field, with defaults that the config files override."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # parameter initialization and dropout randomness
+    c.total_steps = 1000  # optimizer steps of the whole run (also the end of the cosine decay)
+    c.batch_size = 16  # global batch in sequences per optimizer step, over all devices and hosts
+    c.log_every = 50  # steps between train-loss lines, metrics.jsonl rows and TensorBoard points
+    c.eval_every = 500  # steps between validation passes (bits on the valid split)
+    c.eval_batches = 20  # at most this many global batches per validation pass (<= 0: all)
+    c.checkpoint_every = 500  # steps between checkpoints (also one at every validation and the end)
+    c.keep_checkpoints = 2  # most recent checkpoints kept, plus the best by validation bits
+
+    c.optimizer = ml_collections.ConfigDict()  # AdamW with warmup and cosine decay (paper §6)
+    c.optimizer.lr = 3.5e-4  # peak learning rate of AdamW (paper: 3.5e-4 on CIFAR-10)
+    c.optimizer.warmup_steps = 100  # linear warmup from 0 to lr, then cosine decay
+    c.optimizer.min_lr_ratio = 0.0  # the cosine ends at lr * min_lr_ratio at total_steps
+    c.optimizer.weight_decay = 0.01  # decoupled weight decay on matrices (not biases, norms)
+    c.optimizer.grad_clip = 1.0  # clip the global gradient norm to this (<= 0: no clipping)
+    c.optimizer.b1 = 0.9  # Adam beta1
+    c.optimizer.b2 = 0.95  # Adam beta2 (not given in the paper)
+    c.optimizer.grad_accum = 1  # micro-batches per step (batch_size / grad_accum each)
+
+    c.mesh = ml_collections.ConfigDict()  # devices: a (data, fsdp) mesh
+    c.mesh.data = -1  # data-parallel devices (-1: all devices / fsdp)
+    c.mesh.fsdp = 1  # parameter-sharding devices (only 1 is supported so far)
+
+    c.data = ml_collections.ConfigDict()  # sparse_jax.data.make_dataset reads these
+    c.data.name = "embedded"  # enwik8 | bytes | cifar10 | embedded
+    c.data.path = config_dict.placeholder(str)  # enwik8 raw file or .zip; the file for "bytes"
+    c.data.download = False  # enwik8: fetch the archive when missing (needs network)
+    c.data.data_dir = config_dict.placeholder(str)  # TFDS data dir for cifar10 (None: TFDS default)
+    c.data.manual_dir = config_dict.placeholder(str)  # where cifar-10-binary.tar.gz is (cifar10)
+    c.data.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test of "bytes" and "embedded"
+    c.data.seed = 0  # training order (windows / epoch permutations)
+    c.data.embedded_bytes = 2**21  # size of the generated "embedded" stream
+    c.data.embedded_seed = 0  # generator seed of the "embedded" stream
+
+    c.model = ml_collections.ConfigDict()  # sparse_jax.model.ModelConfig: exactly its fields
+    c.model.vocab_size = 256  # byte values
+    c.model.seq_len = 1024  # context n (training windows, image size)
+    c.model.num_layers = 2  # residual blocks
+    c.model.d_model = 128  # width d
+    c.model.num_heads = 4  # attention heads
+    c.model.ff_mult = 4.0  # feed-forward width / d (2.0: the paper's half-size)
+    c.model.qk_ratio = 1.0  # query/key width / d (0.5: the paper's half-size)
+    c.model.dropout = 0.0  # at the end of each residual branch
+    c.model.pattern = "strided"  # dense | local | strided | fixed
+    c.model.stride = 32  # l, the pattern's stride / block (also the text position grid width)
+    c.model.c = 8  # summary width of "fixed"
+    c.model.local_width = config_dict.placeholder(int)  # local window (None: stride + 1, paper)
+    c.model.summary = "paper"  # fixed summary convention: paper | lra
+    c.model.mode = "merged"  # merged | interleaved | multihead (paper §4.3)
+    c.model.schedule = ""  # parts cycled over layers, e.g. "local,local,local,strided" (mode merged)
+    c.model.distinct_summaries = False  # fixed + multihead: each head group its own summary block
+    c.model.pos_emb = "text"  # image (row, column, channel) | text (row, column of grid) | single
+    c.model.image_shape = (32, 32, 3)  # (rows, columns, channels) for pos_emb "image"
+    c.model.remat = "none"  # none | full | dots: recompute blocks in the backward pass
+    c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay param_dtype)
+    c.model.param_dtype = "float32"  # storage dtype of the (master) parameters
+    return c
+
+
+def finish(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Locks the config: overriding a field that does not exist (a typo) raises."""
+    config.lock()
+    return config

@@ -1,0 +1,47 @@
+r"""Trains a Sparse Transformer; all logic lives in `sparse_jax.train`.
+
+  python scripts/train.py --config=configs/quickstart.py --workdir=workdirs/quickstart
+  python scripts/train.py --config=configs/enwik8.py:pattern=strided,size=tiny \
+      --workdir=workdirs/tiny --config.total_steps=100 --config.data.path=data/enwik8.zip
+
+Any config field can be overridden with --config.FIELD=VALUE; a field that does not exist or a
+value of the wrong type is an error. Running the same command again on the same --workdir
+resumes from its latest checkpoint. SIGTERM / Ctrl-C save a checkpoint and stop (exit status
+128 + signal number); a second Ctrl-C stops at once.
+
+Many hosts: set --jax_distributed (after `jax.distributed.initialize()` can find the cluster,
+e.g. on Cloud TPU or under SLURM); every host runs the same command.
+"""
+
+import signal
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py), "
+                                          "optionally with arguments: FILE:key=value,...",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, config.json.")
+_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize().")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO
+        logging.set_verbosity(logging.WARNING)
+    import jax
+
+    if _DISTRIBUTED.value:
+        jax.distributed.initialize()
+    from sparse_jax import train
+
+    result = train.train(_CONFIG.value, _WORKDIR.value)
+    if result["interrupted"]:
+        sys.exit(128 + signal.Signals[result["interrupted"]].value)
+
+
+if __name__ == "__main__":
+    app.run(main)

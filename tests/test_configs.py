@@ -1,0 +1,133 @@
+"""Every config file and variant loads, is locked, builds a ModelConfig and passes the trainer's
+checks; config arguments and command-line overrides reject typos and wrong types."""
+
+import ast
+import glob
+import importlib.util
+import itertools
+import os
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from sparse_jax import train
+from sparse_jax.model import ModelConfig, model_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+HELPERS = {"common.py"}  # shared code, not a config
+VARIANTS = {
+    "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
+    "bytes.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
+    "cifar10.py": {"pattern": ["strided", "fixed", "dense"], "size": ["paper", "small", "tiny"]},
+    "quickstart.py": {"pattern": ["strided", "local", "dense"]},
+}
+
+
+def load(name):
+    path = os.path.join(CONFIGS, name)
+    spec = importlib.util.spec_from_file_location(f"config_{name[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variants(name):
+    keys = sorted(VARIANTS[name])
+    for values in itertools.product(*(VARIANTS[name][k] for k in keys)):
+        yield ",".join(f"{k}={v}" for k, v in zip(keys, values))
+
+
+def test_every_config_file_is_covered():
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
+    assert files - HELPERS == set(VARIANTS)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_loads_locked_and_builds_a_model_config(name):
+    module = load(name)
+    assert module.get_config().to_dict() == module.get_config("").to_dict()  # defaults
+    for arg in [None, *variants(name)]:
+        config = module.get_config(arg)
+        cfg = model_config(config.model)
+        assert isinstance(cfg, ModelConfig)
+        with pytest.raises(AttributeError):
+            config.optimizer.learning_rate = 1.0  # a typo cannot add a field
+        with pytest.raises(TypeError):
+            config.total_steps = "many"
+        if config.data.name == "bytes":
+            with pytest.raises(ValueError, match="data.path"):
+                train.check_config(config)
+            config.data.path = "/some/file"
+        assert train.check_config(config) == cfg
+        assert config.eval_every > 0 and config.checkpoint_every > 0
+        if arg and "size=tiny" in arg:  # a smoke test: tiny model, few steps
+            assert config.total_steps <= 20 and config.model.num_layers <= 2
+            assert config.model.d_model <= 64
+
+
+def test_paper_settings():
+    enwik8 = load("enwik8.py").get_config()
+    m = enwik8.model
+    assert (m.seq_len, m.num_layers, m.d_model, m.num_heads, m.dropout) == (12288, 30, 512, 8, 0.4)
+    assert (m.pattern, m.stride, m.c, m.mode) == ("fixed", 128, 32, "merged")
+    cifar = load("cifar10.py").get_config()
+    m = cifar.model
+    assert (m.seq_len, m.num_layers, m.d_model, m.num_heads, m.dropout) == (3072, 128, 256, 2, 0.25)
+    assert (m.pattern, m.stride, m.ff_mult, m.qk_ratio) == ("strided", 96, 2.0, 0.5)
+    assert cifar.optimizer.lr == 3.5e-4 and cifar.optimizer.warmup_steps == 5000
+    for config in (enwik8, cifar):
+        assert config.optimizer.grad_clip == 1.0 and config.optimizer.weight_decay == 0.01
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_docstring_states_command_hardware_time_and_target(name):
+    doc = load(name).__doc__
+    assert f"python scripts/train.py --config=configs/{name}" in doc
+    for word in ("Hardware", "ime", "arget"):  # Wall time / wall time, Target / target
+        assert word in doc, word
+
+
+def test_every_field_has_a_comment():
+    for name in [*HELPERS, *VARIANTS]:
+        with open(os.path.join(CONFIGS, name)) as f:
+            source = f.read()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+                line = lines[node.lineno - 1]
+                assert "#" in line or "#" in lines[node.lineno - 2], f"{name}:{node.lineno}"
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("size=huge", "not one of"),
+    ("sise=tiny", "unknown config argument"),
+    ("tiny", "not key=value"),
+    ("pattern=local", "not one of"),
+])
+def test_bad_config_arguments_fail(arg, message):
+    with pytest.raises(ValueError, match=message):
+        load("enwik8.py").get_config(arg)
+
+
+def parse(*argv):
+    values, argv = flags.FlagValues(), ["train.py", *argv]
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=values, lock_config=True,
+                                    sys_argv=argv)  # as scripts/train.py, without sys.argv
+    values(argv)
+    return values.config
+
+
+def test_command_line_overrides_reject_typos_and_wrong_types():
+    path = os.path.join(CONFIGS, "enwik8.py")
+    config = parse(f"--config={path}:size=tiny", "--config.optimizer.lr=0.01",
+                   "--config.model.pattern=strided", "--config.data.split_fractions=(0.8,0.1,0.1)")
+    assert config.optimizer.lr == 0.01 and config.model.pattern == "strided"
+    assert config.model.num_layers == 2 and tuple(config.data.split_fractions) == (0.8, 0.1, 0.1)
+    with pytest.raises((flags.Error, AttributeError), match="lrr"):  # with a "did you mean"
+        parse(f"--config={path}:size=tiny", "--config.optimizer.lrr=0.01")
+    with pytest.raises(flags.Error, match="many"):
+        parse(f"--config={path}:size=tiny", "--config.total_steps=many")
+    with pytest.raises(flags.Error, match="huge"):
+        parse(f"--config={path}:size=huge")

@@ -1,0 +1,273 @@
+"""The trainer end to end on tiny configs and small files in the real formats: checkpoints, exact
+resume after SIGKILL / SIGTERM, NaN, and bad input."""
+
+import errno
+import glob
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import fake_enwik8
+from sparse_jax import data as D
+from sparse_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_config(name, arg="size=tiny", **overrides):
+    """configs/<name>.py:<arg>, then overrides given as {"optimizer__lr": ...}."""
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg)
+    config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
+    return config
+
+
+@pytest.fixture(scope="module")
+def byte_file(tmp_path_factory):
+    """60 KB of the embedded data as a plain file (printable bytes: never 255)."""
+    path = tmp_path_factory.mktemp("bytes") / "data.txt"
+    path.write_bytes(D.embedded_bytes(60_000, seed=1).tobytes())
+    return str(path)
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_steps(workdir):
+    return sorted(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints")) if p.isdigit())
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end.
+
+
+def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, capsys):
+    zip_path, raw, md5 = fake_enwik8(tmp_path, size=20_000)
+    monkeypatch.setattr(D, "ENWIK8_SIZE", len(raw))
+    monkeypatch.setattr(D, "ENWIK8_MD5", md5)
+    config = get_config("enwik8", "size=tiny", data__path=zip_path)
+    workdir = str(tmp_path / "run")
+    result = train.train(config, workdir)
+    assert result["step"] == 20 and result["interrupted"] is None
+    assert np.isfinite(result["valid_bits"]) and 0 < result["valid_bits"] < 9
+    assert result["best_valid_bits"] <= result["valid_bits"]
+    rows = read_metrics(workdir)
+    assert [(r["step"], r["split"]) for r in rows] == [
+        (5, "train"), (10, "train"), (10, "valid"), (15, "train"), (20, "train"), (20, "valid")]
+    assert {"bits", "lr", "grad_norm", "tokens_per_s", "steps_per_s"} <= set(rows[0])
+    assert rows[-1]["bits"] == pytest.approx(result["valid_bits"])
+    assert rows[0]["bits"] > rows[-2]["bits"]  # it learns something
+    assert train.load_config(workdir).to_dict() == config.to_dict()
+    events = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+    assert events and os.path.getsize(events[0]) > 0
+    assert checkpoint_steps(workdir) == [10, 20]
+    out = capsys.readouterr().out
+    assert "Starting" in out and "step 20/20" in out and "valid" in out
+
+    again = train.train(config, workdir)  # a finished run resumes and does nothing
+    out = capsys.readouterr().out
+    assert "Resuming from step 20" in out and "nothing to do" in out
+    assert again["step"] == 20 and len(read_metrics(workdir)) == len(rows)
+
+
+def test_tiny_cifar10_trains_end_to_end(cifar, tmp_path, monkeypatch):
+    data_dir, _ = cifar
+    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    config = get_config("cifar10", "size=tiny", data__data_dir=data_dir)
+    result = train.train(config, str(tmp_path / "run"))
+    assert result["step"] == 4 and 0 < result["valid_bits"] < 9
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if r["split"] == "valid"] == [2, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume after SIGKILL and after SIGTERM, through scripts/train.py.
+
+
+def start(workdir, byte_file, log):
+    args = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+            f"--config={os.path.join(ROOT, 'configs', 'bytes.py')}:size=tiny",
+            f"--workdir={workdir}", f"--config.data.path={byte_file}",
+            "--config.total_steps=120", "--config.checkpoint_every=10",
+            "--config.eval_every=40", "--config.log_every=5", "--config.model.dropout=0.1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT)
+
+
+def wait_for(predicate, process, timeout=120):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert process.poll() is None, "the run ended before the test could interrupt it"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_resume_after_sigkill_and_sigterm_gives_the_same_losses(tmp_path, byte_file):
+    reference = str(tmp_path / "reference")
+    assert start(reference, byte_file, tmp_path / "reference.log").wait() == 0
+
+    workdir = str(tmp_path / "interrupted")
+    run = start(workdir, byte_file, tmp_path / "1.log")
+    wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "10")), run)
+    run.send_signal(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+
+    run = start(workdir, byte_file, tmp_path / "2.log")
+    wait_for(lambda: "Resuming from step" in (tmp_path / "2.log").read_text(), run)
+    resumed = int((tmp_path / "2.log").read_text().split("Resuming from step ")[1].split()[0])
+    assert 10 <= resumed < 120
+    wait_for(lambda: max([0] + [r["step"] for r in read_metrics(workdir)]) > resumed + 5, run)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait() == 128 + signal.SIGTERM
+    log = (tmp_path / "2.log").read_text()
+    stopped = int(log.split("Stopped by SIGTERM at step ")[1].split(";")[0])
+    assert stopped in checkpoint_steps(workdir)
+
+    run = start(workdir, byte_file, tmp_path / "3.log")
+    assert run.wait() == 0
+    assert f"Resuming from step {stopped}" in (tmp_path / "3.log").read_text()
+    got, want = read_metrics(workdir), read_metrics(reference)
+    assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in want]
+    for a, b in zip(got, want):
+        for key in ("bits", "grad_norm", "lr"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=0, abs=1e-6), (a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures.
+
+
+def test_nan_loss_stops_with_error_and_keeps_the_last_good_checkpoint(tmp_path, byte_file,
+                                                                       monkeypatch):
+    real_batch = D.ByteWindows.batch_at
+
+    def corrupt(self, step):  # from the 7th step on, a token outside the vocabulary: NaN
+        batch = real_batch(self, step)
+        if step >= 6:
+            batch["inputs"][0, 0] = 1000
+        return batch
+
+    monkeypatch.setattr(D.ByteWindows, "batch_at", corrupt)
+    config = get_config("bytes", data__path=byte_file, checkpoint_every=5)
+    workdir = str(tmp_path / "run")
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan .* at step 7") as e:
+        train.train(config, workdir)
+    assert "last good checkpoint is step 5" in str(e.value)
+    assert checkpoint_steps(workdir) == [5]
+
+    monkeypatch.setattr(D.ByteWindows, "batch_at", real_batch)  # the data is fixed: resume
+    assert train.train(config, workdir)["step"] == 20
+
+
+def test_missing_dataset_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("built the model before checking the data")
+
+    monkeypatch.setattr(train, "SparseTransformer", no_model)
+    config = get_config("enwik8", data__path=str(tmp_path / "corpora" / "enwik8.zip"))
+    with pytest.raises(FileNotFoundError, match="mattmahoney.net"):
+        train.train(config, str(tmp_path / "run1"))
+    config = get_config("cifar10", data__data_dir=str(tmp_path / "tfds"),
+                        data__manual_dir=str(tmp_path / "manual"))
+    with pytest.raises(FileNotFoundError, match="cifar-10-binary.tar.gz"):
+        train.train(config, str(tmp_path / "run2"))
+    config = get_config("bytes")  # no --config.data.path
+    with pytest.raises(ValueError, match="data.path"):
+        train.train(config, str(tmp_path / "run3"))
+
+
+def test_context_length_the_pattern_cannot_serve(tmp_path, byte_file):
+    config = get_config("bytes", data__path=byte_file, model__seq_len=8)  # stride 16 > 8
+    with pytest.raises(ValueError, match="stride"):
+        train.train(config, str(tmp_path / "run"))
+    config = get_config("cifar10", model__seq_len=1024)  # an image has 3,072 sub-pixels
+    with pytest.raises(ValueError, match="image_shape"):
+        train.train(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")  # refused before touching the workdir
+
+
+def test_workdir_with_a_checkpoint_of_another_config_is_refused(tmp_path, byte_file):
+    workdir = str(tmp_path / "run")
+    train.train(get_config("bytes", data__path=byte_file), workdir)
+    def files():  # path -> (size, mtime) of every file; the write probe touches only the folder
+        paths = glob.glob(os.path.join(workdir, "**"), recursive=True)
+        return {p: (os.path.getsize(p), os.path.getmtime(p)) for p in paths if os.path.isfile(p)}
+
+    before = files()
+    for change, field in [({"model__d_model": 32}, "model.d_model"),
+                          ({"data__seed": 1}, "data.seed")]:
+        other = get_config("bytes", data__path=byte_file, **change)
+        with pytest.raises(ValueError, match="different model or dataset") as e:
+            train.train(other, workdir)
+        assert field in str(e.value)
+    assert files() == before  # nothing written, nothing overwritten
+
+
+def test_unwritable_workdir_is_a_clear_error(tmp_path, byte_file):
+    (tmp_path / "file").write_text("not a folder")
+    config = get_config("bytes", data__path=byte_file)
+    with pytest.raises(OSError, match="cannot write to the workdir"):
+        train.train(config, str(tmp_path / "file" / "run"))
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(OSError, match="cannot write to the workdir"):
+            train.train(config, str(tmp_path / "ro"))
+
+
+def test_failed_checkpoint_write_is_a_clear_error_and_keeps_earlier_ones(tmp_path, byte_file,
+                                                                          monkeypatch):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jch
+
+    real = jch.JsonCheckpointHandler._save_fn
+
+    async def disk_full(self, item, directory):  # fails in the background, as a full disk does
+        if isinstance(item, dict) and item.get("step", 0) >= 10:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self, item, directory)
+
+    monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", disk_full)
+    config = get_config("bytes", data__path=byte_file, checkpoint_every=5)
+    workdir = str(tmp_path / "run")
+    with pytest.raises(OSError, match="could not write the checkpoint of step 10") as e:
+        train.train(config, workdir)
+    assert "disk full" in str(e.value) and "intact: steps [5]" in str(e.value)
+    assert checkpoint_steps(workdir) == [5]
+
+    monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", real)  # space freed: resume
+    assert train.train(config, workdir)["step"] == 20
+    assert checkpoint_steps(workdir) == [15, 20]
+
+
+def test_data_parallel_over_four_devices_with_gradient_accumulation(tmp_path, byte_file):
+    """The same run on 1 device (here) and on 4 simulated devices (a subprocess) agrees."""
+    overrides = {"batch_size": 8, "optimizer__grad_accum": 2, "total_steps": 10,
+                 "eval_every": 10, "log_every": 5}
+    train.train(get_config("bytes", data__path=byte_file, **overrides), str(tmp_path / "one"))
+    args = [f"--config.{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'bytes.py')}:size=tiny",
+         f"--workdir={tmp_path / 'four'}", f"--config.data.path={byte_file}", *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "'data': 4" in out.stdout  # the mesh spans the 4 devices
+    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    assert [(r["step"], r["split"]) for r in one] == [(r["step"], r["split"]) for r in four]
+    for a, b in zip(one, four):
+        assert a["bits"] == pytest.approx(b["bits"], rel=1e-4)
