@@ -1,7 +1,7 @@
 """Benchmarks block-sparse attention against dense causal attention.
 
   python scripts/benchmark_attention.py --seq_lens=4096,8192,16384 \
-      --patterns=dense,strided:128,fixed:128:32,strided:sqrt --output_dir=bench/attention
+      --patterns=dense,strided:128,fixed:128:32,strided:sqrt --output_dir=docs/benchmarks/attention
 
 Patterns: ``dense`` (``jax.nn.dot_product_attention(..., is_causal=True)``), ``strided:L``,
 ``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)). Every (pattern, seq_len,
@@ -30,7 +30,7 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Input d
 _DEVICES = flags.DEFINE_integer("devices", 1, "Split heads over this many devices.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).")
 _MEM_LIMIT = flags.DEFINE_float("mem_limit_gb", 20.0, "Kill a case whose RSS passes this.")
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", "bench/attention", "Where results go.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Where results go.")
 _CASE = flags.DEFINE_string("case", None, "Internal: run one JSON-encoded case and print JSON.")
 
 
