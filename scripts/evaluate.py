@@ -1,0 +1,52 @@
+r"""Evaluates a checkpoint of a training run over a whole split; all logic lives in
+`sparse_jax.evaluate`.
+
+  python scripts/evaluate.py --workdir=workdirs/quickstart                    # test, latest
+  python scripts/evaluate.py --workdir=workdirs/enwik8 --checkpoint=best --min_context=6144
+
+Bytes: bits per byte over the split. Default: non-overlapping windows of the model's context;
+--min_context=M: overlapping windows that score only bytes with at least M bytes of context
+(paper Table 3); either way every byte after the first is scored exactly once. Images: bits per
+dim over every sub-pixel of the split. Prints a table and writes the result as JSON to
+DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context).
+"""
+
+import sys
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
+_SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to score.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a step number.")
+_MIN_CONTEXT = flags.DEFINE_integer("min_context", None, "Bytes: score only positions with at "
+                                    "least this much context (overlapping windows).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per forward pass over all "
+                                   "devices (default: the training batch size).")
+_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize() "
+                                  "(many hosts: every host runs the same command).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # Orbax logs at INFO
+        logging.set_verbosity(logging.WARNING)
+    if _DISTRIBUTED.value:
+        import jax
+
+        jax.distributed.initialize()
+    from sparse_jax import evaluate
+
+    try:
+        result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
+                                   _MIN_CONTEXT.value, _BATCH_SIZE.value)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(evaluate.format_table(result))
+    if "path" in result:
+        print(f"Wrote {result['path']}")
+
+
+if __name__ == "__main__":
+    app.run(main)

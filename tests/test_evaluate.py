@@ -1,0 +1,169 @@
+"""Evaluation of a checkpoint: bits/byte equals a hand-computed NLL, every byte scored once with
+and without min_context, checkpoint choice, bits/dim of images, the script, and bad input."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax import data as D
+from sparse_jax import evaluate as E
+from sparse_jax import train
+from sparse_jax.model import SparseTransformer, model_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_config(name, arg=None, **overrides):
+    """configs/<name>.py:<arg>, then overrides given as {"optimizer__lr": ...}."""
+    spec = importlib.util.spec_from_file_location(
+        f"config_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg)
+    config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
+    return config
+
+
+TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_layers=2,
+                 model__d_model=16, model__num_heads=2, model__stride=8, batch_size=4,
+                 total_steps=4, eval_every=2, checkpoint_every=2, log_every=2, eval_batches=2,
+                 optimizer__warmup_steps=1, optimizer__lr=3e-2)
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A real 4-step training run (checkpoints at steps 2 and 4, both with valid bits)."""
+    workdir = str(tmp_path_factory.mktemp("eval") / "run")
+    train.train(get_config("quickstart", **TINY_TEXT), workdir)
+    return workdir
+
+
+def hand_bits(workdir, split, step, min_context):
+    """Bits per byte from the model's logits with a float64 NumPy log-softmax, window by window."""
+    model, config, _ = E.restore_model(workdir, step)
+    n = model.cfg.seq_len
+    data = D.make_dataset(config.data, n).splits[split]
+    windows = D.eval_windows(data, n, min_context)
+    rows = D.read_windows(data, windows.starts, n)
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, rows["inputs"]), np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, rows["targets"][..., None], -1)[..., 0]
+    j = np.arange(n)[None]
+    mask = (j >= windows.score_from[:, None]) & (j < windows.score_to[:, None])
+    return nll[mask].sum() / np.log(2) / mask.sum(), int(mask.sum()), len(data)
+
+
+@pytest.mark.parametrize("min_context, batch_size", [(None, None), (None, 3), (48, 5), (1, 16)])
+def test_bits_per_byte_equal_hand_computed_nll_and_score_every_byte_once(
+        text_run, min_context, batch_size):
+    result = E.evaluate(text_run, "test", "latest", min_context, batch_size, progress=False)
+    expected, scored, size = hand_bits(text_run, "test", 4, min_context)
+    assert result["num_scored"] == scored == size - 1  # every byte but the first, exactly once
+    assert result["bits"] == pytest.approx(expected, rel=1e-5)
+    assert result["unit"] == "byte" and result["step"] == 4 and result["split"] == "test"
+    assert result["min_context"] == min_context
+    assert result["tokens_per_s"] > 0 and result["wall_s"] > 0
+    name = "test_4" + (f"_minctx{min_context}" if min_context else "") + ".json"
+    assert result["path"] == os.path.join(text_run, "eval", name)
+    with open(result["path"]) as f:
+        saved = json.load(f)
+    assert {k: saved[k] for k in ("split", "step", "bits", "unit", "num_scored", "min_context")} \
+        == {k: result[k] for k in ("split", "step", "bits", "unit", "num_scored", "min_context")}
+
+
+def test_checkpoint_choice(text_run):
+    with open(os.path.join(text_run, "metrics.jsonl")) as f:
+        valid = {r["step"]: r["bits"] for r in map(json.loads, f) if r["split"] == "valid"}
+    best = min(valid, key=valid.get)
+    results = {c: E.evaluate(text_run, "valid", c, progress=False, write=False)
+               for c in ("latest", "best", 2, "2")}
+    assert results["latest"]["step"] == 4 and results["best"]["step"] == best
+    assert results[2]["step"] == results["2"]["step"] == 2
+    assert results[2]["bits"] != results["latest"]["bits"]
+    # The trainer scored at most eval_batches of the valid split; here the whole split counts.
+    assert results["latest"]["num_scored"] == len(
+        D.make_dataset(train.load_config(text_run).data, 64).splits["valid"]) - 1
+
+
+def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypatch):
+    def expensive(*args, **kwargs):
+        raise AssertionError("checks must come before restoring parameters")
+
+    monkeypatch.setattr(E, "restore_model", expensive)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        E.evaluate(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        E.evaluate(str(tmp_path))
+    (tmp_path / "config.json").write_text(train.load_config(text_run).to_json())
+    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+        E.evaluate(str(tmp_path))
+    for kwargs, message in [(dict(checkpoint="last"), "latest"),
+                            (dict(checkpoint=-1), "step number"),
+                            (dict(split="dev"), "split"), (dict(min_context=64), "min_context"),
+                            (dict(min_context=-1), "min_context"), (dict(batch_size=0), "batch"),
+                            (dict(batch_size=2.5), "batch")]:
+        with pytest.raises(ValueError, match=message):
+            E.evaluate(text_run, **kwargs)
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3 .*steps: \[2, 4\]"):
+        E.evaluate(text_run, checkpoint=3)
+
+
+def test_script_prints_a_table_and_writes_json(text_run):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    script = os.path.join(ROOT, "scripts", "evaluate.py")
+    proc = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--split=valid",
+                           "--checkpoint=2", "--min_context=32", "--batch_size=8"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| valid | 2 |" in proc.stdout and "bits/byte" in proc.stdout
+    path = os.path.join(text_run, "eval", "valid_2_minctx32.json")
+    assert f"Wrote {path}" in proc.stdout and os.path.exists(path)
+    bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--checkpoint=9"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "no checkpoint of step 9" in bad.stderr
+
+
+def save_like_train(config, workdir, step=1):
+    """A randomly initialized checkpoint written with the trainer's own checkpoint functions."""
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    model = SparseTransformer(model_config(config.model), rngs=nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(model, train.make_optimizer(config)[0], wrt=nnx.Param)
+    manager = train.make_checkpoint_manager(workdir, 2)
+    meta = {"step": step, "data": {"seed": 0, "step": step}, "rng": [0, 0], "window": {},
+            "best_valid_bits": None}
+    train.save_checkpoint(manager, step, {"params": nnx.state(model),
+                                          "opt": nnx.state(optimizer)}, meta, None)
+    train.wait_for_checkpoint(manager, step)
+    manager.close()
+    return model
+
+
+def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
+    data_dir, expected = cifar
+    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
+                        model__num_heads=1)
+    workdir = str(tmp_path / "run")
+    model = save_like_train(config, workdir)
+    result = E.evaluate(workdir, "test", batch_size=2, progress=False)
+    images = np.stack([expected[f"test_{i:05d}"] for i in range(5)]).astype(np.int32)
+    inputs = np.concatenate([np.zeros((5, 1), np.int32), images[:, :-1]], axis=1)
+    logits = np.asarray(jax.jit(lambda x: model(x))(inputs), np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, images[..., None], -1)
+    assert result["unit"] == "dim" and result["num_scored"] == 5 * 3072
+    assert result["bits"] == pytest.approx(nll.mean() / np.log(2), rel=1e-5)
+    with pytest.raises(ValueError, match="byte data only"):
+        E.evaluate(workdir, "test", min_context=10)

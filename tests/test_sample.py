@@ -1,0 +1,189 @@
+"""Sampling: the cached decoder's logits equal the full forward pass for every attention schedule,
+seeds and greedy decoding, top-k / top-p / temperature, text and image outputs, the script, and
+bad input."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from PIL import Image
+
+from sparse_jax import data as D
+from sparse_jax import evaluate as E
+from sparse_jax import sample as S
+from sparse_jax.model import ModelConfig, SparseTransformer
+from test_evaluate import ROOT, get_config, save_like_train
+
+TINY = dict(seq_len=32, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
+SCHEDULES = {
+    "strided-merged": dict(pattern="strided"),
+    "strided-interleaved": dict(pattern="strided", mode="interleaved"),
+    "fixed-merged": dict(pattern="fixed"),
+    "fixed-distinct-multihead": dict(pattern="fixed", c=2, mode="multihead",  # 2 head groups
+                                     distinct_summaries=True),
+    "openai-cycle-scanned": dict(pattern="strided", schedule="local,local,strided", num_layers=3,
+                                 scan_layers=True),
+    "dense-image-positions": dict(pattern="dense", pos_emb="image", image_shape=(4, 4, 2)),
+}
+
+
+def make(seed=0, scale=4.0, **overrides):
+    """A random model with weights scaled up so that logits are O(1) and attention is peaked."""
+    model = SparseTransformer(ModelConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(seed))
+    nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
+    return model
+
+
+full_forward = nnx.jit(lambda model, tokens: model(tokens))
+PROMPT = np.array([[5, 7, 9], [200, 1, 3]])
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_cached_logits_equal_full_forward_at_every_position(name):
+    model = make(**SCHEDULES[name])
+    tokens, logits = S.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    assert tokens.shape == (2, 33) and logits.shape == (2, 32, 256)
+    np.testing.assert_array_equal(tokens[:, :3], PROMPT)
+    full = np.asarray(full_forward(model, jnp.asarray(tokens[:, :-1])))
+    assert full.std() > 0.3  # not a trivially small comparison
+    np.testing.assert_allclose(logits, full, atol=1e-4, rtol=0)
+
+
+def test_the_comparison_catches_a_wrong_pattern(monkeypatch):
+    model = make(pattern="strided")
+    local = S.decode_tables(ModelConfig(**{**TINY, "pattern": "local"}), 32)
+    monkeypatch.setattr(S, "decode_tables", lambda cfg, n: tuple(t[:n] for t in local))
+    tokens, logits = S.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    full = np.asarray(full_forward(model, jnp.asarray(tokens[:, :-1])))
+    assert np.abs(logits - full)[:, :4].max() < 1e-4  # the patterns agree on the first row
+    assert np.abs(logits - full).max() > 1e-2
+
+
+def test_seeds_greedy_and_prompts():
+    model = make(pattern="strided")  # every call below decodes [2, 33] tokens: two compilations
+    prompt = np.full((2, 1), 5)
+    a = S.generate(model, prompt, 32, seed=3, top_k=40)
+    np.testing.assert_array_equal(a, S.generate(model, prompt, 32, seed=3, top_k=40))
+    assert not np.array_equal(a, S.generate(model, prompt, 32, seed=4, top_k=40))
+    assert not np.array_equal(a[0], a[1])  # rows of one batch are independent samples
+    greedy = S.generate(model, PROMPT, 30, temperature=0)
+    full = np.asarray(full_forward(model, jnp.asarray(greedy[:, :-1])))
+    np.testing.assert_array_equal(greedy[:, 3:], full.argmax(-1)[:, 2:])
+    assert S.generate(model, np.zeros((2, 32), int), 1, temperature=0).shape == (2, 33)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        S.generate(model, np.zeros((1, 33), int), 1)  # a prompt longer than n
+    with pytest.raises(ValueError, match="at most 2 new bytes"):
+        S.generate(model, np.zeros((1, 31), int), 3)
+
+
+def test_filter_logits_top_k_top_p_temperature():
+    logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
+    kept = lambda **kw: np.isfinite(np.asarray(S.filter_logits(logits, **kw)))[0].tolist()  # noqa
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_k=4) == kept(top_p=1.0) == [True] * 4
+    assert kept(top_p=0.3) == [False, True, False, False]  # 0.4 alone reaches 0.3
+    assert kept(top_p=0.5) == [False, True, False, True]  # 0.4 < 0.5, then 0.3
+    assert kept(top_k=3, top_p=0.9) == [False, True, True, True]
+    np.testing.assert_allclose(S.filter_logits(logits, 2.0), logits / 2.0)
+    draws = np.asarray(S.sample_logits(jax.random.key(0), jnp.tile(logits, (20000, 1)),
+                                       temperature=1.0, top_k=3))
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0, 4 / 9, 2 / 9, 3 / 9], atol=0.015)
+    draws = np.asarray(S.sample_logits(jax.random.key(1), jnp.tile(logits, (20000, 1)), 0.5))
+    p = np.array([0.1, 0.4, 0.2, 0.3]) ** 2
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / len(draws), p / p.sum(),
+                               atol=0.015)
+    assert S.sample_logits(None, logits, temperature=0).tolist() == [1]
+
+
+TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_layers=2,
+                 model__d_model=16, model__num_heads=2, model__stride=8)
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("sample") / "run")
+    save_like_train(get_config("quickstart", **TINY_TEXT), workdir, step=3)
+    return workdir
+
+
+def test_text_samples_from_a_workdir(text_run, tmp_path):
+    result = S.sample(text_run, 2, 10, prompt="ab", seed=1, top_p=0.9)
+    assert [s[:2] for s in result["samples"]] == [b"ab", b"ab"]
+    assert [len(s) for s in result["samples"]] == [12, 12] and result["step"] == 3
+    assert result["path"] == os.path.join(text_run, "samples", "3_seed1.txt")
+    written = open(result["path"], "rb").read()
+    assert all(s in written for s in result["samples"]) and written.count(b"===== sample") == 2
+    again = S.sample(text_run, 2, 10, prompt="ab", seed=1, top_p=0.9)
+    assert again["samples"] == result["samples"]
+    raw = tmp_path / "prompt.bin"
+    raw.write_bytes(b"\xff\xfe\x00")  # not UTF-8: a prompt file is read as bytes
+    out = S.sample(text_run, 1, prompt_file=str(raw), output=str(tmp_path / "out.txt"))
+    assert out["samples"][0][:3] == b"\xff\xfe\x00" and len(out["samples"][0]) == 65
+    assert out["path"] == str(tmp_path / "out.txt")  # default length: what fits (62 new bytes)
+    assert len(S.sample(text_run, 1)["samples"][0]) == 65  # no prompt: a newline, then 64
+
+
+def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypatch):
+    def expensive(*args, **kwargs):
+        raise AssertionError("checks must come before restoring parameters")
+
+    monkeypatch.setattr(E, "restore_model", expensive)
+    for kwargs, message in [
+            (dict(num_samples=0), "num_samples"), (dict(num_samples=-2), "num_samples"),
+            (dict(prompt="x" * 65), "longer than the model's context of 64"),
+            (dict(prompt="x" * 60, length=6), "at most 5 new bytes"),
+            (dict(length=0), "length"), (dict(prompt="caf\udce9"), "not valid UTF-8"),
+            (dict(prompt="a", prompt_file=str(tmp_path)), "not both"),
+            (dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"),
+            (dict(top_k=257), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+            (dict(checkpoint="newest"), "checkpoint"), (dict(complete=2), "image model")]:
+        with pytest.raises(ValueError, match=message):
+            S.sample(text_run, **kwargs)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        S.sample(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="prompt file"):
+        S.sample(text_run, prompt_file=str(tmp_path / "missing.txt"))
+
+
+def test_script_prints_and_writes_samples(text_run, tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    script = os.path.join(ROOT, "scripts", "sample.py")
+    out = tmp_path / "s.txt"
+    proc = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--num_samples=2",
+                           "--length=5", "--prompt=hello", "--top_k=10", "--temperature=0.8",
+                           f"--output={out}"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("hello") == 2 and f"Wrote {out}" in proc.stdout
+    assert out.read_bytes().count(b"hello") == 2
+    bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--num_samples=0"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "num_samples must be a positive integer" in bad.stderr
+
+
+def test_images_and_completion(cifar, tmp_path, monkeypatch):
+    data_dir, _ = cifar
+    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
+                        model__num_heads=1)
+    workdir = str(tmp_path / "run")
+    save_like_train(config, workdir)
+    result = S.sample(workdir, 2, seed=5)
+    assert result["samples"].shape == (2, 32, 32, 3) and result["path"].endswith("1_seed5.png")
+    assert Image.open(result["path"]).size == (2 * 34 + 2, 36)
+    done = S.sample(workdir, complete=2, seed=5)
+    originals = D.cifar10_source("test", data_dir).images([0, 1]).reshape(2, 32, 32, 3)
+    np.testing.assert_array_equal(done["samples"][:, :16], originals[:, :16])  # the top halves
+    assert not np.array_equal(done["samples"][:, 16:], originals[:, 16:])
+    assert done["path"].endswith("1_complete_test_seed5.png")
+    assert Image.open(done["path"]).size == (66 + 4, 2 * 34 + 2)
+    with pytest.raises(ValueError, match="no text prompt"):
+        S.sample(workdir, prompt="a")
+    with pytest.raises(ValueError, match="exceeds the 5 test images"):
+        S.sample(workdir, complete=6)
