@@ -87,7 +87,7 @@ def _manager(workdir: str) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0,
         best_fn=lambda metrics: metrics["valid_bits"], best_mode="min")
-    return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
 
 
 def resolve_step(manager: ocp.CheckpointManager, checkpoint) -> int:

@@ -310,7 +310,8 @@ def make_checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
             policies.LatestN(keep),
             policies.BestN(get_metric_fn=best, reverse=True, n=1,
                            keep_checkpoints_without_metrics=False)]))
-    return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options)
+    # Orbax needs an absolute path; users pass relative workdirs.
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
 
 
 def _checkpoint_error(manager, step, error) -> OSError:

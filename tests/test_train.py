@@ -58,7 +58,8 @@ def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, 
     monkeypatch.setattr(D, "ENWIK8_SIZE", len(raw))
     monkeypatch.setattr(D, "ENWIK8_MD5", md5)
     config = get_config("enwik8", "size=tiny", data__path=zip_path)
-    workdir = str(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    workdir = "run"  # relative, as users type it (Orbax itself needs absolute paths)
     result = train.train(config, workdir)
     assert result["step"] == 20 and result["interrupted"] is None
     assert np.isfinite(result["valid_bits"]) and 0 < result["valid_bits"] < 9
