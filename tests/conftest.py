@@ -1,4 +1,4 @@
-"""Shared fixtures: small files in the real dataset formats, and the opt-in `slow` marker."""
+"""Shared fixtures: small files in the real dataset formats, and a session compilation cache."""
 
 import hashlib
 import io
@@ -26,20 +26,6 @@ for _name, _value in [("jax_compilation_cache_dir", _JAX_CACHE),
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_JAX_CACHE, ignore_errors=True)
-
-
-def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run tests marked slow")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
 
 
 # ---------------------------------------------------------------------------------------------
