@@ -3,8 +3,12 @@
   python scripts/describe.py --config=configs/enwik8.py
   python scripts/describe.py --config=configs/cifar10.py --json
   python scripts/describe.py --config=configs/enwik8.py --config.model.pattern=strided
+  python scripts/describe.py --config=configs/cifar10.py --devices=64 --config.mesh.fsdp=8
 
-See ``sparse_jax.model.describe`` for the FLOP and activation-memory formulas.
+See ``sparse_jax.model.describe`` for the FLOP and activation-memory formulas. The per-device
+parameter and optimizer memory is for the config's mesh (config.mesh.data x config.mesh.fsdp)
+over --devices devices (default: the devices this machine has), from the sharding rules of
+``sparse_jax.sharding``: fsdp > 1 splits them, data parallelism copies them.
 """
 
 import itertools
@@ -20,6 +24,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses con
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
                                    "Sequences per step (default: config.batch_size, else 1).")
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices to lay the mesh over (default: "
+                                "jax.device_count()).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -48,6 +54,12 @@ def main(argv):
     cfg = model_lib.model_config(config.model)
     batch_size = _BATCH_SIZE.value or config.get("batch_size", 1)
     info = model_lib.describe(cfg, batch_size)
+    if "optimizer" in config and "mesh" in config:  # a training config
+        import jax
+
+        from sparse_jax import train
+
+        info["per_device"] = train.per_device_memory(config, _DEVICES.value or jax.device_count())
     if _JSON.value:
         print(json.dumps(info))
         return
@@ -63,6 +75,11 @@ def main(argv):
     print(f"activation memory    {info['activation_bytes'] / gib:.2f} GiB without remat, "
           f"{info['activation_bytes_remat'] / gib:.2f} GiB with (estimate; config: "
           f"remat={cfg.remat})")
+    if "per_device" in info:
+        mem, mib = info["per_device"], 2 ** 20
+        print(f"per device           {mem['params_bytes'] / mib:,.1f} MiB parameters + "
+              f"{mem['optimizer_bytes'] / mib:,.1f} MiB optimizer state on mesh "
+              f"data={mem['mesh']['data']} x fsdp={mem['mesh']['fsdp']}")
     print("attention schedule")
     print("\n".join(_schedule_lines(info["schedule"])))
 

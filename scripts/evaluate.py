@@ -15,6 +15,8 @@ import sys
 
 from absl import app, flags, logging
 
+from sparse_jax.sharding import define_distributed_flags
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to score.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a step number.")
@@ -22,8 +24,7 @@ _MIN_CONTEXT = flags.DEFINE_integer("min_context", None, "Bytes: score only posi
                                     "least this much context (overlapping windows).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per forward pass over all "
                                    "devices (default: the training batch size).")
-_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize() "
-                                  "(many hosts: every host runs the same command).")
+_JOIN_DISTRIBUTED = define_distributed_flags()  # many hosts: each runs the same command
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -32,10 +33,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # Orbax logs at INFO
         logging.set_verbosity(logging.WARNING)
-    if _DISTRIBUTED.value:
-        import jax
-
-        jax.distributed.initialize()
+    _JOIN_DISTRIBUTED()
     from sparse_jax import evaluate
 
     try:

@@ -9,8 +9,10 @@ value of the wrong type is an error. Running the same command again on the same 
 resumes from its latest checkpoint. SIGTERM / Ctrl-C save a checkpoint and stop (exit status
 128 + signal number); a second Ctrl-C stops at once.
 
-Many hosts: set --jax_distributed (after `jax.distributed.initialize()` can find the cluster,
-e.g. on Cloud TPU or under SLURM); every host runs the same command.
+Many devices: the mesh spans all devices (config.mesh: data x fsdp; mesh.fsdp > 1 shards the
+parameters and optimizer state). Many hosts: every process runs the same command, with
+--jax_distributed under a cluster launcher that JAX detects (SLURM, Open MPI, Kubernetes, Cloud
+TPU), or with --coordinator_address=HOST:PORT --num_processes=N --process_id=I. See README.
 """
 
 import signal
@@ -19,11 +21,13 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from sparse_jax.sharding import define_distributed_flags
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py), "
                                           "optionally with arguments: FILE:key=value,...",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, config.json.")
-_DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize().")
+_JOIN_DISTRIBUTED = define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -32,10 +36,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
-    import jax
-
-    if _DISTRIBUTED.value:
-        jax.distributed.initialize()
+    _JOIN_DISTRIBUTED()
     from sparse_jax import train
 
     result = train.train(_CONFIG.value, _WORKDIR.value)

@@ -213,7 +213,11 @@ class _StepIterator:
 
 
 class ByteWindows(_StepIterator):
-    """Training windows at uniformly random offsets of one contiguous (memory-mapped) array."""
+    """Training windows at uniformly random offsets of one contiguous (memory-mapped) array.
+
+    Step k's global batch of batch_size x process_count windows is drawn from
+    default_rng([seed, k]) and this process reads its slice, so the global batch does not
+    depend on how many processes share it."""
 
     def __init__(self, data, seq_len, batch_size, seed=0, process_index=0, process_count=1):
         super().__init__(seed)
@@ -222,11 +226,13 @@ class ByteWindows(_StepIterator):
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} not in [0, {process_count})")
         self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
-        self.process_index = process_index
+        self.process_index, self.global_batch = process_index, batch_size * process_count
 
     def starts_at(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, step, self.process_index])
-        return rng.integers(0, len(self.data) - self.seq_len, size=self.batch_size)
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.data) - self.seq_len, size=self.global_batch)
+        first = self.process_index * self.batch_size
+        return starts[first:first + self.batch_size]
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         return read_windows(self.data, self.starts_at(step), self.seq_len)

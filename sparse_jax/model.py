@@ -265,10 +265,6 @@ class Block(nnx.Module):
         return h_BND + a_BND + b_BND  # float32 stream + compute-dtype branches -> float32
 
 
-def _apply_block(block: Block, h_BND, dropout_key):
-    return block(h_BND, dropout_key)
-
-
 class _BlockGroup(nnx.Module):
     """One period of the schedule: the blocks of layers ``0 .. period - 1`` (the schedule
     repeats, so group g serves layers ``g * period + p``)."""
@@ -333,12 +329,26 @@ class SparseTransformer(nnx.Module):
             h_BND = h_BND + table(jnp.asarray(index[:seq_len]))[None]
         return h_BND
 
-    def from_embeddings(self, h_BND, *, dropout_rng=None) -> jax.Array:
-        """The blocks, final norm and head applied to embeddings: float32[B, n, vocab]."""
+    def from_embeddings(self, h_BND, *, dropout_rng=None, activation_sharding=None
+                        ) -> jax.Array:
+        """The blocks, final norm and head applied to embeddings: float32[B, n, vocab].
+
+        ``activation_sharding``: where the residual stream [B, n, d] lives between blocks. A
+        multi-device caller pins it to the batch split, so that XLA gathers sharded (FSDP)
+        weights for each layer instead of splitting the activations along the model width."""
         cfg = self.cfg
-        apply = _apply_block
+
+        def pinned(h):
+            if activation_sharding is None:
+                return h
+            return jax.lax.with_sharding_constraint(h, activation_sharding)
+
+        def block_fn(block, h, key):
+            return pinned(block(pinned(h), key))
+
+        apply = block_fn
         if cfg.remat != "none":
-            apply = nnx.remat(_apply_block, policy=REMAT_POLICIES[cfg.remat])
+            apply = nnx.remat(block_fn, policy=REMAT_POLICIES[cfg.remat])
 
         def layer_key(k):  # layer k's dropout key, the same with or without scan
             return None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
@@ -360,10 +370,12 @@ class SparseTransformer(nnx.Module):
                 h_BND = apply(block, h_BND, layer_key(k))
         return self.head(self.final_norm(h_BND)).astype(jnp.float32)
 
-    def __call__(self, tokens_BN, *, dropout_rng: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens_BN, *, dropout_rng: jax.Array | None = None,
+                 activation_sharding=None) -> jax.Array:
         """int32[B, n] (n <= seq_len) -> float32[B, n, vocab] logits. Dropout iff
-        ``dropout_rng`` is given."""
-        return self.from_embeddings(self.embed(tokens_BN), dropout_rng=dropout_rng)
+        ``dropout_rng`` is given; ``activation_sharding`` as in ``from_embeddings``."""
+        return self.from_embeddings(self.embed(tokens_BN), dropout_rng=dropout_rng,
+                                    activation_sharding=activation_sharding)
 
 
 def loss_bits(logits, targets, mask=None) -> jax.Array:

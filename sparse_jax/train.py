@@ -16,8 +16,9 @@ the run with an error and keeps the last good checkpoint. The last k checkpoints
 the best by validation bits (`CheckpointManager.best_step()`).
 
 The training step is one jitted function of (state, batch, rng): the state (parameters and
-optimizer state) is donated and replicated over the mesh, the batch is sharded over its
-("data", "fsdp") axes, the dropout key is `fold_in(rng, step)`. Metrics of step n-1 are fetched
+optimizer state) is donated and sharded by `sparse_jax.sharding` (replicated over "data", split
+over "fsdp"; it is created by a jitted init with those output shardings, so a model is never
+whole on one device), the batch is split over all devices of the ("data", "fsdp") mesh, the dropout key is `fold_in(rng, step)`. Metrics of step n-1 are fetched
 after step n is dispatched, so the host never waits on the device inside the loop.
 """
 
@@ -32,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +42,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sparse_jax import data as data_lib
+from sparse_jax import sharding as sharding_lib
 from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
 
 # Data fields that only say where the data lives; they may change when a run is resumed.
 LOCATION_FIELDS = ("download", "data_dir", "manual_dir")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = sharding_lib.MESH_AXES  # a batch is split over every device
 
 
 class _DropTrackedMetricWarning(logging.Filter):
@@ -94,18 +96,13 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
-    """A ("data", "fsdp") mesh over all devices; mesh.data = -1 takes what fsdp leaves."""
-    devices, fsdp = jax.device_count(), config.mesh.fsdp
-    if fsdp != 1:
-        raise ValueError(f"mesh.fsdp={fsdp}: parameter sharding is not implemented yet; use 1")
-    data = devices // fsdp if config.mesh.data == -1 else config.mesh.data
-    if data * fsdp != devices:
-        raise ValueError(f"mesh data={data} x fsdp={fsdp} must equal the {devices} devices")
+    """The ("data", "fsdp") mesh of config.mesh over all devices (see `sparse_jax.sharding`)."""
+    mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp)
     micro = config.batch_size // config.optimizer.grad_accum
-    if micro % (data * fsdp):
+    if micro % mesh.size:
         raise ValueError(f"the micro-batch of {micro} sequences (batch_size / grad_accum) does "
-                         f"not split evenly over {data * fsdp} devices")
-    return jax.make_mesh((data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto,) * 2)
+                         f"not split evenly over {mesh.size} devices")
+    return mesh
 
 
 def make_optimizer(config: ml_collections.ConfigDict):
@@ -152,13 +149,15 @@ def config_differences(saved: dict, config: dict) -> list[str]:
 # Steps.
 
 
-def make_train_step(model_def, opt_def, config, schedule):
-    """train_step(state, batch, rng) -> (state, metrics); state = {"params", "opt"}."""
+def make_train_step(model_def, opt_def, config, schedule, activation_sharding=None):
+    """train_step(state, batch, rng) -> (state, metrics); state = {"params", "opt"}.
+    `activation_sharding`: see `SparseTransformer.from_embeddings`."""
     accum = config.optimizer.grad_accum
 
     def loss_fn(params, inputs, targets, key):
         model = nnx.merge(model_def, params)
-        return loss_bits(model(inputs, dropout_rng=key), targets)
+        logits = model(inputs, dropout_rng=key, activation_sharding=activation_sharding)
+        return loss_bits(logits, targets)
 
     def train_step(state, batch, rng):
         optimizer = nnx.merge(opt_def, state["opt"])
@@ -188,15 +187,75 @@ def make_train_step(model_def, opt_def, config, schedule):
     return train_step
 
 
-def make_eval_step(model_def):
+def make_eval_step(model_def, activation_sharding=None):
     """eval_step(params, batch) -> (sum of bits over the masked targets, number of targets)."""
 
     def eval_step(params, batch):
-        logits = nnx.merge(model_def, params)(batch["inputs"])
+        logits = nnx.merge(model_def, params)(batch["inputs"],
+                                              activation_sharding=activation_sharding)
         count = batch["mask"].sum()
         return loss_bits(logits, batch["targets"], batch["mask"]) * count, count
 
     return eval_step
+
+
+class Jitted(NamedTuple):
+    """The jitted functions of a run on a mesh and the shardings they use."""
+
+    init: Any  # () -> state, created sharded (never whole on one device)
+    train_step: Any  # (state, batch, rng) -> (state, metrics); the state is donated
+    eval_step: Any  # (params, batch) -> (sum of bits, count)
+    abstract_state: Any  # ShapeDtypeStructs (with shardings) of the state
+    state_sharding: Any  # NamedSharding per array of the state
+    batch_sharding: NamedSharding  # a batch split over all devices
+
+
+def _state_builders(config, cfg: ModelConfig):
+    """(create, init, schedule): create() -> (model, optimizer); init() -> the state
+    {"params", "opt"} of nnx States; the learning-rate schedule."""
+    tx, schedule = make_optimizer(config)
+
+    def create():
+        model = SparseTransformer(cfg, rngs=nnx.Rngs(config.seed))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def init():
+        model, optimizer = create()
+        return {"params": nnx.state(model), "opt": nnx.state(optimizer)}
+
+    return create, init, schedule
+
+
+def per_device_memory(config, devices: int) -> dict:
+    """What each device stores of the training state on config.mesh over `devices` devices:
+    {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
+    device or allocation needed, so it can size a run for a machine you do not have)."""
+    cfg = model_config(config.model)
+    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
+    state = jax.eval_shape(_state_builders(config, cfg)[1])
+    return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
+            "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}
+
+
+def make_jitted(config, cfg: ModelConfig, mesh: Mesh) -> Jitted:
+    """Builds the state layout (shapes only, under eval_shape) and jits init, train and eval
+    steps with in/out shardings: parameters and optimizer state by `sparse_jax.sharding`'s
+    rules (split over "fsdp", replicated over "data"), batches split over all devices."""
+    create, init, schedule = _state_builders(config, cfg)
+    model_def, opt_def = (nnx.graphdef(x) for x in nnx.eval_shape(create))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    abstract = jax.eval_shape(init)
+    state_sharding = sharding_lib.state_shardings(abstract, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, state_sharding)
+    train_step = jax.jit(make_train_step(model_def, opt_def, config, schedule, batch_sharding),
+                         in_shardings=(state_sharding, batch_sharding, replicated),
+                         out_shardings=(state_sharding, replicated), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(model_def, batch_sharding),
+                        in_shardings=(state_sharding["params"], batch_sharding))
+    return Jitted(jax.jit(init, out_shardings=state_sharding), train_step, eval_step, abstract,
+                  state_sharding, batch_sharding)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,43 +474,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
 
-    tx, schedule = make_optimizer(config)
-
-    def create():
-        model = SparseTransformer(cfg, rngs=nnx.Rngs(config.seed))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    def init():
-        model, optimizer = create()
-        return {"params": nnx.state(model), "opt": nnx.state(optimizer)}
-
-    model_def, opt_def = (nnx.graphdef(x) for x in nnx.eval_shape(create))
+    jitted = make_jitted(config, cfg, mesh)
+    abstract, batch_sharding = jitted.abstract_state, jitted.batch_sharding
+    train_step, eval_step = jitted.train_step, jitted.eval_step
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-    abstract = jax.eval_shape(init)
-    state_sharding = jax.tree.map(lambda _: replicated, abstract)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, state_sharding)
-    train_step = jax.jit(make_train_step(model_def, opt_def, config, schedule),
-                         in_shardings=(state_sharding, batch_sharding, replicated),
-                         out_shardings=(state_sharding, replicated), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(model_def),
-                        in_shardings=(state_sharding["params"], batch_sharding))
 
     manager = make_checkpoint_manager(workdir, config.keep_checkpoints)
     window = {"bits": 0.0, "grad_norm": 0.0, "count": 0}  # train metrics since the last log
     if resuming:
         step = manager.latest_step()
         state, meta = restore_checkpoint(manager, step, abstract)
-        rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+        key_data = np.asarray(meta["rng"], np.uint32)
         iterator = dataset.train_batches(config.batch_size // jax.process_count(), meta["data"])
         window, best = meta["window"], meta["best_valid_bits"]
     else:
         step, best = 0, None
-        state = jax.jit(init, out_shardings=state_sharding)()
-        rng = jax.random.key(config.seed)
+        state = jitted.init()
+        key_data = np.asarray(jax.random.key_data(jax.random.key(config.seed)))
         iterator = dataset.train_batches(config.batch_size // jax.process_count())
-    rng = jax.device_put(rng, replicated)
+    # On every device of every process (a device_put cannot reach other processes' devices).
+    rng = jax.random.wrap_key_data(jax.make_array_from_process_local_data(replicated, key_data))
 
     log = Logger(workdir, step, config.total_steps)
     params = sum(x.size for x in jax.tree.leaves(abstract["params"]))

@@ -145,6 +145,20 @@ def test_train_batches_resume_exactly_and_differ_per_process():
     assert not np.array_equal(next(other)["inputs"], expected[0]["inputs"])
 
 
+def test_global_training_batch_does_not_depend_on_the_process_count():
+    """Two processes reading 4 windows each see the 8 windows that one process reads: a
+    multi-host run trains on the same batches as a single-host run."""
+    config = {"name": "embedded", "embedded_bytes": 20_000, "seed": 2}
+    whole = D.make_dataset(config, seq_len=64).train_batches(batch_size=8)
+    halves = [D.make_dataset(config, seq_len=64, process_index=p, process_count=2)
+              .train_batches(batch_size=4) for p in range(2)]
+    for _ in range(3):
+        want = next(whole)
+        got = [next(h) for h in halves]
+        for key in ("inputs", "targets"):
+            np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), want[key])
+
+
 @pytest.mark.parametrize("n,seq_len,m", [(1000, 64, None), (1000, 64, 0), (1000, 64, 32),
                                          (1000, 64, 63), (65, 64, 10), (64, 64, None),
                                          (10, 64, 5), (2, 4, 1), (777, 100, 90)])

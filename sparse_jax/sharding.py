@@ -1,0 +1,210 @@
+"""Device meshes, parameter sharding through logical axis names, and multi-host start-up.
+
+The mesh has two axes: ``data`` and ``fsdp``. A batch is split over both (every device holds
+``batch / devices`` sequences). Parameters and optimizer state are sharded over ``fsdp``
+(fully-sharded data parallel: each device stores 1/fsdp of every large array and XLA gathers a
+layer's weights when it runs) and replicated over ``data``. ``mesh.fsdp = 1`` is plain data
+parallelism: the same code, with every array whole on every device.
+
+Every parameter's axes have logical names (``PARAM_AXES``, by the parameter's place in the
+model: ``("embed", "mlp")`` for the first feed-forward kernel, ...), and ``RULES`` maps logical
+names to mesh axes. The default shards the model width ``embed``, the one axis that every
+weight matrix of the model has, so every large array is split evenly; the rest stay whole. The
+embedding tables (token and position; small: 256 or ~sqrt(n) rows) name their width ``table``
+and stay whole: a lookup into a table split along its width would split the activations
+along the width too (XLA then replicates them to get back to the batch split). Optimizer
+state (Adam's ``mu`` and ``nu``) mirrors the parameters' paths and takes the same shardings.
+
+Multi-host: ``initialize_distributed`` wraps ``jax.distributed.initialize`` (cluster
+auto-detection on SLURM, Open MPI, Kubernetes and Cloud TPU, or an explicit coordinator); then
+``jax.devices()`` spans all hosts, each process feeds its own slice of every global batch
+(``jax.make_array_from_process_local_data``) and the same jitted step runs everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp")
+
+# Logical axis names of each parameter, keyed by (module name, parameter name) as they appear
+# at the end of the parameter's path. A leading "layers" axis is added for the stacked
+# parameters of `scan_layers` models.
+PARAM_AXES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("token_embed", "embedding"): ("vocab", "table"),
+    ("head", "kernel"): ("embed", "vocab"),
+    ("head", "bias"): ("vocab",),
+    ("query", "kernel"): ("embed", "qk"),
+    ("query", "bias"): ("qk",),
+    ("key", "kernel"): ("embed", "qk"),
+    ("key", "bias"): ("qk",),
+    ("value", "kernel"): ("embed", "heads"),
+    ("value", "bias"): ("heads",),
+    ("out", "kernel"): ("heads", "embed"),
+    ("out", "bias"): ("embed",),
+    ("ff_in", "kernel"): ("embed", "mlp"),
+    ("ff_in", "bias"): ("mlp",),
+    ("ff_out", "kernel"): ("mlp", "embed"),
+    ("ff_out", "bias"): ("embed",),
+    ("attn_norm", "scale"): ("norm",),
+    ("attn_norm", "bias"): ("norm",),
+    ("ff_norm", "scale"): ("norm",),
+    ("ff_norm", "bias"): ("norm",),
+    ("final_norm", "scale"): ("norm",),
+    ("final_norm", "bias"): ("norm",),
+}
+# Position embeddings live in a list: (..., "pos_embeds", i, "embedding").
+POSITION_AXES = ("position", "table")
+
+# Logical axis -> mesh axis (absent: not sharded).
+RULES: dict[str, str] = {"embed": "fsdp"}
+
+
+def _names(path) -> list:
+    """The keys of a jax tree path as plain strings / ints (the `.value` attribute access that
+    ends the path of an nnx.Variable is dropped)."""
+    out = []
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            out.append(entry.key)
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            out.append(entry.idx)
+        elif not isinstance(entry, jax.tree_util.GetAttrKey):
+            out.append(str(entry))
+    return out
+
+
+def logical_axes(path, ndim: int) -> tuple[str, ...]:
+    """Logical axis names of an array of rank `ndim` at `path` (a jax tree path, or a tuple of
+    names such as ("blocks", 0, "ff_in", "kernel")): a parameter, or optimizer state that
+    mirrors one. Scalars (step counts) get ()."""
+    names = list(path) if all(isinstance(n, (str, int)) for n in path) else _names(path)
+    if ndim == 0:
+        return ()
+    axes = None
+    if len(names) >= 2 and (names[-2], names[-1]) in PARAM_AXES:
+        axes = PARAM_AXES[names[-2], names[-1]]
+    elif len(names) >= 3 and names[-3] == "pos_embeds" and names[-1] == "embedding":
+        axes = POSITION_AXES
+    where = "/".join(map(str, names))
+    if axes is None:
+        raise ValueError(f"no logical axis names for the array at {where} (rank {ndim}); add "
+                         "its module and name to sparse_jax.sharding.PARAM_AXES")
+    if ndim == len(axes) + 1:  # stacked over layers (scan_layers)
+        axes = ("layers", *axes)
+    if ndim != len(axes):
+        raise ValueError(f"{where} has rank {ndim}, but its logical axes {axes} name {len(axes)}")
+    return axes
+
+
+def partition_spec(axes: tuple[str | None, ...], rules: Mapping[str, str] = RULES) -> P:
+    return P(*(rules.get(a) if a is not None else None for a in axes))
+
+
+def state_partition_specs(abstract_state, rules: Mapping[str, str] = RULES):
+    """A PartitionSpec for every array of a (parameters / optimizer) state pytree."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: partition_spec(logical_axes(path, len(x.shape)), rules), abstract_state)
+
+
+def check_divisible(abstract_state, specs, mesh_shape: Mapping[str, int]) -> None:
+    """ValueError naming the first array whose sharded axis does not split evenly."""
+    for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(abstract_state),
+                               jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        for dim, axis in zip(x.shape, spec):
+            if axis is not None and dim % mesh_shape[axis]:
+                raise ValueError(
+                    f"{'/'.join(map(str, _names(path)))} of shape {tuple(x.shape)} cannot be split "
+                    f"over mesh axis {axis!r} of size {mesh_shape[axis]} ({dim} is not a multiple); "
+                    f"choose mesh.fsdp dividing the model width")
+
+
+def state_shardings(abstract_state, mesh: Mesh, rules: Mapping[str, str] = RULES):
+    """NamedShardings for a state pytree on `mesh` (after checking that every split is even)."""
+    specs = state_partition_specs(abstract_state, rules)
+    check_divisible(abstract_state, specs, dict(mesh.shape))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def mesh_shape(devices: int, data: int, fsdp: int) -> dict[str, int]:
+    """{"data": d, "fsdp": f} with d x f = devices; data = -1 takes what fsdp leaves."""
+    if not isinstance(fsdp, int) or fsdp < 1:
+        raise ValueError(f"mesh.fsdp must be a positive integer, got {fsdp!r}")
+    if devices % fsdp:
+        raise ValueError(f"mesh.fsdp={fsdp} does not divide the {devices} devices")
+    data = devices // fsdp if data == -1 else data
+    if not isinstance(data, int) or data < 1 or data * fsdp != devices:
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} must equal the {devices} devices "
+                         "(set mesh.data=-1 to use all devices the fsdp axis leaves)")
+    return {"data": data, "fsdp": fsdp}
+
+
+def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
+    """A ("data", "fsdp") mesh over `devices` (default: all devices of all processes)."""
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape(len(devices), data, fsdp)
+    return jax.make_mesh((shape["data"], shape["fsdp"]), MESH_AXES, devices=devices,
+                         axis_types=(AxisType.Auto,) * 2)
+
+
+def per_device_bytes(abstract_state, mesh_shape: Mapping[str, int],
+                     rules: Mapping[str, str] = RULES) -> int:
+    """Bytes of `abstract_state` that one device stores on a mesh of `mesh_shape` (no devices
+    needed: computed from shapes and the sharding rules)."""
+    specs = state_partition_specs(abstract_state, rules)
+    check_divisible(abstract_state, specs, mesh_shape)
+    total = 0
+    for x, spec in zip(jax.tree.leaves(abstract_state),
+                       jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        split = math.prod(mesh_shape[a] for a in spec if a is not None)
+        total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize // split
+    return total
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None, process_id: int | None = None,
+                           auto: bool = False) -> bool:
+    """Joins a multi-process run; returns whether one was joined.
+
+    With a coordinator address (argument or $JAX_COORDINATOR_ADDRESS), the process count and
+    this process's id are required, unless a cluster launcher provides them. With `auto`, JAX
+    detects the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU). Without either it does nothing
+    (one process). On CPU, cross-process collectives use gloo.
+    """
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (auto or coordinator_address or num_processes or process_id is not None):
+        return False
+    if coordinator_address and not auto and (num_processes is None or process_id is None):
+        raise ValueError("a coordinator address needs --num_processes and --process_id (or "
+                         "--jax_distributed to read them from the cluster launcher)")
+    if num_processes is not None and process_id is not None and \
+            not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+    return True
+
+
+def define_distributed_flags():
+    """Defines the absl flags of a multi-process run (--jax_distributed, --coordinator_address,
+    --num_processes, --process_id) for a script; returns a function that joins the run they
+    describe (`initialize_distributed`), to call in main() before anything touches a device."""
+    from absl import flags
+
+    auto = flags.DEFINE_bool("jax_distributed", False, "Join a multi-process run whose "
+                             "coordinator, size and rank the cluster launcher provides (SLURM, "
+                             "Open MPI, Kubernetes, Cloud TPU).")
+    address = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a "
+                                  "multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
+    count = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+    rank = flags.DEFINE_integer("process_id", None, "This process's rank, 0 .. N-1.")
+    return lambda: initialize_distributed(address.value, count.value, rank.value,
+                                          auto=auto.value)

@@ -1,0 +1,264 @@
+"""Meshes, FSDP sharding and multi-process training.
+
+The pytest process has one CPU device. Runs on 8 devices use a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (and JAX_CPU_ENABLE_ASYNC_DISPATCH=false: many
+queued steps on fake CPU devices can deadlock in an all-reduce); the multi-process test starts two
+processes of 2 devices each that meet through a coordinator on 127.0.0.1.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from sparse_jax import model as M
+from sparse_jax import sharding as S
+from sparse_jax import train
+from test_train import ROOT, get_config, read_metrics
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Every run below: the tiny bytes model, a global batch of 16 in 2 micro-batches of 8 (one
+# sequence per device on 8 devices), 5 steps, checkpoints at 5 (and 8 after a resume).
+RUN = {"batch_size": 16, "optimizer__grad_accum": 2, "optimizer__warmup_steps": 2,
+       "total_steps": 5, "eval_every": 5, "log_every": 1, "checkpoint_every": 5}
+
+
+def run_config(byte_file, **overrides):
+    return get_config("bytes", data__path=byte_file, **{**RUN, **overrides})
+
+
+def abstract_state(config):
+    cfg = M.model_config(config.model)
+    tx, _ = train.make_optimizer(config)
+
+    def init():
+        model = M.SparseTransformer(cfg, rngs=nnx.Rngs(0))
+        return {"params": nnx.state(model),
+                "opt": nnx.state(nnx.Optimizer(model, tx, wrt=nnx.Param))}
+
+    return jax.eval_shape(init)
+
+
+def losses(workdir, split="train"):
+    return {r["step"]: r["bits"] for r in read_metrics(workdir) if r["split"] == split}
+
+
+def child_env(devices):
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Logical axes and per-device memory (no devices needed).
+
+
+@pytest.mark.parametrize("name,arg,scan", [("quickstart", None, False),
+                                           ("enwik8", "size=paper", False),
+                                           ("cifar10", "size=paper", True),
+                                           ("cifar10", "size=tiny", False)])
+def test_every_parameter_and_optimizer_array_has_logical_axes(name, arg, scan):
+    config = get_config(name, arg, model__scan_layers=scan)
+    state = abstract_state(config)
+    specs = S.state_partition_specs(state)
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    assert len(spec_leaves) == len(leaves)
+    matrices = 0
+    for (path, x), spec in zip(leaves, spec_leaves):
+        assert len(spec) == x.ndim
+        name = jax.tree_util.keystr(path)
+        if x.ndim == 0:
+            assert spec == jax.sharding.PartitionSpec()
+        elif "embed" in name:  # token / position tables stay whole
+            assert "fsdp" not in spec, name
+        elif x.ndim == 2 + scan and "blocks" in name or "head" in name and x.ndim == 2:
+            assert "fsdp" in spec, name  # every weight matrix is split
+            matrices += 1
+    assert matrices >= 3 * 6  # q, k, v, out, ff_in, ff_out of params, mu and nu at least
+
+
+def test_per_device_memory_shrinks_with_fsdp():
+    state = abstract_state(get_config("enwik8", "size=paper"))
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert S.per_device_bytes(state, {"data": 8, "fsdp": 1}) == whole
+    quarter = S.per_device_bytes(state, {"data": 2, "fsdp": 4})
+    # Only the embedding tables, norms and step counts stay whole: under 2% of the model.
+    assert whole / 4 < quarter < whole / 4 * 1.02
+
+
+def test_logical_axes_by_path():
+    assert S.logical_axes(("blocks", 3, "ff_in", "kernel"), 2) == ("embed", "mlp")
+    assert S.logical_axes(("block_groups", "blocks", 0, "attn", "value", "kernel"), 3) == (
+        "layers", "embed", "heads")
+    assert S.logical_axes(("opt_state", 0, "mu", "pos_embeds", 1, "embedding"), 2) == (
+        "position", "table")
+    assert S.logical_axes(("opt", "step"), 0) == ()
+    with pytest.raises(ValueError, match="no logical axis names.*mystery/kernel"):
+        S.logical_axes(("blocks", 0, "mystery", "kernel"), 2)
+    with pytest.raises(ValueError, match="rank 4"):
+        S.logical_axes(("blocks", 0, "ff_in", "kernel"), 4)
+
+
+def test_bad_meshes_are_clear_errors():
+    assert S.mesh_shape(8, -1, 4) == {"data": 2, "fsdp": 4}
+    with pytest.raises(ValueError, match="does not divide the 8 devices"):
+        S.mesh_shape(8, -1, 3)
+    with pytest.raises(ValueError, match="must equal the 8 devices"):
+        S.mesh_shape(8, 4, 4)
+    with pytest.raises(ValueError, match="positive integer"):
+        S.mesh_shape(8, -1, 0)
+    state = abstract_state(get_config("bytes", data__path="unused"))  # d_model = 64
+    with pytest.raises(ValueError, match="cannot be split over mesh axis 'fsdp' of size 3"):
+        S.per_device_bytes(state, {"data": 1, "fsdp": 3})
+
+
+def test_distributed_start_up_needs_size_and_rank(monkeypatch):
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert S.initialize_distributed() is False  # one process: nothing to join
+    with pytest.raises(ValueError, match="--num_processes and --process_id"):
+        S.initialize_distributed("127.0.0.1:1234")
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        S.initialize_distributed("127.0.0.1:1234", 2, 2)
+
+
+def test_describe_reports_per_device_memory():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "describe.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'enwik8.py')}", "--devices=8",
+         "--config.mesh.fsdp=4", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    per_device = info["per_device"]
+    assert per_device["mesh"] == {"data": 2, "fsdp": 4}
+    assert per_device["params_bytes"] == pytest.approx(info["params"] * 4 / 4, rel=0.02)
+    assert per_device["optimizer_bytes"] == pytest.approx(2 * per_device["params_bytes"],
+                                                          rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8 simulated devices and 2 processes against 1 device.
+
+
+def _eight_device_child(byte_file, workdir):
+    """Runs in a subprocess with 8 devices (see test_eight_devices_...)."""
+    assert jax.device_count() == 8
+    # Parameters and optimizer state are really split in the data x fsdp layout.
+    config = run_config(byte_file, mesh__fsdp=4)
+    cfg = M.model_config(config.model)
+    mesh = train.make_mesh(config)
+    jitted = train.make_jitted(config, cfg, mesh)
+    state = jitted.init()
+    kernel = state["params"]["blocks"][0]["ff_in"]["kernel"][...]
+    mu = state["opt"]["opt_state"][1][0]["mu"]["blocks"][0]["ff_in"]["kernel"][...]
+    for x in (kernel, mu):
+        assert x.sharding.spec == jax.sharding.PartitionSpec("fsdp", None), x.sharding
+        assert x.addressable_shards[0].data.shape == (x.shape[0] // 4, x.shape[1])
+    batch = {"inputs": jnp.zeros((16, cfg.seq_len), jnp.int32)}
+    batch["targets"] = batch["inputs"]
+    batch = jax.device_put(batch, jitted.batch_sharding)
+    rng = jax.device_put(jax.random.key(0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    state, _ = jitted.train_step(state, batch, rng)
+    kernel = state["params"]["blocks"][0]["ff_in"]["kernel"][...]
+    assert kernel.addressable_shards[0].data.shape == (kernel.shape[0] // 4, kernel.shape[1])
+    # The runs the parent compares with its 1-device runs.
+    train.train(run_config(byte_file), os.path.join(workdir, "data8"))
+    train.train(run_config(byte_file, mesh__fsdp=4), os.path.join(workdir, "fsdp4"))
+    train.train(run_config(byte_file, mesh__fsdp=4, total_steps=8),
+                os.path.join(workdir, "one_then_eight"))
+    print("CHILD OK")
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory, byte_file):
+    """A 1-device run: 5 steps (checkpoint at 5, copied to `one_then_eight`), then to 8."""
+    root = tmp_path_factory.mktemp("sharding")
+    train.train(run_config(byte_file), str(root / "one"))
+    shutil.copytree(root / "one", root / "one_then_eight")
+    train.train(run_config(byte_file, total_steps=8), str(root / "one"))
+    return root
+
+
+def test_eight_devices_match_one_device_and_checkpoints_move_between_them(one_device_run,
+                                                                           byte_file):
+    root = one_device_run
+    code = ("import test_sharding as t; "
+            f"t._eight_device_child({byte_file!r}, {str(root)!r})")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "CHILD OK" in out.stdout, out.stdout + out.stderr[-5000:]
+    one = losses(root / "one")
+    assert sorted(one) == list(range(1, 9))
+    for layout in ("data8", "fsdp4"):  # same global batch, 8 devices: same losses
+        got = losses(root / layout)
+        assert sorted(got) == [1, 2, 3, 4, 5]
+        for step in got:
+            assert got[step] == pytest.approx(one[step], abs=1e-5), (layout, step)
+        assert losses(root / layout, "valid")[5] == pytest.approx(
+            losses(root / "one", "valid")[5], abs=1e-5)
+    # Saved on 1 device, resumed on 8 (fsdp); saved on 8 (fsdp), resumed on 1.
+    train.train(run_config(byte_file, total_steps=8), str(root / "fsdp4"))
+    for workdir in ("one_then_eight", "fsdp4"):
+        got = losses(root / workdir)
+        for step in (6, 7, 8):
+            assert got[step] == pytest.approx(one[step], abs=1e-5), (workdir, step)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(one_device_run, byte_file, tmp_path):
+    """2 processes x 2 CPU devices, one coordinator on 127.0.0.1: each process reads its half
+    of every global batch; losses and the checkpoint equal the 1-device run's."""
+    workdir = tmp_path / "two"
+    address = f"127.0.0.1:{_free_port()}"
+    args = [f"--config.{k.replace('__', '.')}={v}" for k, v in RUN.items()]
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'bytes.py')}:size=tiny",
+         f"--workdir={workdir}", f"--config.data.path={byte_file}", *args,
+         f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}"],
+        env=child_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)[-6000:]
+    assert "mesh {'data': 4, 'fsdp': 1}" in outputs[0]
+    assert "Starting" not in outputs[1]  # only process 0 logs
+    one = losses(one_device_run / "one")
+    got = losses(workdir)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in got:
+        assert got[step] == pytest.approx(one[step], abs=1e-5), step
+    # The checkpoint both processes wrote resumes on 1 device, as the 1-device run went on.
+    train.train(run_config(byte_file, total_steps=8), str(workdir))
+    got = losses(workdir)
+    for step in (6, 7, 8):
+        assert got[step] == pytest.approx(one[step], abs=1e-5), step
+
+
+@pytest.fixture(scope="module")
+def byte_file(tmp_path_factory):
+    from sparse_jax import data as D
+
+    path = tmp_path_factory.mktemp("bytes") / "data.txt"
+    path.write_bytes(D.embedded_bytes(60_000, seed=1).tobytes())
+    return str(path)
