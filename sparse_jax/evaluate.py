@@ -20,7 +20,8 @@ The result is printed as a table and written as JSON to `DIR/eval/<split>_<step>
 survives checkpoint rotation; keys: split, step, bits, unit, num_scored, min_context, ...
 
 Checkpoints are opened read-only (safe while the run is still training). The batch is split
-over all devices (data parallel); with several processes each reads its share of the windows.
+over all devices (data parallel, and parameters split as in training when the run used
+mesh.fsdp > 1); with several processes each reads its share of the windows.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_jax import data as data_lib
+from sparse_jax import sharding as sharding_lib
 from sparse_jax import train as train_lib
 from sparse_jax.model import SparseTransformer, model_config
 
@@ -110,10 +112,12 @@ def resolve_step(manager: ocp.CheckpointManager, checkpoint) -> int:
     return checkpoint
 
 
-def restore_model(workdir: str, checkpoint="latest", sharding=None):
+def restore_model(workdir: str, checkpoint="latest", mesh=None):
     """(model, config, step): the run's config and the parameters of one checkpoint.
 
-    Only the `params` item is read. Arrays land with `sharding` (default: the first device).
+    Only the `params` item is read. With a `mesh` ("data", "fsdp" axes), the parameters land
+    sharded as in training (`sparse_jax.sharding`: split over "fsdp", copied over "data");
+    without one, whole on this process's first device.
     """
     check_workdir(workdir)
     checkpoint = parse_checkpoint(checkpoint)
@@ -124,15 +128,27 @@ def restore_model(workdir: str, checkpoint="latest", sharding=None):
         step = resolve_step(manager, checkpoint)
         graphdef, abstract = nnx.split(nnx.eval_shape(
             lambda: SparseTransformer(cfg, rngs=nnx.Rngs(0))))
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                              nnx.to_pure_dict(abstract))
+        pure = nnx.to_pure_dict(abstract)
+        if mesh is None:
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree.map(lambda _: device, pure)
+        else:
+            shardings = sharding_lib.state_shardings(pure, mesh)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              pure, shardings)
         restored = manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target)))
     finally:
         manager.close()
     nnx.replace_by_pure_dict(abstract, restored["params"])
     return nnx.merge(graphdef, abstract), config, step
+
+
+def eval_mesh(config, devices: int):
+    """The training mesh's fsdp split (when it divides `devices`) with data over the rest: a
+    model trained sharded is evaluated sharded."""
+    fsdp = config.mesh.fsdp if devices % config.mesh.fsdp == 0 else 1
+    return sharding_lib.make_mesh(-1, fsdp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,9 +194,10 @@ def _duration(seconds: float) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(graphdef, replicated, batch_sharding):
-    """The trainer's eval step (sum of bits, count), jitted once per model and mesh."""
-    return jax.jit(train_lib.make_eval_step(graphdef), in_shardings=(replicated, batch_sharding))
+def _eval_step(graphdef, batch_sharding):
+    """The trainer's eval step (sum of bits, count), jitted once per model and mesh; it runs
+    where its arguments live (parameters as restored, batches split over the mesh)."""
+    return jax.jit(train_lib.make_eval_step(graphdef, batch_sharding))
 
 
 def result_path(workdir: str, split: str, step: int, min_context: int | None) -> str:
@@ -214,12 +231,12 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         raise ValueError("min_context applies to byte data only" if image else
                          f"min_context must be in [0, seq_len={cfg.seq_len}), got {min_context}")
 
-    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,))
-    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    model, config, step = restore_model(workdir, checkpoint, replicated)
+    mesh = eval_mesh(config, devices)
+    batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
+    model, config, step = restore_model(workdir, checkpoint, mesh)
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes)
     graphdef, params = nnx.split(model)
-    eval_step = _eval_step(graphdef, replicated, batch_sharding)
+    eval_step = _eval_step(graphdef, batch_sharding)
 
     split_data = dataset.splits[split]
     count = len(split_data) if dataset.unit == "dim" else len(

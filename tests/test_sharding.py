@@ -175,7 +175,13 @@ def _eight_device_child(byte_file, workdir):
     train.train(run_config(byte_file, mesh__fsdp=4), os.path.join(workdir, "fsdp4"))
     train.train(run_config(byte_file, mesh__fsdp=4, total_steps=8),
                 os.path.join(workdir, "one_then_eight"))
-    print("CHILD OK")
+    # Evaluation of a run trained with fsdp restores its parameters split the same way.
+    from sparse_jax import evaluate
+
+    result = evaluate.evaluate(os.path.join(workdir, "fsdp4"), "valid", 5, progress=False,
+                               write=False)
+    assert result["devices"] == 8
+    print("CHILD OK", json.dumps({"eval_bits": result["bits"]}))
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +202,11 @@ def test_eight_devices_match_one_device_and_checkpoints_move_between_them(one_de
     out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "CHILD OK" in out.stdout, out.stdout + out.stderr[-5000:]
+    child = json.loads(out.stdout.split("CHILD OK", 1)[1])
+    from sparse_jax import evaluate
+
+    on_one = evaluate.evaluate(str(root / "fsdp4"), "valid", 5, progress=False, write=False)
+    assert child["eval_bits"] == pytest.approx(on_one["bits"], abs=1e-5)
     one = losses(root / "one")
     assert sorted(one) == list(range(1, 9))
     for layout in ("data8", "fsdp4"):  # same global batch, 8 devices: same losses
