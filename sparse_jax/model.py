@@ -260,8 +260,13 @@ class Block(nnx.Module):
     def __call__(self, h_BND, dropout_key=None):
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         a_BND = _dropout(self.attn(self.attn_norm(h_BND)), self.dropout, keys[0])
+        return self.finish(h_BND, a_BND, keys[1])
+
+    def finish(self, h_BND, a_BND, dropout_key=None):
+        """The block's output given its attention branch ``a``: H + a + b. (The cached sampler
+        computes ``a`` one position at a time and finishes the block here.)"""
         x_BND = self.ff_norm(h_BND + a_BND)
-        b_BND = _dropout(self.ff_out(jax.nn.gelu(self.ff_in(x_BND))), self.dropout, keys[1])
+        b_BND = _dropout(self.ff_out(jax.nn.gelu(self.ff_in(x_BND))), self.dropout, dropout_key)
         return h_BND + a_BND + b_BND  # float32 stream + compute-dtype branches -> float32
 
 
@@ -319,14 +324,17 @@ class SparseTransformer(nnx.Module):
         self.final_norm = nnx.LayerNorm(d, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
         self.head = _linear(d, cfg.vocab_size, 0.125 / math.sqrt(d), cfg, rngs, jnp.float32)
 
-    def embed(self, tokens_BN) -> jax.Array:
-        """Token plus position embeddings, float32[B, n, d]; positions 0..n-1."""
+    def embed(self, tokens_BN, positions_N=None) -> jax.Array:
+        """Token plus position embeddings, float32[B, n, d]; the tokens sit at positions
+        0..n-1, or at ``positions_N`` (int[n], may be traced: the cached sampler embeds one
+        position at a time)."""
         seq_len = tokens_BN.shape[1]
         if seq_len > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds seq_len={self.cfg.seq_len}")
         h_BND = self.token_embed(tokens_BN)
         for table, (_, index) in zip(self.pos_embeds, _position_tables(self.cfg)):
-            h_BND = h_BND + table(jnp.asarray(index[:seq_len]))[None]
+            rows = index[:seq_len] if positions_N is None else jnp.asarray(index)[positions_N]
+            h_BND = h_BND + table(jnp.asarray(rows))[None]
         return h_BND
 
     def from_embeddings(self, h_BND, *, dropout_rng=None, activation_sharding=None

@@ -106,9 +106,7 @@ def _block_step(block, layer, h_B1D, cache, table_of, i):
             keys, values = k_BFHD[:, safe, heads], v_BFHD[:, safe, heads]
         outs.append(_attend(q_BHD[:, heads], keys, values, valid).astype(q_BHD.dtype))
     a_B1D = attn.out(jnp.concatenate(outs, axis=1).reshape(batch, 1, -1))
-    x_B1D = block.ff_norm(h_B1D + a_B1D)  # the rest of Block.__call__ (no dropout)
-    b_B1D = block.ff_out(jax.nn.gelu(block.ff_in(x_B1D)))
-    return h_B1D + a_B1D + b_B1D, (k_cache, v_cache)
+    return block.finish(h_B1D, a_B1D), (k_cache, v_cache)
 
 
 def decode_step(model, tables, cache, token_B, i):
@@ -120,9 +118,7 @@ def decode_step(model, tables, cache, token_B, i):
     """
     cfg = model.cfg
     table_of = dict(zip(decode_specs(cfg), tables))
-    h_B1D = model.token_embed(token_B[:, None])
-    for table, (_, index) in zip(model.pos_embeds, model_lib._position_tables(cfg)):
-        h_B1D = h_B1D + table(jnp.asarray(index)[i][None])[None]  # as SparseTransformer.embed
+    h_B1D = model.embed(token_B[:, None], jnp.asarray(i)[None])
     if not cfg.scan_layers:
         for layer, block in enumerate(model.blocks):
             h_B1D, cache = _block_step(block, layer, h_B1D, cache, table_of, i)
