@@ -383,8 +383,10 @@ def embedded_bytes(num_bytes: int, seed: int = 0, *, row_width: int = 32, copy_d
 
     Rows are `row_width` bytes: `row_width - 1` symbols then a newline. Row r (r >= copy_distance)
     is, with probability `copy_prob`, an exact copy of row r - copy_distance, i.e. of the bytes
-    exactly copy_distance * row_width positions back (a strided pattern with stride row_width
-    sees them directly; a model that cannot look that far back cannot predict them). Otherwise it
+    exactly D = copy_distance * row_width positions back. Position i predicts byte i + 1, whose
+    copy sits at i + 1 - D, so a strided pattern with stride D - 1 sees it directly (stride D
+    needs the model to learn a relative offset; configs/quickstart.py); a model that cannot look
+    that far back cannot predict the copies. Otherwise it
     is fresh: a Markov chain over `alphabet_size` printable characters whose first symbol is
     uniform and each next one uniform over `branching` successors of the previous. The successor
     table is doubly stochastic, so every symbol is equally frequent (unigram entropy about
