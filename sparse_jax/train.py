@@ -499,7 +499,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     log.print(f"{'Resuming from step ' + str(step) if resuming else 'Starting'} in {workdir}: "
               f"{config.data.name} ({dataset.unit}s), {params / 1e6:.2f}M parameters, "
-              f"{cfg.num_layers} layers, pattern {cfg.base_spec}, mesh {dict(mesh.shape)}, "
+              f"{cfg.num_layers} layers, pattern {cfg.base_spec}, mesh {dict(mesh.shape)} "
+              f"({sharding_lib.per_device_bytes(abstract, dict(mesh.shape)) / 2**20:,.1f} MiB "
+              f"of parameters and optimizer state per device), "
               f"batch {config.batch_size} x {cfg.seq_len}")
     tokens_per_step = config.batch_size * cfg.seq_len
     result = {"step": step, "valid_bits": None, "best_valid_bits": best, "interrupted": None}
