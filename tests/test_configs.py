@@ -21,7 +21,7 @@ VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "cifar10.py": {"pattern": ["strided", "fixed", "dense"], "size": ["paper", "small", "tiny"]},
-    "quickstart.py": {"pattern": ["strided", "local", "dense"]},
+    "quickstart.py": {"pattern": ["strided", "local", "dense", "fixed"]},
 }
 
 
