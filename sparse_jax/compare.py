@@ -36,8 +36,8 @@ What is measured, per pattern:
 - validation bits: the final checkpoint evaluated on the whole valid split
   (`evaluate.evaluate`); the curve is the trainer's validation passes (config.eval_every,
   config.eval_batches);
-- wall time: seconds since the process started (start-up, compilation, validation passes and
-  checkpoints included); the time between an interrupted session and its resumption is left out.
+- wall time: seconds since the process was launched (Python start-up, compilation, validation
+  passes and checkpoints included); the time between an interrupted session and its resumption is left out.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ from sparse_jax import train as train_lib
 from sparse_jax.model import PATTERNS, describe, model_config
 
 DEFAULT_PATTERNS = ("dense", "strided", "fixed")
+NOTE = ("s/step and tokens/s: median over the log windows after the first (which includes "
+        "compilation). Peak RSS: the whole training process. Valid bits: the last checkpoint on "
+        "the whole valid split. Wall s: from process launch to the end of that evaluation.")
 STUDY_FILE = "study.json"
 
 
@@ -79,7 +82,8 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
 
 def check_patterns(patterns, steps: int | None = None) -> tuple[str, ...]:
     """The pattern names as a tuple; ValueError for unknown or repeated names or steps < 1."""
-    patterns = tuple(p.strip() for p in ([patterns] if isinstance(patterns, str) else patterns))
+    patterns = tuple(p.strip() for p in (patterns.split(",") if isinstance(patterns, str)
+                                          else patterns))
     unknown = [p for p in patterns if p not in PATTERNS]
     if unknown or not patterns:
         raise ValueError(f"unknown pattern(s) {unknown or patterns!r}; choose from {list(PATTERNS)}")
@@ -177,13 +181,14 @@ def run_status(run_dir: str, config) -> str:
     return "done" if final and final["step"] == config.total_steps else "resume"
 
 
-def train_and_evaluate(run_dir: str) -> dict:
+def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
     """Trains (or resumes) the run whose config is `run_dir/config.json`, evaluates its last
-    checkpoint on the valid split and records the session in `run_dir/study.json`. Meant to run
-    in a fresh process (`python -m sparse_jax.compare RUN_DIR`)."""
+    checkpoint on the valid split and records the session in `run_dir/study.json`; the session
+    starts at `launched` (default: now). Meant to run in a fresh process
+    (`python -m sparse_jax.compare RUN_DIR LAUNCH_TIME`)."""
     from sparse_jax import evaluate
 
-    start = time.time()
+    start = time.time() if launched is None else launched
     config = train_lib.load_config(run_dir)
     study_path = os.path.join(run_dir, STUDY_FILE)
     study = _read_json(study_path, {"sessions": []})
@@ -286,7 +291,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     unit = rows[0]["unit"] if rows else "byte"
     axes[0].set_ylabel(f"validation bits/{unit}")
     axes[0].set_xlabel("step")
-    axes[1].set_xlabel("wall time, s (start-up, compilation and evaluation included)")
+    axes[1].set_xlabel("wall time, s (compilation and validation included)")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend()
@@ -306,9 +311,11 @@ def write_outputs(rows: list[dict], output_dir: str, info: dict) -> dict[str, st
     _write_json(paths["json"], {**info, "patterns": rows})
     m = info["machine"]
     with open(paths["markdown"], "w") as f:
+        if info.get("command"):
+            f.write(f"```bash\n{info['command']}\n```\n\n")
         f.write(f"{info['config']}, {info['steps']} steps of {info['batch_size']} sequences, "
                 f"seed {info['seed']}; {m['cpu']}, {m['cores']} cores, jax {m['jax']} "
-                f"({m['backend']})\n\n{markdown(rows)}\n")
+                f"({m['backend']}).\n\n{markdown(rows)}\n\n{NOTE}\n")
     plot(rows, paths["plot"], f"{info['config']}, {info['steps']} steps")
     return paths
 
@@ -340,8 +347,8 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
         verb = "resuming" if status[pattern] == "resume" else "training"
         log(f"{pattern}: {verb} {config.total_steps} steps in {run_dir} "
             f"(log: {os.path.join(run_dir, 'train.log')})")
-        out = benchmarking.run_isolated(["-m", "sparse_jax.compare", run_dir], env=env,
-                                        timeout_s=None)
+        out = benchmarking.run_isolated(["-m", "sparse_jax.compare", run_dir, repr(time.time())],
+                                        env=env, timeout_s=None)
         if "error" in out or out.get("interrupted"):
             raise RuntimeError(f"pattern {pattern} did not finish "
                                f"({out.get('error') or out['interrupted']}); see "
@@ -362,10 +369,10 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
 def _worker(argv):
     from absl import logging
 
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m sparse_jax.compare RUN_DIR")
+    if len(argv) not in (2, 3):
+        raise SystemExit("usage: python -m sparse_jax.compare RUN_DIR [LAUNCH_TIME]")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    result = train_and_evaluate(argv[1])
+    result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)
     print(json.dumps(result), flush=True)
     if result["interrupted"]:
         import signal
