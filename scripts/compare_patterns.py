@@ -42,8 +42,10 @@ def main(argv):
             config_flags.get_config_filename(config_flag), _WORKDIR.value, _PATTERNS.value,
             steps=_STEPS.value, overrides=config_flags.get_override_values(config_flag),
             output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
-    except ValueError as e:  # bad input, found before anything trains
+    except (ValueError, RuntimeError) as e:  # bad input (before anything trains); a failed run
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # the run in progress saves a checkpoint on the same Ctrl-C
+        sys.exit("interrupted; run the same command to resume")
     print(compare.markdown(result["patterns"]))
     print("Wrote " + ", ".join(result["outputs"].values()))
 
