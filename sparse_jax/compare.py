@@ -71,8 +71,6 @@ STUDY_FILE = "study.json"
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
     """`"configs/cifar10.py:size=tiny"` -> that file's `get_config("size=tiny")`."""
     path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ValueError(f"config file {path} not found")
     name = "config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -100,6 +98,8 @@ def pattern_configs(config_spec: str, patterns=DEFAULT_PATTERNS, *, steps: int |
     arguments, then `overrides` (flat: {"optimizer.lr": 1e-3}), then total_steps = steps."""
     patterns = check_patterns(patterns, steps)
     path, _, arg = config_spec.partition(":")
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path} not found")
     items = [s.strip() for s in arg.split(",") if s.strip()]
     overrides = dict(overrides or {})
     if any(s.partition("=")[0].strip() == "pattern" for s in items) or "model.pattern" in overrides:

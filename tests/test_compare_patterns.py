@@ -135,6 +135,7 @@ def test_bad_input_is_refused_before_anything_trains(study, tmp_path, monkeypatc
         (dict(patterns=["dense", "sparse"]), "unknown pattern"),
         (dict(patterns=["dense", "dense"]), "listed twice"),
         (dict(steps=0), "steps must be a positive integer"),
+        (dict(config=os.path.join(ROOT, "configs", "nope.py")), "nope.py not found"),
         (dict(overrides={**SMALL, "model.seq_len": 100}), r"pattern fixed: .*stride=127.*seq_len"),
         (dict(config=QUICKSTART + ":pattern=dense"), "comes from --patterns"),
         (dict(config=os.path.join(ROOT, "configs", "cifar10.py:size=tiny"), patterns=["local"]),
