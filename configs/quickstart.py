@@ -20,7 +20,9 @@ embeddings; measured here, 2-layer models with those strides (and dense attentio
 ~3.15 bits/byte (bigram level) for 400-1,500 steps, while stride 127 passed 2.04 in ~150 steps.
 The local window (33) covers the current row and the newline before it.
   pattern = strided (default) | local (window 33 only: cannot see the copies, so it cannot get
-            below 2.94) | dense
+            below 2.94) | dense | fixed (l=127, c=32: the paper's c = l/4; a query sees its own
+            row of the grid and the last 32 positions of every earlier row, so only a quarter of
+            the copy sources directly)
 """
 
 import os
@@ -31,7 +33,7 @@ import common  # noqa: E402  (configs/common.py: the shared fields)
 
 
 def get_config(arg=None):
-    args = common.parse_args(arg, pattern=("strided", "local", "dense"))
+    args = common.parse_args(arg, pattern=("strided", "local", "dense", "fixed"))
     c = common.base()
     c.data.name = "embedded"  # generated in-process (data.embedded_bytes)
     c.data.embedded_bytes = 2**21  # 2 MiB: 1.9M train / 105K valid / 105K test bytes
@@ -42,8 +44,10 @@ def get_config(arg=None):
     c.model.num_heads = 4  # heads
     c.model.pattern = args["pattern"]  # strided: local window + every 127th byte back
     c.model.stride = 127  # l: the copy source of each target is 127 positions back
-    # Local window of 33: the current row and the previous newline (dense has no window).
-    c.model.local_width = None if args["pattern"] == "dense" else 33
+    if args["pattern"] == "fixed":
+        c.model.c = 32  # summary width, l / 4 (paper: l=128, c=32)
+    # Local window of 33: the current row and the previous newline (dense and fixed have none).
+    c.model.local_width = 33 if args["pattern"] in ("strided", "local") else None
     c.model.pos_emb = "text"  # row and column of the (4, 127) grid
     c.model.mode = "merged"  # every head attends both parts
 

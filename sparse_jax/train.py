@@ -6,7 +6,8 @@ Orbax checkpoints with exact resume, and logs a person and TensorBoard can read.
   workdir/config.json        the config it ran with (`load_config` reads it back)
   workdir/checkpoints/<step> Orbax: `params` and `opt` (StandardSave), `meta` (JsonSave: step,
                              data iterator position, RNG key, partial log window)
-  workdir/metrics.jsonl      one JSON object per logged step: step, split (train | valid), bits, ...
+  workdir/metrics.jsonl      one JSON object per logged step: step, split (train | valid), time
+                             (Unix seconds when written), bits, ...
   workdir/tensorboard/       TensorBoard events (train/valid bits, lr, gradient norm, tokens/s)
 
 A workdir that holds checkpoints is resumed from its latest one and continues exactly as the
@@ -296,7 +297,8 @@ class Logger:
         if not self.active:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+            row = {"step": step, "split": split, "time": round(time.time(), 3), **metrics}
+            f.write(json.dumps(row) + "\n")
         for name, value in metrics.items():
             self.tb.add_scalar(f"{split}/{name}", value, step)
         self.tb.flush()

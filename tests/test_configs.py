@@ -20,8 +20,9 @@ HELPERS = {"common.py"}  # shared code, not a config
 VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
-    "cifar10.py": {"pattern": ["strided", "fixed", "dense"], "size": ["paper", "small", "tiny"]},
-    "quickstart.py": {"pattern": ["strided", "local", "dense"]},
+    "cifar10.py": {"pattern": ["strided", "fixed", "dense"],
+                   "size": ["paper", "small", "mini", "tiny"]},
+    "quickstart.py": {"pattern": ["strided", "local", "dense", "fixed"]},
 }
 
 

@@ -1,0 +1,54 @@
+r"""Trains the same model once per attention pattern and compares them (paper Table 2); all
+logic lives in `sparse_jax.compare`.
+
+  python scripts/compare_patterns.py --config=configs/quickstart.py \
+      --workdir=workdirs/patterns --patterns=dense,strided,fixed --steps=500
+
+Each pattern is an ordinary training run in WORKDIR/<pattern>/, trained in its own process on the
+same data, seed and steps, then evaluated on the whole valid split. Writes results.md,
+results.json and valid_bits.png (validation bits against steps and wall time) to --output_dir
+(default: --workdir). --config.FIELD=VALUE overrides apply to every pattern; the pattern itself
+comes from --patterns (the config file's `pattern=` variant). Running the same command again
+reuses finished patterns and resumes interrupted ones.
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py), "
+                                          "optionally with arguments: FILE:key=value,...",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, one subfolder per pattern.")
+_PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided", "fixed"], "Patterns to compare.")
+_STEPS = flags.DEFINE_integer("steps", None, "Training steps of every pattern (default: the "
+                              "config's total_steps).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md, results.json and "
+                                  "valid_bits.png go (default: --workdir).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from sparse_jax import compare
+
+    config_flag = flags.FLAGS["config"]
+    try:
+        result = compare.compare_patterns(
+            config_flags.get_config_filename(config_flag), _WORKDIR.value, _PATTERNS.value,
+            steps=_STEPS.value, overrides=config_flags.get_override_values(config_flag),
+            output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
+    except (ValueError, RuntimeError) as e:  # bad input (before anything trains); a failed run
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # the run in progress saves a checkpoint on the same Ctrl-C
+        sys.exit("interrupted; run the same command to resume")
+    print(compare.markdown(result["patterns"]))
+    print("Wrote " + ", ".join(result["outputs"].values()))
+
+
+if __name__ == "__main__":
+    app.run(main)

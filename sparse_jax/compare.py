@@ -1,0 +1,386 @@
+r"""Pattern study (paper Table 2 at any scale): the same model trained once per attention pattern
+on the same data, seed and number of steps, then evaluated; a table, JSON and a plot of
+validation bits against wall time.
+
+  python scripts/compare_patterns.py --config=configs/quickstart.py --workdir=DIR \
+      [--patterns=dense,strided,fixed] [--steps=N] [--output_dir=OUT] [--config.FIELD=VALUE]
+
+`pattern_configs` loads the config file once per pattern as the variant `pattern=<name>` (so
+each pattern gets the settings its config gives it, e.g. cifar10's layer schedule for strided),
+applies the same overrides and step count to all, and checks them all before anything trains:
+an unknown pattern, steps < 1, a config without that variant, a pattern that cannot serve the
+context length, or patterns that differ in anything but `model` raise ValueError.
+
+`compare_patterns` trains the patterns one after another, each in a fresh Python process
+(`benchmarking.run_isolated`), so that peak memory is the pattern's own and one pattern's
+compilation caches do not speed up the next. Each pattern is an ordinary run of
+`sparse_jax.train.train` in its own folder, so checkpoints, TensorBoard, resume, evaluation and
+sampling work on it as on any run:
+
+  DIR/<pattern>/             config.json, checkpoints/, metrics.jsonl, tensorboard/, eval/
+  DIR/<pattern>/train.log    the run's console output (follow it with `tail -f`)
+  DIR/<pattern>/study.json   sessions (start, end, peak RSS) and the final evaluation
+  OUT/results.md, OUT/results.json, OUT/valid_bits.png  (OUT defaults to DIR)
+
+Running the same command again reuses finished patterns (nothing is retrained or overwritten),
+resumes interrupted ones from their last checkpoint, and refuses a folder that holds a run of
+another config.
+
+What is measured, per pattern:
+- parameters and mean keys per query (over layers): `model.describe`;
+- seconds per step and tokens/s: the median over the trainer's log windows (steps_per_s in
+  metrics.jsonl) without the first window of each process, which includes compilation;
+  validation passes and checkpoint saves are outside the windows;
+- peak memory: the process's peak RSS, including the Python/JAX baseline, compilation and the
+  final evaluation (the largest over sessions, if the run was resumed);
+- validation bits: the final checkpoint evaluated on the whole valid split
+  (`evaluate.evaluate`); the curve is the trainer's validation passes (config.eval_every,
+  config.eval_batches);
+- wall time: seconds since the process was launched (Python start-up, compilation, validation
+  passes and checkpoints included); the time between an interrupted session and its resumption is left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+import ml_collections
+
+from sparse_jax import benchmarking
+from sparse_jax import train as train_lib
+from sparse_jax.model import PATTERNS, describe, model_config
+
+DEFAULT_PATTERNS = ("dense", "strided", "fixed")
+NOTE = ("s/step and tokens/s: median over the log windows after the first (which includes "
+        "compilation). Peak RSS: the whole training process. Valid bits: the last checkpoint on "
+        "the whole valid split. Wall s: from process launch to the end of that evaluation.")
+STUDY_FILE = "study.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs.
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """`"configs/cifar10.py:size=tiny"` -> that file's `get_config("size=tiny")`."""
+    path, _, arg = spec.partition(":")
+    name = "config_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def check_patterns(patterns, steps: int | None = None) -> tuple[str, ...]:
+    """The pattern names as a tuple; ValueError for unknown or repeated names or steps < 1."""
+    patterns = tuple(p.strip() for p in (patterns.split(",") if isinstance(patterns, str)
+                                          else patterns))
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown or not patterns:
+        raise ValueError(f"unknown pattern(s) {unknown or patterns!r}; choose from {list(PATTERNS)}")
+    if len(set(patterns)) != len(patterns):
+        raise ValueError(f"a pattern is listed twice in {list(patterns)}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    return patterns
+
+
+def pattern_configs(config_spec: str, patterns=DEFAULT_PATTERNS, *, steps: int | None = None,
+                    overrides: dict | None = None) -> dict[str, ml_collections.ConfigDict]:
+    """One validated config per pattern: `config_spec` with `pattern=<name>` added to its
+    arguments, then `overrides` (flat: {"optimizer.lr": 1e-3}), then total_steps = steps."""
+    patterns = check_patterns(patterns, steps)
+    path, _, arg = config_spec.partition(":")
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path} not found")
+    items = [s.strip() for s in arg.split(",") if s.strip()]
+    overrides = dict(overrides or {})
+    if any(s.partition("=")[0].strip() == "pattern" for s in items) or "model.pattern" in overrides:
+        raise ValueError("the pattern comes from --patterns; leave it out of --config")
+    if "total_steps" in overrides and steps is not None:
+        raise ValueError("give the number of steps once: --steps or --config.total_steps")
+    configs = {}
+    for pattern in patterns:
+        try:
+            config = load_config_file(f"{path}:{','.join(items + [f'pattern={pattern}'])}")
+        except ValueError as e:
+            raise ValueError(f"{path} has no variant pattern={pattern}: {e}") from e
+        config.update_from_flattened_dict(overrides)
+        if steps is not None:
+            config.total_steps = steps
+        try:
+            train_lib.check_config(config)  # model (the pattern fits seq_len) and trainer fields
+        except ValueError as e:
+            raise ValueError(f"pattern {pattern}: {e}") from e
+        configs[pattern] = config
+    first, *rest = patterns
+    for pattern in rest:
+        differences = [k for k in _differences(_flat(configs[first]), _flat(configs[pattern]))
+                       if not k.startswith("model.")]
+        if differences:
+            raise ValueError(f"patterns {first} and {pattern} would differ in more than the "
+                             f"model: {differences}")
+    return configs
+
+
+def _flat(config) -> dict:
+    def walk(d, prefix):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    d = config if isinstance(config, dict) else json.loads(config.to_json())
+    return dict(walk(d, ""))
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """Keys whose values differ, ignoring where the data lives."""
+    location = {f"data.{k}" for k in train_lib.LOCATION_FIELDS}
+    return sorted(k for k in set(old) | set(new)
+                  if k not in location and old.get(k, "<absent>") != new.get(k, "<absent>"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs.
+
+
+def _read_json(path: str, default=None):
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def run_status(run_dir: str, config) -> str:
+    """"done" (finished and evaluated), "resume" (checkpoints of this config) or "new";
+    ValueError if `run_dir` holds checkpoints of another config (they are never touched)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
+        return "new"
+    saved = _read_json(os.path.join(run_dir, "config.json"), {})
+    differences = _differences(_flat(saved), _flat(config))
+    if differences:
+        raise ValueError(f"{run_dir} holds a run of another config (differences: "
+                         f"{', '.join(differences)}); use another --workdir")
+    final = (_read_json(os.path.join(run_dir, STUDY_FILE)) or {}).get("final")
+    return "done" if final and final["step"] == config.total_steps else "resume"
+
+
+def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
+    """Trains (or resumes) the run whose config is `run_dir/config.json`, evaluates its last
+    checkpoint on the valid split and records the session in `run_dir/study.json`; the session
+    starts at `launched` (default: now). Meant to run in a fresh process
+    (`python -m sparse_jax.compare RUN_DIR LAUNCH_TIME`)."""
+    from sparse_jax import evaluate
+
+    start = time.time() if launched is None else launched
+    config = train_lib.load_config(run_dir)
+    study_path = os.path.join(run_dir, STUDY_FILE)
+    study = _read_json(study_path, {"sessions": []})
+    session = {"start": start, "end": None, "step": None, "peak_rss_gb": None}
+    study["sessions"].append(session)  # recorded now: a killed session still counts its rows
+    _write_json(study_path, study)
+    with open(os.path.join(run_dir, "train.log"), "a") as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        result = train_lib.train(config, run_dir)
+        final = None
+        if not result["interrupted"]:
+            final = evaluate.evaluate(run_dir, "valid", progress=False)
+    session.update(end=time.time(), step=result["step"], peak_rss_gb=benchmarking.peak_rss_gb())
+    if final is not None:
+        study["final"] = {k: final[k] for k in ("split", "step", "bits", "unit", "num_scored")}
+    _write_json(study_path, study)
+    return {"run_dir": run_dir, "interrupted": result["interrupted"], "final": study.get("final")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements.
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def summarize(run_dir: str, config) -> dict:
+    """The measured row of one finished pattern run (see the module docstring)."""
+    cfg = model_config(config.model)
+    info = describe(cfg, config.batch_size)
+    study = _read_json(os.path.join(run_dir, STUDY_FILE))
+    sessions = sorted(study["sessions"], key=lambda s: s["start"])
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    # Wall time: a row belongs to the last session that started before it was written; earlier
+    # sessions count up to their last kept row (a resumed run redoes what came after it).
+    starts = [s["start"] for s in sessions]
+    rows = [r for r in rows if "time" in r]  # rows of runs from before rows carried their time
+    session = [max([0] + [k for k, t in enumerate(starts) if t <= r["time"]]) for r in rows]
+    last = [max([r["time"] for r, i in zip(rows, session) if i == k], default=start)
+            for k, start in enumerate(starts)]
+    offsets = list(itertools.accumulate([t - start for t, start in zip(last, starts)], initial=0.0))
+    wall_s = sum((s["end"] or t) - s["start"] for s, t in zip(sessions, last))
+    windows, compiled, curve = [], set(), []
+    for row, k in zip(rows, session):
+        if row["split"] == "valid":
+            curve.append([row["step"], round(offsets[k] + row["time"] - starts[k], 2),
+                          row["bits"]])
+        elif k in compiled:
+            windows.append(row)
+        else:  # the session's first log window includes compilation
+            compiled.add(k)
+    steps_per_s = _median([r["steps_per_s"] for r in windows])
+    s_per_step = 1 / steps_per_s if steps_per_s else None
+    return {
+        "pattern": cfg.pattern, "spec": str(cfg.base_spec), "params": info["params"],
+        "mean_keys_per_query": info["mean_keys_per_query"], "steps": study["final"]["step"],
+        "s_per_step": s_per_step, "tokens_per_s": _median([r["tokens_per_s"] for r in windows]),
+        "timed_windows": len(windows),
+        "peak_rss_gb": max(s["peak_rss_gb"] or 0.0 for s in sessions),
+        "valid_bits": study["final"]["bits"], "unit": study["final"]["unit"],
+        "train_bits": next((r["bits"] for r in reversed(rows) if r["split"] == "train"), None),
+        "wall_s": wall_s,
+        "sessions": len(sessions),
+        "curve": curve,  # [step, wall seconds, valid bits] of every validation pass
+        "run_dir": run_dir,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of `summarize` rows; a "vs dense" column when dense was measured."""
+    dense = next((r for r in rows if r["pattern"] == "dense"), None)
+    table = [dict(r, vs_dense=r["s_per_step"] / dense["s_per_step"]
+                  if dense and r["s_per_step"] and dense["s_per_step"] else None) for r in rows]
+    unit = rows[0]["unit"] if rows else "byte"
+    return benchmarking.markdown_table(table, [
+        ("spec", "pattern"), ("params", "parameters"), ("mean_keys_per_query", "keys/query"),
+        ("s_per_step", "s/step"), ("vs_dense", "time vs dense"), ("tokens_per_s", "tokens/s"),
+        ("peak_rss_gb", "peak RSS GB"), ("valid_bits", f"valid bits/{unit}"),
+        ("wall_s", "wall s")])
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """Validation bits against steps and against wall time, one line per pattern."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    for r in rows:
+        steps, seconds, bits = zip(*r["curve"]) if r["curve"] else ((), (), ())
+        for ax, x in zip(axes, (steps, seconds)):
+            ax.plot(x, bits, marker="o", markersize=3, label=r["pattern"])
+    unit = rows[0]["unit"] if rows else "byte"
+    axes[0].set_ylabel(f"validation bits/{unit}")
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall time, s (compilation and validation included)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend()
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], output_dir: str, info: dict) -> dict[str, str]:
+    """results.md, results.json and valid_bits.png in `output_dir`; returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {k: os.path.join(output_dir, name) for k, name in
+             [("markdown", "results.md"), ("json", "results.json"), ("plot", "valid_bits.png")]}
+    rows = [{k: v for k, v in r.items() if k != "run_dir"} for r in rows]
+    _write_json(paths["json"], {**info, "patterns": rows})
+    m = info["machine"]
+    with open(paths["markdown"], "w") as f:
+        if info.get("command"):
+            f.write(f"```bash\n{info['command']}\n```\n\n")
+        f.write(f"{info['config']}, {info['steps']} steps of {info['batch_size']} sequences, "
+                f"seed {info['seed']}; {m['cpu']}, {m['cores']} cores, jax {m['jax']} "
+                f"({m['backend']}).\n\n{markdown(rows)}\n\n{NOTE}\n")
+    plot(rows, paths["plot"], f"{info['config']}, {info['steps']} steps")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# The study.
+
+
+def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, *,
+                     steps: int | None = None, overrides: dict | None = None,
+                     output_dir: str | None = None, command: str | None = None,
+                     log=print) -> dict:
+    """Trains and evaluates every pattern (see the module docstring); returns the JSON written
+    to `output_dir/results.json` (default `workdir`) plus the output paths under "outputs"."""
+    configs = pattern_configs(config_spec, patterns, steps=steps, overrides=overrides)
+    runs = {p: os.path.join(workdir, p) for p in configs}
+    status = {p: run_status(runs[p], c) for p, c in configs.items()}  # refuses before training
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [package_root,
+                                                       os.environ.get("PYTHONPATH")]))}
+    for pattern, config in configs.items():
+        run_dir = runs[pattern]
+        if status[pattern] == "done":
+            log(f"{pattern}: finished in {run_dir}; reusing it")
+            continue
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))  # the config the process reads (train rewrites it)
+        verb = "resuming" if status[pattern] == "resume" else "training"
+        log(f"{pattern}: {verb} {config.total_steps} steps in {run_dir} "
+            f"(log: {os.path.join(run_dir, 'train.log')})")
+        out = benchmarking.run_isolated(["-m", "sparse_jax.compare", run_dir, repr(time.time())],
+                                        env=env, timeout_s=None)
+        if "error" in out or out.get("interrupted"):
+            raise RuntimeError(f"pattern {pattern} did not finish "
+                               f"({out.get('error') or out['interrupted']}); see "
+                               f"{os.path.join(run_dir, 'train.log')}. Run the same command to "
+                               "resume.")
+    rows = [summarize(runs[p], c) for p, c in configs.items()]
+    for r in rows:
+        log(f"{r['pattern']}: valid {r['valid_bits']:.4f} bits/{r['unit']}, "
+            f"{r['s_per_step'] or float('nan'):.3f} s/step, {r['peak_rss_gb']:.2f} GB peak RSS")
+    first = next(iter(configs.values()))
+    info = {"config": config_spec, "overrides": overrides or {}, "steps": first.total_steps,
+            "batch_size": first.batch_size, "seed": first.seed, "command": command,
+            "machine": benchmarking.machine()}
+    paths = write_outputs(rows, output_dir or workdir, info)
+    return {**info, "patterns": rows, "outputs": paths}
+
+
+def _worker(argv):
+    from absl import logging
+
+    if len(argv) not in (2, 3):
+        raise SystemExit("usage: python -m sparse_jax.compare RUN_DIR [LAUNCH_TIME]")
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)
+    print(json.dumps(result), flush=True)
+    if result["interrupted"]:
+        import signal
+
+        sys.exit(128 + signal.Signals[result["interrupted"]].value)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    app.run(_worker)
