@@ -1,6 +1,5 @@
 """Pattern index builders against brute-force sets written straight from DESIGN.md §2."""
 
-import itertools
 import time
 
 import numpy as np

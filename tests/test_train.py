@@ -242,6 +242,7 @@ def test_failed_checkpoint_write_is_a_clear_error_and_keeps_earlier_ones(tmp_pat
         return await real(self, item, directory)
 
     monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", disk_full)
+    threads_before = set(threading.enumerate())
     config = get_config("bytes", data__path=byte_file, checkpoint_every=5)
     workdir = str(tmp_path / "run")
     with pytest.raises(OSError, match="could not write the checkpoint of step 10") as e:
@@ -251,10 +252,12 @@ def test_failed_checkpoint_write_is_a_clear_error_and_keeps_earlier_ones(tmp_pat
 
     # In-process only: the failed save's other writers (params, opt) may still be finishing in
     # Orbax's background threads; a real process would exit first. Let them finish before the
-    # resume cleans up the unfinished step directory.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(timeout=30)
+    # resume cleans up the unfinished step directory. (Only threads this run started: earlier
+    # tests leave long-lived pool threads that would each cost the whole timeout.)
+    deadline = time.time() + 30
+    for thread in set(threading.enumerate()) - threads_before:
+        if not thread.daemon:
+            thread.join(timeout=max(0.0, deadline - time.time()))
     monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", real)  # space freed: resume
     assert train.train(config, workdir)["step"] == 20
     assert checkpoint_steps(workdir) == [15, 20]
