@@ -6,7 +6,8 @@ block-level view of ``patterns.pattern_terms``: the sequence is viewed as a grid
 ``block`` positions and each term is a few batched matmuls with static shapes:
 
 * ``BandTerm``: each query row against the keys of its own and ``prev`` previous rows
-  (local window, fixed block): scores ``[B, H, rows, block, (prev + 1) * block]``;
+  (local window, fixed block): scores ``[B, H, rows, block, (prev + 1) * block]``. A sliding
+  window is computed on a grid of shorter sub-rows, which scores fewer masked keys;
 * ``ColumnTerm``: each grid column against itself, the strided part ("strided transpose"):
   scores ``[B, H, stride, rows, rows]``;
 * ``SummaryTerm``: each query row against the summary keys of all earlier rows, sliced out of
@@ -15,8 +16,11 @@ block-level view of ``patterns.pattern_terms``: the sequence is viewed as a grid
 
 The terms are disjoint (a key two parts share is scored once) and are combined with one joint
 softmax: each term returns its row maximum, sum of exponentials and weighted values, and the
-log-sum-exp merge rescales them. Time and memory are O(n·|S|) with |S| the keys per query,
-O(n·√n) for strided and fixed with stride ≈ √n.
+log-sum-exp merge rescales them. The band and column terms go through their rows (columns) in a
+``lax.scan`` over chunks of a few of them, forward and backward, so the score tiles alive at any
+time are one chunk's, about ``_CHUNK_SCORES`` per batch and head. Time is O(n·|S|) with |S| the
+keys per query, O(n·√n) for strided and fixed with stride ≈ √n. Memory is O(n·d) and one chunk
+of each term; the summary term's static chunks are O(n·|S|) / ``_SUMMARY_CHUNKS`` each.
 
 Sequence lengths that are not a multiple of the block are padded at the end: a padded key sits
 after every real query, so causality already hides it, and padded query rows are dropped.
@@ -156,77 +160,127 @@ def gather_attention(q, k, v, indices):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast path. Each term becomes one or more "pieces": a batched score tile over a range of
-# query rows of the grid, with its scores, values and mask as functions, so that the forward
-# pass and the custom backward pass share one definition of each term.
+# The fast path. Each term becomes one or more "pieces". A piece sees the grid in its own
+# layout, [B, H, tiles, queries per tile, ...]: the tiles are the grid rows (or sub-rows), or the
+# grid columns for column attention (``transposed``). The keys of tile t lie in tiles t - halo .. t, so the
+# queries of a chunk of consecutive tiles need one contiguous slab of K/V. A piece is computed
+# chunk by chunk in a ``lax.scan``, so only one chunk's score tiles exist at a time (memory is
+# bounded by the chunk, whatever the compiler's schedule), and the forward pass and the custom
+# backward pass share one definition of each piece.
+
+_CHUNK_SCORES = 1 << 16  # scores per (batch, head) in one scan step of a piece (256 KiB float32)
+_MIN_SUB_ROW = 64  # shortest sub-row a sliding-window band is cut into (shorter: slower dots)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """Query rows ``[r0, r1)`` of the grid against one term's keys.
+    """Tiles ``[t0, t1)`` of one term, in the term's layout ``[B, H, tiles, Q, ...]``: the tiles
+    are the grid rows (``[B, H, R, block, ...]``), each grid row cut into ``split`` sub-rows, or
+    the grid columns if ``transposed`` (``[B, H, block, R, ...]``; the piece covers all of them).
 
-    ``scores(q_g, k_g)`` and ``values(p, v_g)`` are linear maps (float32 results) in the
-    piece's layout: ``[B, H, r1 - r0, block, ...]``, or ``[B, H, block, rows, ...]`` if
-    ``transposed`` (column attention). ``keep()`` is the boolean mask, broadcastable to scores.
+    ``scores(q, k)``: queries of ``c`` consecutive tiles ``[B, H, c, Q, d]`` and their key slab,
+    tiles ``t - halo .. t + c - 1`` (``[B, H, halo + c, ., d]``), to scores ``[B, H, c, Q, K]``;
+    ``values(p, v)``: probabilities and the value slab to ``[B, H, c, Q, dv]``; both linear, with
+    float32 results. ``keep(t, c)``: boolean mask of tiles ``t .. t + c - 1``, broadcastable to
+    the scores (``t`` may be traced). ``chunk``: tiles per scan step.
     """
-    r0: int
-    r1: int
-    transposed: bool
+    t0: int
+    t1: int
+    halo: int
+    chunk: int
     scores: Callable
     values: Callable
     keep: Callable
+    transposed: bool = False
+    split: int = 1
 
-    def take(self, x):
-        """A per-query grid array ``[B, H, R, block, ...]`` in this piece's layout."""
-        x = x[:, :, self.r0:self.r1]
-        return x.swapaxes(2, 3) if self.transposed else x
+    def layout(self, x):
+        """A grid array ``[B, H, R, block, ...]`` in this piece's layout (all tiles)."""
+        if self.transposed:
+            return x.swapaxes(2, 3)
+        return x.reshape(*x.shape[:2], -1, x.shape[3] // self.split, *x.shape[4:])
 
-    def put(self, x):
-        """Inverse of ``take`` (rows outside ``[r0, r1)`` not included)."""
-        return x.swapaxes(2, 3) if self.transposed else x
+    def to_grid(self, x):
+        """Inverse of ``layout`` (for arrays covering tiles ``[t0, t1)``)."""
+        if self.transposed:
+            return x.swapaxes(2, 3)
+        return x.reshape(*x.shape[:2], -1, x.shape[3] * self.split, *x.shape[4:])
+
+    def grid_rows(self) -> slice:
+        """The grid rows this piece's results cover."""
+        if self.transposed:
+            return slice(None)
+        return slice(self.t0 // self.split, self.t1 // self.split)
 
 
 def _dot(subscripts, a, b):
     return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
 
 
+def _chunk(scores_per_tile: int) -> int:
+    return max(1, _CHUNK_SCORES // scores_per_tile)
+
+
+def _sub_rows(term: patterns.BandTerm) -> int:
+    """Sub-rows per grid row for a band whose mask depends on distance alone (a sliding window):
+    the window of sub-rows of b keys scores (⌈max_distance / b⌉ + 1)·b keys per query, fewer
+    than (prev + 1)·block (strided, l = 128: 192 instead of 256 for 129 kept). Picks the split
+    that scores fewest keys with sub-rows of at least ``_MIN_SUB_ROW``, the smaller on a tie."""
+    if term.same_row or term.residues is not None or term.max_distance is None:
+        return 1
+
+    def keys(split):
+        sub = term.block // split
+        return (-(-term.max_distance // sub) + 1) * sub
+
+    splits = [s for s in range(1, term.block // _MIN_SUB_ROW + 1)
+              if term.block % s == 0 and term.block // s >= _MIN_SUB_ROW]
+    return min(splits, key=keys, default=1)
+
+
 def _band_pieces(term: patterns.BandTerm, rows: int):
+    split = _sub_rows(term)
+    if split > 1:  # the same window on a grid of sub-rows
+        sub = term.block // split
+        term = patterns.BandTerm(sub, prev=-(-term.max_distance // sub),
+                                 max_distance=term.max_distance)
     prev, block = term.prev, term.block
+    tile = term.tile_mask()
 
-    def window(x):  # keys of rows r-prev .. r side by side: [B, H, R, (prev+1) * block, d]
-        if not prev:
-            return x
-        padded = jnp.pad(x, ((0, 0), (0, 0), (prev, 0), (0, 0), (0, 0)))
-        return jnp.concatenate([padded[:, :, p:p + rows] for p in range(prev + 1)], axis=3)
+    def window(x):  # slab of prev + c rows -> keys of rows r - prev .. r side by side
+        c = x.shape[2] - prev
+        return jnp.concatenate([x[:, :, p:p + c] for p in range(prev + 1)], axis=3)
 
-    key_row = np.arange(rows)[:, None] - prev + np.arange((prev + 1) * block)[None] // block
-    tile, valid = term.tile_mask(), key_row >= 0
+    def keep(t, c):  # the tile mask, and no key in the rows before row 0
+        key_row = t + jnp.arange(c)[:, None] - prev + jnp.arange(tile.shape[1])[None] // block
+        return jnp.asarray(tile)[None] & (key_row >= 0)[:, None, :]
+
     return [_Piece(
-        0, rows, False,
+        0, rows * split, halo=prev, chunk=_chunk(tile.size), split=split,
         scores=lambda q, k: _dot("bhrqd,bhrkd->bhrqk", q, window(k)),
         values=lambda p, v: _dot("bhrqk,bhrkd->bhrqd", p, window(v)),
-        keep=lambda: jnp.asarray(tile)[None] & jnp.asarray(valid)[:, None, :])]
+        keep=keep)]
 
 
 def _column_pieces(term: patterns.ColumnTerm, rows: int):
     r = np.arange(rows)
     keep = (r[:, None] - r[None, :]) >= term.min_rows  # [R (query), R (key)]
     return [_Piece(
-        0, rows, True,
-        scores=lambda q, k: _dot("bhcqd,bhckd->bhcqk", q.swapaxes(2, 3), k.swapaxes(2, 3)),
-        values=lambda p, v: _dot("bhcqk,bhckd->bhcqd", p, v.swapaxes(2, 3)),
-        keep=lambda: jnp.asarray(keep))]
+        0, term.stride, halo=0, chunk=_chunk(rows * rows), transposed=True,
+        scores=lambda q, k: _dot("bhcqd,bhckd->bhcqk", q, k),
+        values=lambda p, v: _dot("bhcqk,bhckd->bhcqd", p, v),
+        keep=lambda t, c: jnp.asarray(keep))]
 
 
 def _summary_pieces(term: patterns.SummaryTerm, rows: int):
     """The summary keys are a strided slice of K/V ([B, H, R * s, d]) shared by all queries.
-    Query rows go in chunks; chunk ``[r0, r1)`` scores only the summary keys of rows
+    Query rows go in static chunks; chunk ``[r0, r1)`` scores only the summary keys of rows
     ``< r1 - 1``, so few keys after a query row are scored (half of all summary keys would be)."""
     residues = np.asarray(term.residues)
     s = len(residues)
 
-    def summary(x, num_keys):
-        return x[:, :, :, residues].reshape(*x.shape[:2], rows * s, -1)[:, :, :num_keys]
+    def summary(x, num_keys):  # slab of rows 0 .. r1 - 1 -> its first num_keys summary keys
+        return x[:, :, :, residues].reshape(*x.shape[:2], -1, x.shape[-1])[:, :, :num_keys]
 
     bounds = np.unique(np.linspace(0, rows, min(_SUMMARY_CHUNKS, rows) + 1).round().astype(int))
     pieces = []
@@ -234,11 +288,10 @@ def _summary_pieces(term: patterns.SummaryTerm, rows: int):
         n_keys = max(r1 - 1, 1) * s  # keys of rows < r1 - 1 (one masked row when r1 = 1)
         keep = (np.arange(n_keys)[None, :] // s < np.arange(r0, r1)[:, None])[:, None, :]
         pieces.append(_Piece(
-            r0, r1, False,
-            scores=lambda q, k, r0=r0, r1=r1, n=n_keys: _dot(
-                "bhrqd,bhkd->bhrqk", q[:, :, r0:r1], summary(k, n)),
+            r0, r1, halo=r0, chunk=r1 - r0,
+            scores=lambda q, k, n=n_keys: _dot("bhrqd,bhkd->bhrqk", q, summary(k, n)),
             values=lambda p, v, n=n_keys: _dot("bhrqk,bhkd->bhrqd", p, summary(v, n)),
-            keep=lambda keep=keep: jnp.asarray(keep)))
+            keep=lambda t, c, keep=keep: jnp.asarray(keep)))
     return pieces
 
 
@@ -250,26 +303,101 @@ def _pieces(spec: PatternSpec, rows: int) -> list[_Piece]:
     return [p for term in spec.terms() for p in _PIECES[type(term)](term, rows)]
 
 
+def _over_chunks(step, carry, piece: _Piece):
+    """``carry, y = step(carry, t, c)`` for the chunks ``[t, t + c)`` of the piece's tiles: a
+    ``lax.scan`` over the full chunks, then one call for the rest. Returns the final carry and the
+    ``y``s joined along the tile axis (2)."""
+    full, rest = divmod(piece.t1 - piece.t0, piece.chunk)
+    ys = []
+    if full == 1:
+        carry, y = step(carry, piece.t0, piece.chunk)
+        ys.append(y)
+    elif full > 1:
+        starts = piece.t0 + piece.chunk * jnp.arange(full)
+        carry, y = jax.lax.scan(lambda carry, t: step(carry, t, piece.chunk), carry, starts)
+        ys.append(jax.tree.map(  # [steps, B, H, c, ...] -> [B, H, steps * c, ...]
+            lambda a: jnp.moveaxis(a, 0, 2).reshape(*a.shape[1:3], -1, *a.shape[4:]), y))
+    if rest:
+        carry, y = step(carry, piece.t1 - rest, rest)
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.concatenate(a, axis=2), *ys)
+
+
+def _slabs(piece: _Piece, q_g, k_g, v_g):
+    """The piece's layout of q, and of k, v with zero tiles in front so every key slab exists.
+    Returns q, k, v and ``slab(x, t, c)``, the keys of tiles ``t .. t + c - 1``."""
+    pad = max(0, piece.halo - piece.t0)
+    q, k, v = (piece.layout(x) for x in (q_g, k_g, v_g))
+    k, v = (jnp.pad(x, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) if pad else x for x in (k, v))
+
+    def slab(x, t, c):
+        return jax.lax.dynamic_slice_in_dim(x, t - piece.halo + pad, piece.halo + c, axis=2)
+
+    return q, k, v, slab, pad
+
+
+def _tiles(x, t, c):
+    return jax.lax.dynamic_slice_in_dim(x, t, c, axis=2)
+
+
+def _piece_forward(piece: _Piece, q_g, k_g, v_g):
+    """Row maximum, sum of exponentials and weighted values of one piece over its tiles, in its
+    layout: ``[B, H, t1 - t0, Q]`` twice and ``[B, H, t1 - t0, Q, dv]``."""
+    q, k, v, slab, _ = _slabs(piece, q_g, k_g, v_g)
+
+    def step(carry, t, c):
+        scores = jnp.where(piece.keep(t, c), piece.scores(_tiles(q, t, c), slab(k, t, c)), _NEG)
+        m = jnp.maximum(scores.max(-1), _FLOOR)  # a row with no key keeps _FLOOR and sum 0
+        probs = jnp.exp(scores - m[..., None])
+        acc = piece.values(probs.astype(v.dtype), slab(v, t, c))
+        return carry, (m, probs.sum(-1), acc)
+
+    return _over_chunks(step, (), piece)[1]
+
+
+def _piece_backward(piece: _Piece, q_g, k_g, v_g, d_out, lse, delta):
+    """Gradients of one piece's share of the output, in the grid layout (float32): d_q for the
+    piece's rows, d_k and d_v for all rows."""
+    q, k, v, slab, pad = _slabs(piece, q_g, k_g, v_g)
+    d_out, lse, delta = (piece.layout(x) for x in (d_out, lse, delta))
+
+    def step(d_kv, t, c):
+        scores, scores_vjp = jax.vjp(piece.scores, _tiles(q, t, c), slab(k, t, c))
+        probs = jnp.exp(scores - _tiles(lse, t, c)[..., None])
+        probs = jnp.where(piece.keep(t, c), probs, 0.0)
+        _, values_vjp = jax.vjp(piece.values, probs.astype(v.dtype), slab(v, t, c))
+        d_probs, d_v = values_vjp(_tiles(d_out, t, c))
+        d_scores = probs * (d_probs.astype(jnp.float32) - _tiles(delta, t, c)[..., None])
+        d_q, d_k = scores_vjp(d_scores)
+        start = t - piece.halo + pad  # add the slab's gradients in place
+        d_kv = [jax.lax.dynamic_update_slice_in_dim(
+            acc, _tiles(acc, start, d.shape[2]) + d.astype(jnp.float32), start, axis=2)
+            for acc, d in zip(d_kv, (d_k, d_v))]
+        return d_kv, d_q.astype(jnp.float32)
+
+    d_kv = [jnp.zeros_like(x, jnp.float32) for x in (k, v)]  # zeros_like: also under shard_map
+    d_kv, d_q = _over_chunks(step, d_kv, piece)
+    d_k, d_v = (piece.to_grid(x[:, :, pad:]) for x in d_kv)
+    return piece.to_grid(d_q), d_k, d_v
+
+
 def _grid_forward(spec, q_g, k_g, v_g):
     """Joint softmax over all pieces by log-sum-exp merge. q_g is pre-scaled by 1/√d.
     Returns the output [B, H, R, block, dv] and the log-sum-exp [B, H, R, block], float32."""
     batch_shape = q_g.shape[:4]
-    row_max = jnp.full(batch_shape, _FLOOR, jnp.float32)
     partials = []
+    row_max = jnp.full(batch_shape, _FLOOR, jnp.float32)
     for piece in _pieces(spec, q_g.shape[2]):
-        scores = jnp.where(piece.keep(), piece.scores(q_g, k_g), _NEG)
-        m = jnp.maximum(scores.max(-1), _FLOOR)  # a row with no key keeps _FLOOR and sum 0
-        probs = jnp.exp(scores - m[..., None])
-        acc = piece.values(probs.astype(v_g.dtype), v_g)
-        m, total, acc = piece.put(m), piece.put(probs.sum(-1)), piece.put(acc)
-        row_max = row_max.at[:, :, piece.r0:piece.r1].max(m)
-        partials.append((piece, m, total, acc))
+        m, total, acc = (piece.to_grid(x) for x in _piece_forward(piece, q_g, k_g, v_g))
+        rows = piece.grid_rows()
+        row_max = row_max.at[:, :, rows].max(m)
+        partials.append((rows, m, total, acc))
     total = jnp.zeros(batch_shape, jnp.float32)
     out = jnp.zeros((*batch_shape, v_g.shape[-1]), jnp.float32)
-    for piece, m, piece_total, acc in partials:
-        w = jnp.exp(m - row_max[:, :, piece.r0:piece.r1])
-        total = total.at[:, :, piece.r0:piece.r1].add(w * piece_total)
-        out = out.at[:, :, piece.r0:piece.r1].add(w[..., None] * acc)
+    for rows, m, piece_total, acc in partials:
+        w = jnp.exp(m - row_max[:, :, rows])
+        total = total.at[:, :, rows].add(w * piece_total)
+        out = out.at[:, :, rows].add(w[..., None] * acc)
     out = out / jnp.maximum(total, 1e-30)[..., None]
     lse = jnp.where(total > 0, row_max + jnp.log(jnp.maximum(total, 1e-30)), -_NEG)
     return out, lse
@@ -287,20 +415,18 @@ def _grid_attention_fwd(spec, q_g, k_g, v_g):
 
 def _grid_attention_bwd(spec, residuals, d_out):
     """Flash-style backward: recompute each piece's probabilities from the saved log-sum-exp,
-    one piece at a time, so memory stays at one score tile (O(n·|S|)) instead of all of them."""
+    chunk by chunk, so memory stays at one chunk's score tiles instead of all of them."""
     q_g, k_g, v_g, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
     delta = (d_out * out).sum(-1)  # D_i = sum_j P_ij dP_ij = dO_i · O_i
-    grads = [jnp.zeros(x.shape, jnp.float32) for x in (q_g, k_g, v_g)]
+    d_q = jnp.zeros(q_g.shape, jnp.float32)
+    d_k = jnp.zeros(k_g.shape, jnp.float32)
+    d_v = jnp.zeros(v_g.shape, jnp.float32)
     for piece in _pieces(spec, q_g.shape[2]):
-        scores, scores_vjp = jax.vjp(piece.scores, q_g, k_g)
-        probs = jnp.where(piece.keep(), jnp.exp(scores - piece.take(lse)[..., None]), 0.0)
-        _, values_vjp = jax.vjp(piece.values, probs.astype(v_g.dtype), v_g)
-        d_probs, d_v = values_vjp(piece.take(d_out))
-        d_scores = probs * (d_probs.astype(jnp.float32) - piece.take(delta)[..., None])
-        d_q, d_k = scores_vjp(d_scores)
-        grads = [g + d.astype(jnp.float32) for g, d in zip(grads, (d_q, d_k, d_v))]
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_g, k_g, v_g)))
+        piece_d_q, piece_d_k, piece_d_v = _piece_backward(piece, q_g, k_g, v_g, d_out, lse, delta)
+        d_q = d_q.at[:, :, piece.grid_rows()].add(piece_d_q)
+        d_k, d_v = d_k + piece_d_k, d_v + piece_d_v
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q_g, k_g, v_g)))
 
 
 _grid_attention.defvjp(_grid_attention_fwd, _grid_attention_bwd)

@@ -43,23 +43,76 @@ def dense_ref(q, k, v, spec):
     return A.dense_attention(q, k, v, spec.mask(q.shape[1]))
 
 
+def out_and_grads(attend, spec, q, k, v):
+    """attend(q, k, v, spec) and the gradients of its product with a fixed cotangent, jitted."""
+    cot = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+    loss = lambda q, k, v: (attend(q, k, v, spec) * cot).sum()  # noqa: E731
+    return jax.jit(lambda q, k, v: (attend(q, k, v, spec),
+                                    jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+
+def assert_matches_dense(spec, q, k, v, attend=A.sparse_attention):
+    out, got = out_and_grads(attend, spec, q, k, v)
+    want_out, want = out_and_grads(dense_ref, spec, q, k, v)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("seq_len", [37, 64])
 def test_matches_dense_forward_and_gradients(spec, seq_len):
     """seq_len 37 is not a multiple of any stride here: padded internally."""
-    q, k, v = qkv((2, seq_len, 3, 8))
-    cot = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+    assert_matches_dense(spec, *qkv((2, seq_len, 3, 8)))
 
-    def out_and_grads(attend):
-        loss = lambda q, k, v: (attend(q, k, v, spec) * cot).sum()  # noqa: E731
-        return jax.jit(lambda q, k, v: (attend(q, k, v, spec),
-                                        jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
 
-    out, got = out_and_grads(A.sparse_attention)
-    want_out, want = out_and_grads(dense_ref)
-    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
-    for name, g, w in zip("qkv", got, want):
-        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0, err_msg=f"d{name}")
+@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=4),
+                                  PatternSpec("strided", stride=4, local_width=11),
+                                  PatternSpec("local", stride=4, local_width=3),
+                                  PatternSpec("fixed", stride=8, c=2)], ids=str)
+@pytest.mark.parametrize("chunk_scores,min_sub_row", [(1, 1), (100, 2)])
+def test_scanned_chunks_and_sub_rows_match_dense(spec, chunk_scores, min_sub_row, monkeypatch):
+    """Pieces computed in a lax.scan over chunks of tiles, sliding windows on a grid of sub-rows
+    (the defaults do neither at these sizes). With 1 score per step every chunk is one tile, so a
+    band slab reaches several sub-rows back (halo > chunk) and before row 0. With 100, chunks
+    hold several rows or columns and the last chunk is shorter (a scan over the full chunks, one
+    more call for the rest; strided, n=37: 20 sub-rows of 2 in two chunks of 8, then 4)."""
+    monkeypatch.setattr(A, "_CHUNK_SCORES", chunk_scores)
+    monkeypatch.setattr(A, "_MIN_SUB_ROW", min_sub_row)
+    q, k, v = qkv((2, 37, 3, 8))
+    if chunk_scores == 1:
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).sum()))(q)
+        assert "scan" in str(jaxpr)
+    assert_matches_dense(spec, q, k, v)
+
+
+def test_sub_rows_of_sliding_windows():
+    """Strided l=128: sub-rows of 64 score 192 keys per query instead of 256 (129 kept)."""
+    from sparse_jax.patterns import BandTerm
+
+    assert A._sub_rows(BandTerm(128, prev=1, max_distance=128)) == 2
+    assert A._sub_rows(BandTerm(128, prev=1, max_distance=127)) == 2  # openai window
+    assert A._sub_rows(BandTerm(256, prev=1, max_distance=256)) == 4
+    assert A._sub_rows(BandTerm(96, prev=1, max_distance=96)) == 1  # 48 < _MIN_SUB_ROW
+    assert A._sub_rows(BandTerm(128, prev=0, same_row=True)) == 1  # fixed block: not distance alone
+
+
+def test_under_shard_map_over_heads():
+    """Heads split over a mesh axis (how several devices share the work): the scan's gradient
+    accumulators must have the inputs' per-device type."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    heads = P(None, None, "heads", None)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
+    spec = PatternSpec("strided", stride=4)
+
+    def sharded(q, k, v, spec):
+        attend = lambda q, k, v: A.sparse_attention(q, k, v, spec)  # noqa: E731
+        return jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)(q, k, v)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(A, "_CHUNK_SCORES", 100)
+        assert_matches_dense(spec, *qkv((1, 37, 2, 8)), attend=sharded)
 
 
 @pytest.mark.parametrize("spec", [PatternSpec("strided", stride=16), PatternSpec("fixed", stride=16, c=4)], ids=str)
