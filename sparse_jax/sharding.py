@@ -103,34 +103,36 @@ def logical_axes(path, ndim: int) -> tuple[str, ...]:
     return axes
 
 
-def partition_spec(axes: tuple[str | None, ...], rules: Mapping[str, str] = RULES) -> P:
-    return P(*(rules.get(a) if a is not None else None for a in axes))
-
-
 def state_partition_specs(abstract_state, rules: Mapping[str, str] = RULES):
     """A PartitionSpec for every array of a (parameters / optimizer) state pytree."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: partition_spec(logical_axes(path, len(x.shape)), rules), abstract_state)
+        lambda path, x: P(*(rules.get(a) for a in logical_axes(path, len(x.shape)))),
+        abstract_state)
 
 
-def check_divisible(abstract_state, specs, mesh_shape: Mapping[str, int]) -> None:
-    """ValueError naming the first array whose sharded axis does not split evenly."""
+def _checked_specs(abstract_state, mesh_shape: Mapping[str, int], rules: Mapping[str, str]):
+    """The state's PartitionSpecs, after a ValueError naming the first array whose sharded
+    axis does not split evenly over `mesh_shape`."""
+    specs = state_partition_specs(abstract_state, rules)
     for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(abstract_state),
-                               jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+                               jax.tree.leaves(specs, is_leaf=_is_spec)):
         for dim, axis in zip(x.shape, spec):
             if axis is not None and dim % mesh_shape[axis]:
                 raise ValueError(
                     f"{'/'.join(map(str, _names(path)))} of shape {tuple(x.shape)} cannot be split "
                     f"over mesh axis {axis!r} of size {mesh_shape[axis]} ({dim} is not a multiple); "
                     f"choose mesh.fsdp dividing the model width")
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def state_shardings(abstract_state, mesh: Mesh, rules: Mapping[str, str] = RULES):
     """NamedShardings for a state pytree on `mesh` (after checking that every split is even)."""
-    specs = state_partition_specs(abstract_state, rules)
-    check_divisible(abstract_state, specs, dict(mesh.shape))
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda s: isinstance(s, P))
+    specs = _checked_specs(abstract_state, dict(mesh.shape), rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
 def mesh_shape(devices: int, data: int, fsdp: int) -> dict[str, int]:
@@ -158,11 +160,9 @@ def per_device_bytes(abstract_state, mesh_shape: Mapping[str, int],
                      rules: Mapping[str, str] = RULES) -> int:
     """Bytes of `abstract_state` that one device stores on a mesh of `mesh_shape` (no devices
     needed: computed from shapes and the sharding rules)."""
-    specs = state_partition_specs(abstract_state, rules)
-    check_divisible(abstract_state, specs, mesh_shape)
+    specs = _checked_specs(abstract_state, mesh_shape, rules)
     total = 0
-    for x, spec in zip(jax.tree.leaves(abstract_state),
-                       jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    for x, spec in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(specs, is_leaf=_is_spec)):
         split = math.prod(mesh_shape[a] for a in spec if a is not None)
         total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize // split
     return total

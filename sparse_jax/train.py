@@ -227,13 +227,18 @@ def _state_builders(config, cfg: ModelConfig):
     return create, init, schedule
 
 
+def abstract_train_state(config):
+    """Shapes and dtypes ({"params", "opt"} of ShapeDtypeStructs) of the training state of
+    `config`, without allocating it."""
+    return jax.eval_shape(_state_builders(config, model_config(config.model))[1])
+
+
 def per_device_memory(config, devices: int) -> dict:
     """What each device stores of the training state on config.mesh over `devices` devices:
     {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
     device or allocation needed, so it can size a run for a machine you do not have)."""
-    cfg = model_config(config.model)
     shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
-    state = jax.eval_shape(_state_builders(config, cfg)[1])
+    state = abstract_train_state(config)
     return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
             "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}
 

@@ -16,7 +16,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 from sparse_jax import model as M
 from sparse_jax import sharding as S
@@ -32,18 +31,6 @@ RUN = {"batch_size": 16, "optimizer__grad_accum": 2, "optimizer__warmup_steps": 
 
 def run_config(byte_file, **overrides):
     return get_config("bytes", data__path=byte_file, **{**RUN, **overrides})
-
-
-def abstract_state(config):
-    cfg = M.model_config(config.model)
-    tx, _ = train.make_optimizer(config)
-
-    def init():
-        model = M.SparseTransformer(cfg, rngs=nnx.Rngs(0))
-        return {"params": nnx.state(model),
-                "opt": nnx.state(nnx.Optimizer(model, tx, wrt=nnx.Param))}
-
-    return jax.eval_shape(init)
 
 
 def losses(workdir, split="train"):
@@ -66,7 +53,7 @@ def child_env(devices):
                                            ("cifar10", "size=tiny", False)])
 def test_every_parameter_and_optimizer_array_has_logical_axes(name, arg, scan):
     config = get_config(name, arg, model__scan_layers=scan)
-    state = abstract_state(config)
+    state = train.abstract_train_state(config)
     specs = S.state_partition_specs(state)
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(state)
@@ -80,14 +67,14 @@ def test_every_parameter_and_optimizer_array_has_logical_axes(name, arg, scan):
             assert spec == jax.sharding.PartitionSpec()
         elif "embed" in name:  # token / position tables stay whole
             assert "fsdp" not in spec, name
-        elif x.ndim == 2 + scan and "blocks" in name or "head" in name and x.ndim == 2:
+        elif (x.ndim == 2 + scan and "blocks" in name) or ("head" in name and x.ndim == 2):
             assert "fsdp" in spec, name  # every weight matrix is split
             matrices += 1
     assert matrices >= 3 * 6  # q, k, v, out, ff_in, ff_out of params, mu and nu at least
 
 
 def test_per_device_memory_shrinks_with_fsdp():
-    state = abstract_state(get_config("enwik8", "size=paper"))
+    state = train.abstract_train_state(get_config("enwik8", "size=paper"))
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     assert S.per_device_bytes(state, {"data": 8, "fsdp": 1}) == whole
     quarter = S.per_device_bytes(state, {"data": 2, "fsdp": 4})
@@ -116,7 +103,7 @@ def test_bad_meshes_are_clear_errors():
         S.mesh_shape(8, 4, 4)
     with pytest.raises(ValueError, match="positive integer"):
         S.mesh_shape(8, -1, 0)
-    state = abstract_state(get_config("bytes", data__path="unused"))  # d_model = 64
+    state = train.abstract_train_state(get_config("bytes", data__path="unused"))  # d_model = 64
     with pytest.raises(ValueError, match="cannot be split over mesh axis 'fsdp' of size 3"):
         S.per_device_bytes(state, {"data": 1, "fsdp": 3})
 
@@ -140,7 +127,9 @@ def test_describe_reports_per_device_memory():
     info = json.loads(out.stdout)
     per_device = info["per_device"]
     assert per_device["mesh"] == {"data": 2, "fsdp": 4}
-    assert per_device["params_bytes"] == pytest.approx(info["params"] * 4 / 4, rel=0.02)
+    float32_bytes, fsdp = 4, 4
+    assert per_device["params_bytes"] == pytest.approx(info["params"] * float32_bytes / fsdp,
+                                                       rel=0.02)
     assert per_device["optimizer_bytes"] == pytest.approx(2 * per_device["params_bytes"],
                                                           rel=0.01)
 
