@@ -351,8 +351,8 @@ class SparseTransformer(nnx.Module):
                 return h
             return jax.lax.with_sharding_constraint(h, activation_sharding)
 
-        def block_fn(block, h, key):
-            return pinned(block(pinned(h), key))
+        def block_fn(block, h, key):  # every block's output (the next one's input) is pinned
+            return pinned(block(h, key))
 
         apply = block_fn
         if cfg.remat != "none":
@@ -361,7 +361,7 @@ class SparseTransformer(nnx.Module):
         def layer_key(k):  # layer k's dropout key, the same with or without scan
             return None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
 
-        h_BND = h_BND.astype(jnp.float32)
+        h_BND = pinned(h_BND.astype(jnp.float32))
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.block_groups)
 
