@@ -1,27 +1,59 @@
-r"""Any byte file (bits per byte): the enwik8 models and variants on your own data.
+r"""Any byte file (bits per byte): a CPU preset, and the enwik8 models on your own data.
 
-Command:
-  python scripts/train.py --config=configs/bytes.py:size=small --workdir=workdirs/mydata \
+Command (the shipped corpus data/kjv.html.gz unless --config.data.path names another file;
+plain or .gz):
+  python scripts/train.py --config=configs/bytes.py:size=cpu --workdir=workdirs/kjv_cpu
+  python scripts/train.py --config=configs/bytes.py:size=cpu --workdir=workdirs/mydata \
       --config.data.path=/path/to/file
-Variants (as in enwik8.py): pattern = fixed (default) | strided | dense; size = paper | small
-| tiny. The file is split into contiguous train / valid / test parts by
+Variants: pattern = strided (default) | fixed | dense; size = cpu (default) | paper | small |
+tiny. The file is split into contiguous train / valid / test parts by
 --config.data.split_fractions (default 0.9 / 0.05 / 0.05); each needs more than seq_len + 1
 bytes for training windows (train) and at least one byte (valid).
 
-Hardware, wall time: as enwik8.py for a 100 MB file (size=paper: GPUs; size=tiny: seconds on a
-2-core CPU). Target metric: validation bits per byte, which depends on the file; for reference,
-a unigram model scores the file's byte entropy and gzip -9 about 8 x its compression ratio.
+size=cpu: the best model found for a 2-core CPU and a 30-minute budget. Hardware, wall time: MEASURED.
+size=paper | small | tiny: the models of enwik8.py (paper: GPUs; tiny: seconds on a 2-core CPU).
+Target metric: validation bits per byte, which depends on the file; for reference, a unigram
+model scores the file's byte entropy, and on the shipped corpus's valid part gzip -9 costs 2.59,
+xz -9e 1.93 and bzip2 -9 1.86 bits/byte (data/README.md).
 """
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import enwik8  # noqa: E402  (configs/enwik8.py: the same sizes and patterns)
+import common  # noqa: E402  (configs/common.py: the shared fields)
+import enwik8  # noqa: E402  (configs/enwik8.py: the paper / small / tiny sizes)
 
 
 def get_config(arg=None):
-    c = enwik8.get_config(arg)
+    args = common.parse_args(arg, pattern=("strided", "fixed", "dense"),
+                             size=("cpu", "paper", "small", "tiny"))
+    if args["size"] != "cpu":
+        c = enwik8.get_config(f"pattern={args['pattern']},size={args['size']}")
+        c.data.name = "bytes"  # any file, read as a memory map
+        c.data.path = "data/kjv.html.gz"  # the shipped corpus; --config.data.path=FILE
+        return c
+    c = common.base()
     c.data.name = "bytes"  # any file, read as a memory map
-    c.data.path = None  # required: --config.data.path=FILE
-    return c
+    c.data.path = "data/kjv.html.gz"  # the shipped corpus; --config.data.path=FILE
+
+    c.model.seq_len = 512  # context
+    c.model.num_layers = 6  # residual blocks
+    c.model.d_model = 128  # width
+    c.model.num_heads = 4  # heads
+    c.model.pattern = args["pattern"]  # strided: local window + every 32nd byte back
+    c.model.stride = 32  # l ~ sqrt(context)
+    c.model.c = 8  # summary width of the fixed variant, l / 4 (paper)
+    c.model.pos_emb = "text"  # row and column of the (16, 32) grid
+    c.model.mode = "merged"  # every head attends both parts
+
+    c.batch_size = 16  # windows per step (8,192 bytes)
+    c.total_steps = 2000  # optimizer steps
+    c.optimizer.lr = 3e-3  # peak learning rate
+    c.optimizer.warmup_steps = 200  # linear warmup
+    c.optimizer.min_lr_ratio = 0.1  # the cosine ends at lr / 10
+    c.log_every = 100  # steps between train-loss lines
+    c.eval_every = 500  # steps between validation passes
+    c.eval_batches = -1  # the whole valid split
+    c.checkpoint_every = 500  # steps between checkpoints
+    return common.finish(c)

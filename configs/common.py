@@ -54,11 +54,11 @@ def base() -> ml_collections.ConfigDict:
 
     c.mesh = ml_collections.ConfigDict()  # devices: a (data, fsdp) mesh
     c.mesh.data = -1  # data-parallel devices (-1: all devices / fsdp)
-    c.mesh.fsdp = 1  # parameter-sharding devices (only 1 is supported so far)
+    c.mesh.fsdp = 1  # parameter-sharding devices (FSDP: parameters split along the width)
 
     c.data = ml_collections.ConfigDict()  # sparse_jax.data.make_dataset reads these
     c.data.name = "embedded"  # enwik8 | bytes | cifar10 | embedded
-    c.data.path = config_dict.placeholder(str)  # enwik8 raw file or .zip; the file for "bytes"
+    c.data.path = config_dict.placeholder(str)  # enwik8 raw file or .zip; "bytes": a file (.gz ok)
     c.data.download = False  # enwik8: fetch the archive when missing (needs network)
     c.data.data_dir = config_dict.placeholder(str)  # TFDS data dir for cifar10 (None: TFDS default)
     c.data.manual_dir = config_dict.placeholder(str)  # where cifar-10-binary.tar.gz is (cifar10)

@@ -123,7 +123,7 @@ def benchmark_evaluation(workdir: str) -> dict:
         ROOT, "configs", "quickstart.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config()
+    config = module.get_config("data=embedded")
     config.data.embedded_bytes = 20 * _EVAL_MIB.value * 2**20  # 5% test split = eval_mib MiB
     config.total_steps, config.eval_batches, config.optimizer.warmup_steps = 1, 1, 0
     train.train(config, workdir)

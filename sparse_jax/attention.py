@@ -432,6 +432,46 @@ def _grid_attention_bwd(spec, residuals, d_out):
 _grid_attention.defvjp(_grid_attention_fwd, _grid_attention_bwd)
 
 
+# Dense causal attention (pattern "dense"): a custom backward that reuses the forward's
+# probabilities. Autodiff of the softmax differentiates the row maximum and the masking as well,
+# several more passes over the [B, H, n, n] scores, which bound the step on a CPU.
+
+
+def _causal_forward(q, k, v):
+    """q pre-scaled by 1/√d; returns the output [B, n, H, dv] (float32) and the probabilities
+    [B, H, n, n] (float32)."""
+    n = q.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((n, n), bool)), _dot("bqhd,bkhd->bhqk", q, k), _NEG)
+    probs = jnp.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    return _dot("bhqk,bkhd->bqhd", probs.astype(v.dtype), v), probs
+
+
+@jax.custom_vjp
+def _causal_attention(q, k, v):
+    return _causal_forward(q, k, v)[0]
+
+
+def _causal_attention_fwd(q, k, v):
+    out, probs = _causal_forward(q, k, v)
+    return out, (q, k, v, out, probs)
+
+
+def _causal_attention_bwd(residuals, d_out):
+    q, k, v, out, probs = residuals
+    d_out = d_out.astype(jnp.float32)
+    d_v = _dot("bhqk,bqhd->bkhd", probs, d_out)
+    d_probs = _dot("bqhd,bkhd->bhqk", d_out, v)
+    delta = (d_out * out).sum(-1).transpose(0, 2, 1)[..., None]  # [B, H, n, 1]
+    d_scores = probs * (d_probs - delta)
+    d_q = _dot("bhqk,bkhd->bqhd", d_scores, k)
+    d_k = _dot("bhqk,bqhd->bkhd", d_scores, q)
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
+
+
+_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
 def sparse_attention(q, k, v, spec: PatternSpec):
     """Attention of q over k, v restricted to ``spec``'s pattern; equals
     ``dense_attention(q, k, v, spec.mask(n))``.
@@ -445,9 +485,9 @@ def sparse_attention(q, k, v, spec: PatternSpec):
     if not isinstance(spec, PatternSpec):
         raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
     batch, seq_len, heads, _ = q.shape
+    scale = 1.0 / math.sqrt(q.shape[-1])
     if spec.kind == "dense":
-        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-        return dense_attention(q, k, v, causal)
+        return _causal_attention(q * jnp.asarray(scale, q.dtype), k, v).astype(q.dtype)
     block = spec.block
     rows = -(-seq_len // block)
     pad = rows * block - seq_len
@@ -456,7 +496,6 @@ def sparse_attention(q, k, v, spec: PatternSpec):
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
         return x.transpose(0, 2, 1, 3).reshape(batch, heads, rows, block, x.shape[-1])
 
-    scale = 1.0 / math.sqrt(q.shape[-1])
     out = _grid_attention(spec, to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v))
     out = out.reshape(batch, heads, rows * block, -1)[:, :, :seq_len].transpose(0, 2, 1, 3)
     return out.astype(q.dtype)

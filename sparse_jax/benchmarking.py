@@ -8,6 +8,7 @@ own, and a case that runs out of memory is reported instead of taking the benchm
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -126,3 +127,125 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
              "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training speed against a PyTorch eager twin (scripts/benchmark_training.py).
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINING_CONFIG = os.path.join(REPO, "configs", "bytes.py") + ":size=tiny,pattern=dense"
+
+
+def training_case(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int,
+                  overrides: dict | None = None) -> dict:
+    """The flat config overrides of one benchmark model: configs/bytes.py's tiny size reshaped
+    to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
+    `data_path` for `steps` steps with one validation pass at the end."""
+    case = {"data.path": data_path, "model.seq_len": seq_len, "model.num_layers": 4,
+            "model.d_model": 128, "model.num_heads": 4, "model.pattern": pattern,
+            "model.stride": stride, "model.c": max(1, stride // 4), "batch_size": 12,
+            "total_steps": steps, "optimizer.lr": 1e-3,
+            "optimizer.warmup_steps": min(100, steps // 10),
+            "optimizer.min_lr_ratio": 0.1, "log_every": max(1, steps // 10),
+            "eval_every": steps, "checkpoint_every": steps, "eval_batches": 20}
+    return {**case, **(overrides or {})}
+
+
+def _training_config(overrides: dict):
+    from sparse_jax import compare
+
+    config = compare.load_config_file(TRAINING_CONFIG)
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+def run_training_case(case: dict) -> dict:
+    """One benchmark run, in this (fresh) process: {"impl": "jax"} trains with
+    `sparse_jax.train.train` on `case["cpu_devices"]` CPU devices, {"impl": "torch"} the
+    PyTorch eager twin (`sparse_jax.torch_reference`) on the same batches from the same initial
+    parameters."""
+    from sparse_jax import sharding
+
+    if case["impl"] == "jax":
+        sharding.set_cpu_devices(case["cpu_devices"])
+    from flax import nnx
+
+    from sparse_jax import data as data_lib, model as model_lib, train as train_lib
+
+    config = _training_config(case["overrides"])
+    cfg = train_lib.check_config(config)
+    if case["impl"] == "torch":
+        from sparse_jax import torch_reference
+
+        dataset = data_lib.make_dataset(config.data, cfg.seq_len)
+        init = nnx.to_pure_dict(nnx.state(model_lib.SparseTransformer(
+            cfg, rngs=nnx.Rngs(config.seed)), nnx.Param))
+        return torch_reference.train_and_evaluate(config, dataset, init)
+    import jax
+
+    start = time.perf_counter()
+    result = train_lib.train(config, case["workdir"])
+    with open(os.path.join(case["workdir"], "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    speeds = [r["steps_per_s"] for r in rows if r["split"] == "train"][1:]  # not the compile
+    return {"train_s": time.perf_counter() - start, "steps_per_s": statistics.median(speeds),
+            "train_bits": {r["step"]: r["bits"] for r in rows if r["split"] == "train"},
+            "valid_bits": result["valid_bits"], "devices": len(jax.devices()),
+            "jax": jax.__version__}
+
+
+def compare_training(seq_lens, *, steps: int, data_path: str, patterns=("dense", "strided"),
+                     cpu_devices: int = -1, output_dir: str | None = None, command: str = "",
+                     log=print) -> dict:
+    """For each context length: the PyTorch eager twin (dense attention), then this project's
+    trainer with each of `patterns` (stride ~ sqrt(n)), each in a fresh process, one after
+    another. Writes results.md and results.json to `output_dir`; returns the JSON."""
+    import shutil
+    import tempfile
+
+    rows = []
+    for seq_len in seq_lens:
+        stride = 2 ** round(math.log2(math.sqrt(seq_len)))
+        cases = [("torch", "dense")] + [("jax", p) for p in patterns]
+        for impl, pattern in cases:
+            overrides = training_case(seq_len, pattern, steps=steps, data_path=data_path,
+                                      stride=stride)
+            workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
+            case = {"impl": impl, "overrides": overrides, "workdir": workdir,
+                    "cpu_devices": cpu_devices}
+            start = time.perf_counter()
+            out = run_isolated(["-m", "sparse_jax.benchmarking", json.dumps(case)],
+                               timeout_s=None)
+            shutil.rmtree(workdir, ignore_errors=True)
+            row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
+                   "stride": None if pattern == "dense" else stride, "steps": steps,
+                   "wall_s": time.perf_counter() - start, **out}
+            if "error" not in out:
+                row["tokens_per_s"] = out["steps_per_s"] * 12 * seq_len
+                torch_row = next((r for r in rows if r["seq_len"] == seq_len
+                                  and r["impl"] == "torch"), row)
+                if "steps_per_s" in torch_row:
+                    row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
+                row["final_train_bits"] = list(out["train_bits"].values())[-1]
+            log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
+                f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
+                f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
+            rows.append(row)
+    info = {"command": command, "machine": machine(), "steps": steps, "batch_size": 12,
+            "data": data_path, "rows": rows}
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "results.json"), "w") as f:
+            json.dump(info, f, indent=2)
+        table = markdown_table(rows, [
+            ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
+            ("stride", "stride"), ("steps_per_s", "steps/s"), ("tokens_per_s", "tokens/s"),
+            ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
+            ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
+        with open(os.path.join(output_dir, "results.md"), "w") as f:
+            f.write(f"`{command}`\n\n{table}\n")
+    return info
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_training_case(json.loads(sys.argv[1]))), flush=True)

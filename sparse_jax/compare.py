@@ -53,7 +53,7 @@ import time
 
 import ml_collections
 
-from sparse_jax import benchmarking
+from sparse_jax import benchmarking, sharding
 from sparse_jax import train as train_lib
 from sparse_jax.model import PATTERNS, describe, model_config
 
@@ -372,6 +372,7 @@ def _worker(argv):
     if len(argv) not in (2, 3):
         raise SystemExit("usage: python -m sparse_jax.compare RUN_DIR [LAUNCH_TIME]")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    sharding.set_cpu_devices()  # as scripts/train.py: one CPU device per core
     result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)
     print(json.dumps(result), flush=True)
     if result["interrupted"]:

@@ -1,6 +1,8 @@
 """Datasets: enwik8 and other byte files, CIFAR-10 through TFDS, and an embedded toy set.
 
-Everything here is NumPy on the host. Every batch is a dict of `[batch, seq_len]` arrays:
+Byte files are memory-mapped; a `.gz` file is decompressed once next to it. A file listed in
+its folder's SHA256SUMS (as the corpus shipped in `data/` is) is checked against it before use,
+once per version of the file. Everything here is NumPy on the host. Every batch is a dict of `[batch, seq_len]` arrays:
 
 - `inputs` int32, `targets` int32: the model reads `inputs` and predicts `targets` position by
   position. Byte streams: a window starting at s has inputs x[s:s+L] and targets x[s+1:s+L+1].
@@ -18,12 +20,14 @@ Each process draws its own `batch_size` rows; the global batch is batch_size x p
 """
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
 import shutil
 import urllib.request
 import zipfile
+import zlib
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -54,9 +58,120 @@ def _download(url: str, dest: str, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
 # ---------------------------------------------------------------------------------------------
 # Byte files.
 
+CHECKSUMS = "SHA256SUMS"  # `sha256sum` format; a file listed in its folder's SHA256SUMS is checked
+CORPUS = "data/kjv.html.gz"  # the corpus shipped with the repository (see data/README.md)
+
+
+def _checksum(path: str) -> tuple[str, str] | None:
+    """(expected sha256, the SHA256SUMS file) if `path`'s folder lists its name, else None."""
+    listing = os.path.join(os.path.dirname(path) or ".", CHECKSUMS)
+    try:
+        with open(listing) as f:
+            for line in f:
+                digest, _, name = line.strip().partition("  ")
+                if name.lstrip("*") == os.path.basename(path):
+                    return digest.lower(), listing
+    except OSError:
+        pass
+    return None
+
+
+def _vouched(path: str, key: dict) -> bool:
+    """Whether `<path>.verified` records `key` (a check that passed for this very file)."""
+    try:
+        with open(path + ".verified") as f:
+            return json.load(f) == key
+    except (OSError, ValueError):
+        return False
+
+
+def _vouch(path: str, key: dict) -> None:
+    try:
+        with open(path + ".verified", "w") as f:
+            json.dump(key, f)
+    except OSError:  # read-only folder: check again next time
+        pass
+
+
+def _file_key(path: str, **extra) -> dict:
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
+
+
+def _check_listed(path: str) -> None:
+    """Checks `path` against its folder's SHA256SUMS (if listed there), once per version of it."""
+    listed = _checksum(path)
+    if listed is None:
+        return
+    digest, listing = listed
+    key = _file_key(path, sha256=digest)
+    if _vouched(path, key):
+        return
+    with open(path, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
+    if got != digest:
+        raise ValueError(f"{path} is damaged or not the listed file: sha256 {got[:12]}..., "
+                         f"{listing} expects {digest[:12]}...; fetch it again (a file of this "
+                         f"repository: git checkout -- {path})")
+    _vouch(path, key)
+
+
+def _gunzip_cached(path: str) -> str:
+    """The decompressed bytes of the .gz file `path`, written once to `path` without `.gz`
+    (next to it) and checked against SHA256SUMS when listed there; returns that path.
+
+    The copy is written through a temporary file and vouched for in `<copy>.verified`, keyed by
+    the .gz file's size and mtime, so a later start maps it at once, and a changed .gz is
+    decompressed again. A file at the copy's path that this function did not write is never
+    replaced."""
+    _check_listed(path)
+    raw = path[:-3]
+    source = _file_key(path)
+    key = {"source_size": source["size"], "source_mtime_ns": source["mtime_ns"]}
+    if os.path.exists(raw):
+        if _vouched(raw, {**key, **_file_key(raw)}):
+            return raw
+        if not os.path.exists(raw + ".verified"):
+            raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
+                             f"away, or set --config.data.path={raw} to read it instead")
+    expected = _checksum(raw)
+    tmp = f"{raw}.part{os.getpid()}"
+    try:
+        digest = hashlib.sha256()
+        with gzip.open(path, "rb") as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 22):
+                digest.update(chunk)
+                out.write(chunk)
+        if expected is not None and digest.hexdigest() != expected[0]:
+            raise ValueError(f"{path} decompresses to bytes with sha256 {digest.hexdigest()[:12]}"
+                             f"..., {expected[1]} expects {expected[0][:12]}... for {raw}; "
+                             f"fetch {path} again (a file of this repository: git checkout -- "
+                             f"{path})")
+        os.replace(tmp, raw)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
+                         f"this repository: git checkout -- {path})") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _vouch(raw, {**key, **_file_key(raw)})
+    return raw
+
 
 def load_bytes(path: str) -> np.ndarray:
-    """Any file as a read-only uint8 memory map."""
+    """Any file as a read-only uint8 memory map; a `.gz` file is decompressed once next to it
+    (`_gunzip_cached`). A file listed in its folder's SHA256SUMS is checked against it."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.exists(path):
+        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"data file {path} not found{where}: set --config.data.path to "
+                                "an existing file, or run from the repository root")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"data path {path} is a folder; set --config.data.path to a file")
+    if path.endswith(".gz"):
+        path = _gunzip_cached(path)
+    else:
+        _check_listed(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path} is empty")
     return np.memmap(path, dtype=np.uint8, mode="r")
@@ -77,24 +192,15 @@ def _verify(path: str, size: int, md5: str) -> None:
     if stat.st_size != size:
         raise ValueError(f"{path} has {stat.st_size:,} bytes, expected {size:,}: wrong or "
                          f"truncated file; delete it and fetch {ENWIK8_URL} again")
-    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "md5": md5}
-    sidecar = path + ".verified"
-    try:
-        with open(sidecar) as f:
-            if json.load(f) == key:
-                return
-    except (OSError, ValueError):
-        pass
+    key = _file_key(path, md5=md5)
+    if _vouched(path, key):
+        return
     with open(path, "rb") as f:
         got = hashlib.file_digest(f, "md5").hexdigest()
     if got != md5:
         raise ValueError(f"{path} has MD5 {got}, expected {md5}: wrong or corrupt file; delete it "
                          f"and fetch {ENWIK8_URL} again")
-    try:
-        with open(sidecar, "w") as f:
-            json.dump(key, f)
-    except OSError:  # read-only folder: verify again next time
-        pass
+    _vouch(path, key)
 
 
 def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) -> None:
@@ -508,7 +614,8 @@ class Dataset:
 def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1) -> Dataset:
     """The dataset named by `config.name`: "enwik8", "bytes", "cifar10" or "embedded".
 
-    Fields read (dict, ConfigDict or object): name; path (enwik8 raw/zip or any byte file);
+    Fields read (dict, ConfigDict or object): name; path (enwik8 raw/zip or any byte file,
+    plain or .gz);
     download (enwik8 only, default False); data_dir and manual_dir (TFDS); split_fractions
     (bytes, embedded; default 0.9/0.05/0.05); embedded_bytes and embedded_seed (embedded;
     defaults 2**21 and 0); seed (training order; default 0).

@@ -168,6 +168,38 @@ def per_device_bytes(abstract_state, mesh_shape: Mapping[str, int],
     return total
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_cpu_devices(count: int = -1) -> int | None:
+    """Splits the host CPU into `count` JAX devices (-1: one per core); returns the count set,
+    or None when it was left alone.
+
+    XLA:CPU runs many of a training step's operations (small matmuls, batched matmuls,
+    elementwise passes) on one core; on a mesh of one device per core, each core runs its own
+    share of the batch, so a step uses every core (a training step of the README's models runs
+    1.2-1.4x faster on 2 cores). It must be called before JAX starts its backends, and changes
+    nothing on GPU/TPU (only the host platform is split) or when XLA_FLAGS already sets
+    --xla_force_host_platform_device_count. If the backends have started, it does nothing."""
+    if count == -1:
+        count = cpu_cores()
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"--cpu_devices must be a positive integer or -1, got {count!r}")
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return None
+    from jax._src import xla_bridge  # no public way to ask whether the backends have started
+
+    if xla_bridge.backends_are_initialized():
+        return None
+    jax.config.update("jax_num_cpu_devices", count)
+    return count
+
+
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None, process_id: int | None = None,
                            auto: bool = False) -> bool:
@@ -194,10 +226,16 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def define_distributed_flags():
-    """Defines the absl flags of a multi-process run (--jax_distributed, --coordinator_address,
-    --num_processes, --process_id) for a script; returns a function that joins the run they
-    describe (`initialize_distributed`), to call in main() before anything touches a device."""
+    """Defines the absl flags of the devices a script runs on (--cpu_devices) and of a
+    multi-process run (--jax_distributed, --coordinator_address, --num_processes,
+    --process_id); returns a function that sets the CPU devices (`set_cpu_devices`) and joins
+    the run they describe (`initialize_distributed`), to call in main() before anything touches
+    a device."""
     from absl import flags
+
+    cpu = flags.DEFINE_integer("cpu_devices", -1, "Split the host CPU into this many JAX "
+                               "devices (-1: one per core), so a step uses every core. No "
+                               "effect on GPU/TPU.")
 
     auto = flags.DEFINE_bool("jax_distributed", False, "Join a multi-process run whose "
                              "coordinator, size and rank the cluster launcher provides (SLURM, "
@@ -206,5 +244,9 @@ def define_distributed_flags():
                                   "multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
     count = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
     rank = flags.DEFINE_integer("process_id", None, "This process's rank, 0 .. N-1.")
-    return lambda: initialize_distributed(address.value, count.value, rank.value,
-                                          auto=auto.value)
+
+    def start():
+        set_cpu_devices(cpu.value)
+        return initialize_distributed(address.value, count.value, rank.value, auto=auto.value)
+
+    return start

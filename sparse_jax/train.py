@@ -101,8 +101,10 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp)
     micro = config.batch_size // config.optimizer.grad_accum
     if micro % mesh.size:
+        hint = (f"; choose a batch_size divisible by {mesh.size} or fewer CPU devices "
+                "(--cpu_devices=1)" if jax.default_backend() == "cpu" else "")
         raise ValueError(f"the micro-batch of {micro} sequences (batch_size / grad_accum) does "
-                         f"not split evenly over {mesh.size} devices")
+                         f"not split evenly over {mesh.size} devices{hint}")
     return mesh
 
 

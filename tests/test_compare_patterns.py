@@ -13,7 +13,7 @@ from sparse_jax import compare, train
 from sparse_jax.model import describe, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py") + ":data=embedded"
 # 1 layer, d=32, 2 rows of the 127-wide grid, 4 steps of 2 windows; 64 KB of embedded data.
 SMALL = {"model.d_model": 32, "model.num_layers": 1, "model.seq_len": 254, "batch_size": 2,
          "data.embedded_bytes": 2**16, "log_every": 1, "eval_every": 2,
@@ -137,7 +137,7 @@ def test_bad_input_is_refused_before_anything_trains(study, tmp_path, monkeypatc
         (dict(steps=0), "steps must be a positive integer"),
         (dict(config=os.path.join(ROOT, "configs", "nope.py")), "nope.py not found"),
         (dict(overrides={**SMALL, "model.seq_len": 100}), r"pattern fixed: .*stride=127.*seq_len"),
-        (dict(config=QUICKSTART + ":pattern=dense"), "comes from --patterns"),
+        (dict(config=QUICKSTART + ",pattern=dense"), "comes from --patterns"),
         (dict(config=os.path.join(ROOT, "configs", "cifar10.py:size=tiny"), patterns=["local"]),
          "has no variant pattern=local"),
     ]

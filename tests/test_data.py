@@ -110,6 +110,91 @@ def test_make_dataset_enwik8_and_bytes(tmp_path, monkeypatch):
 # Training windows and evaluation windows.
 
 
+def _gz_with_sums(folder, raw: bytes, name="text.txt", listed=True):
+    """folder/name.gz holding `raw`, and a SHA256SUMS listing both names (as shipped data)."""
+    import gzip
+    import hashlib
+
+    gz = os.path.join(folder, name + ".gz")
+    with gzip.open(gz, "wb") as f:
+        f.write(raw)
+    if listed:
+        with open(os.path.join(folder, "SHA256SUMS"), "w") as f:
+            for digest, n in [(hashlib.sha256(open(gz, "rb").read()).hexdigest(), name + ".gz"),
+                              (hashlib.sha256(raw).hexdigest(), name)]:
+                f.write(f"{digest}  {n}\n")
+    return gz
+
+
+def test_gz_byte_file_is_decompressed_once_checked_and_mapped(tmp_path, monkeypatch):
+    raw = bytes(range(256)) * 40
+    gz = _gz_with_sums(tmp_path, raw)
+    data = D.load_bytes(gz)
+    assert isinstance(data, np.memmap) and data.tobytes() == raw
+    assert (tmp_path / "text.txt").read_bytes() == raw  # the cache, next to the .gz
+    assert not [p for p in os.listdir(tmp_path) if ".part" in p]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("decompressed or hashed again although nothing changed")
+
+    monkeypatch.setattr(D.gzip, "open", no_work)
+    monkeypatch.setattr(D.hashlib, "file_digest", no_work)
+    assert D.load_bytes(gz).tobytes() == raw
+    os.utime(gz, ns=(1, 1))  # a changed .gz is checked and decompressed again
+    with pytest.raises(AssertionError, match="again"):
+        D.load_bytes(gz)
+
+
+def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
+    raw = b"In the beginning God created the heaven and the earth.\n" * 200
+    gz = _gz_with_sums(tmp_path, raw)
+    good = open(gz, "rb").read()
+    with open(gz, "wb") as f:  # truncated copy: its sha256 no longer matches SHA256SUMS
+        f.write(good[:len(good) // 2])
+    with pytest.raises(ValueError, match="damaged.*git checkout") as e:
+        D.load_bytes(gz)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "text.txt")
+    # Not listed: the truncated stream itself is reported, and nothing is left behind.
+    os.remove(tmp_path / "SHA256SUMS")
+    with pytest.raises(ValueError, match="not a complete gzip file"):
+        D.load_bytes(gz)
+    assert sorted(os.listdir(tmp_path)) == ["text.txt.gz"]
+    # Listed content differs from what the stream decompresses to.
+    gz = _gz_with_sums(tmp_path, raw)
+    with open(tmp_path / "SHA256SUMS") as f:
+        lines = f.read().splitlines()
+    with open(tmp_path / "SHA256SUMS", "w") as f:
+        f.write(lines[0] + "\n" + "0" * 64 + "  text.txt\n")
+    with pytest.raises(ValueError, match="decompresses to"):
+        D.load_bytes(gz)
+    # A file the loader did not write is never replaced by the decompressed copy.
+    (tmp_path / "text.txt").write_bytes(b"mine")
+    with pytest.raises(ValueError, match="exists but was not decompressed"):
+        D.load_bytes(gz)
+    assert (tmp_path / "text.txt").read_bytes() == b"mine"
+    # A listed plain file is checked too.
+    with pytest.raises(ValueError, match="damaged"):
+        D.load_bytes(tmp_path / "text.txt")
+
+
+def test_missing_or_folder_data_path_says_what_to_set(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        D.load_bytes(tmp_path / "nope.txt")
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        D.load_bytes(tmp_path)
+
+
+def test_shipped_corpus_matches_its_published_checksums():
+    """The repository's corpus is read through the real loader and is the listed file."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = D.load_bytes(os.path.join(root, D.CORPUS))
+    assert len(data) == 4_780_876
+    assert bytes(data[:15]) == b"<!DOCTYPE HTML "
+    splits = D.split_bytes(data)
+    assert 4.7 < D.unigram_entropy_bits(splits["train"]) < 4.9
+
+
 def test_byte_windows_are_shifted_slices_in_bounds():
     data = np.random.default_rng(1).integers(0, 256, size=300, dtype=np.uint8)
     it = D.ByteWindows(data, seq_len=32, batch_size=8, seed=3)

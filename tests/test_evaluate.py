@@ -41,7 +41,7 @@ TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_laye
 def text_run(tmp_path_factory):
     """A real 4-step training run (checkpoints at steps 2 and 4, both with valid bits)."""
     workdir = str(tmp_path_factory.mktemp("eval") / "run")
-    train.train(get_config("quickstart", **TINY_TEXT), workdir)
+    train.train(get_config("quickstart", "data=embedded", **TINY_TEXT), workdir)
     return workdir
 
 

@@ -108,7 +108,7 @@ TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_laye
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("sample") / "run")
-    save_like_train(get_config("quickstart", **TINY_TEXT), workdir, step=3)
+    save_like_train(get_config("quickstart", "data=embedded", **TINY_TEXT), workdir, step=3)
     return workdir
 
 

@@ -117,6 +117,22 @@ def test_distributed_start_up_needs_size_and_rank(monkeypatch):
         S.initialize_distributed("127.0.0.1:1234", 2, 2)
 
 
+def test_cpu_devices_one_per_core_unless_xla_flags_say_otherwise():
+    code = ("from sparse_jax import sharding as S; import sys; "
+            "got = S.set_cpu_devices(int(sys.argv[1])); import jax; "
+            "print(got, len(jax.devices()), S.set_cpu_devices(1))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = lambda count, env: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code, str(count)], capture_output=True, text=True, timeout=120,
+        env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, check=True).stdout.split()
+    assert run(3, env) == ["3", "3", "None"]  # after JAX started: left alone
+    assert run(-1, env) == [str(S.cpu_cores())] * 2 + ["None"]
+    forced = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=5"}
+    assert run(3, forced) == ["None", "5", "None"]
+    with pytest.raises(ValueError, match="cpu_devices"):
+        S.set_cpu_devices(0)
+
+
 def test_describe_reports_per_device_memory():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "describe.py"),

@@ -187,7 +187,7 @@ def test_missing_dataset_fails_before_the_model_is_built(tmp_path, monkeypatch):
                         data__manual_dir=str(tmp_path / "manual"))
     with pytest.raises(FileNotFoundError, match="cifar-10-binary.tar.gz"):
         train.train(config, str(tmp_path / "run2"))
-    config = get_config("bytes")  # no --config.data.path
+    config = get_config("bytes", data__path=None)  # --config.data.path unset
     with pytest.raises(ValueError, match="data.path"):
         train.train(config, str(tmp_path / "run3"))
 

@@ -1,0 +1,42 @@
+r"""Trains the same small model with this project's trainer and with a PyTorch eager twin.
+
+  pip install -r requirements-bench.txt   # torch, for the twin only
+  python scripts/benchmark_training.py --seq_lens=64,256,1024 --steps=2000 \
+      --output_dir=docs/benchmarks/training
+
+The model is nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW with warmup and
+cosine decay, gradient clipping) on the shipped corpus. The twin
+(`sparse_jax/torch_reference.py`) has the same architecture (dense causal attention), starts
+from the same parameters and reads the same batches. `scripts/train.py`'s trainer runs with
+dense attention and with the strided pattern (stride ~ sqrt(n)), each in a fresh process.
+Prints steps/s, tokens/s and validation bits of every run and writes results.md and
+results.json to --output_dir.
+"""
+
+import sys
+
+from absl import app, flags
+
+from sparse_jax import benchmarking
+
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
+_STEPS = flags.DEFINE_integer("steps", 2000, "Training steps of every run.")
+_PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided"], "Attention of this project's "
+                              "runs (the twin is always dense).")
+_DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", -1, "CPU devices of this project's runs "
+                                    "(-1: one per core).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write results.md and results.json here.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    benchmarking.compare_training([int(n) for n in _SEQ_LENS.value], steps=_STEPS.value,
+                                  data_path=_DATA.value, patterns=_PATTERNS.value,
+                                  cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
+                                  command=" ".join(["python", *sys.argv]))
+
+
+if __name__ == "__main__":
+    app.run(main)
