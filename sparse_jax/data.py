@@ -98,22 +98,27 @@ def _file_key(path: str, **extra) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
 
 
-def _check_listed(path: str) -> None:
-    """Checks `path` against its folder's SHA256SUMS (if listed there), once per version of it."""
-    listed = _checksum(path)
-    if listed is None:
-        return
-    digest, listing = listed
-    key = _file_key(path, sha256=digest)
+def _check_digest(path: str, algorithm: str, expected: str, fix: str) -> None:
+    """Hashes `path` and compares with `expected` (ValueError that ends with `fix`); a passing
+    result is recorded in `<path>.verified`, keyed by size and mtime, so each version of a file
+    is hashed once."""
+    key = _file_key(path, **{algorithm: expected})
     if _vouched(path, key):
         return
     with open(path, "rb") as f:
-        got = hashlib.file_digest(f, "sha256").hexdigest()
-    if got != digest:
-        raise ValueError(f"{path} is damaged or not the listed file: sha256 {got[:12]}..., "
-                         f"{listing} expects {digest[:12]}...; fetch it again (a file of this "
-                         f"repository: git checkout -- {path})")
+        got = hashlib.file_digest(f, algorithm).hexdigest()
+    if got != expected:
+        raise ValueError(f"{path} is damaged or not the expected file: {algorithm.upper()} "
+                         f"{got[:12]}..., expected {expected[:12]}...; {fix}")
     _vouch(path, key)
+
+
+def _check_listed(path: str) -> None:
+    """Checks `path` against its folder's SHA256SUMS, if that lists it."""
+    listed = _checksum(path)
+    if listed is not None:
+        _check_digest(path, "sha256", listed[0], f"{listed[1]} lists it; fetch it again (a file "
+                      f"of this repository: git checkout -- {path})")
 
 
 def _gunzip_cached(path: str) -> str:
@@ -187,20 +192,12 @@ def split_bytes(data: np.ndarray, fractions=(0.9, 0.05, 0.05)) -> dict[str, np.n
 
 
 def _verify(path: str, size: int, md5: str) -> None:
-    """Size and MD5 check; a passing result is cached in `<path>.verified`, keyed by size+mtime."""
+    """Size and MD5 check of enwik8 (MD5 once per version of the file, see `_check_digest`)."""
     stat = os.stat(path)
     if stat.st_size != size:
         raise ValueError(f"{path} has {stat.st_size:,} bytes, expected {size:,}: wrong or "
                          f"truncated file; delete it and fetch {ENWIK8_URL} again")
-    key = _file_key(path, md5=md5)
-    if _vouched(path, key):
-        return
-    with open(path, "rb") as f:
-        got = hashlib.file_digest(f, "md5").hexdigest()
-    if got != md5:
-        raise ValueError(f"{path} has MD5 {got}, expected {md5}: wrong or corrupt file; delete it "
-                         f"and fetch {ENWIK8_URL} again")
-    _vouch(path, key)
+    _check_digest(path, "md5", md5, f"delete it and fetch {ENWIK8_URL} again")
 
 
 def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) -> None:
