@@ -1,7 +1,7 @@
 r"""Trains the same small model with this project's trainer and with a PyTorch eager twin.
 
   pip install -r requirements-bench.txt   # torch, for the twin only
-  python scripts/benchmark_training.py --seq_lens=64,256,1024 --steps=2000 \
+  python scripts/benchmark_training.py --seq_lens=64,256,1024 --steps=2000,300,60 \
       --output_dir=docs/benchmarks/training
 
 The model is nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW with warmup and
@@ -20,7 +20,8 @@ from absl import app, flags
 from sparse_jax import benchmarking
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
-_STEPS = flags.DEFINE_integer("steps", 2000, "Training steps of every run.")
+_STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
+                           "per context length.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided"], "Attention of this project's "
                               "runs (the twin is always dense).")
 _DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on.")
@@ -32,7 +33,10 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write results.md and resu
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    benchmarking.compare_training([int(n) for n in _SEQ_LENS.value], steps=_STEPS.value,
+    seq_lens, steps = [int(n) for n in _SEQ_LENS.value], [int(s) for s in _STEPS.value]
+    if len(steps) not in (1, len(seq_lens)):
+        raise app.UsageError("--steps needs one number or one per --seq_lens")
+    benchmarking.compare_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
                                   data_path=_DATA.value, patterns=_PATTERNS.value,
                                   cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
                                   command=" ".join(["python", *sys.argv]))

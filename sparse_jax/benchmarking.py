@@ -194,21 +194,22 @@ def run_training_case(case: dict) -> dict:
             "jax": jax.__version__}
 
 
-def compare_training(seq_lens, *, steps: int, data_path: str, patterns=("dense", "strided"),
+def compare_training(seq_lens, *, steps: list[int], data_path: str, patterns=("dense", "strided"),
                      cpu_devices: int = -1, output_dir: str | None = None, command: str = "",
                      log=print) -> dict:
-    """For each context length: the PyTorch eager twin (dense attention), then this project's
-    trainer with each of `patterns` (stride ~ sqrt(n)), each in a fresh process, one after
-    another. Writes results.md and results.json to `output_dir`; returns the JSON."""
+    """For each context length (and its number of steps): the PyTorch eager twin (dense
+    attention), then this project's trainer with each of `patterns` (stride ~ sqrt(n)), each in
+    a fresh process, one after another. Writes results.md and results.json to `output_dir`;
+    returns the JSON."""
     import shutil
     import tempfile
 
     rows = []
-    for seq_len in seq_lens:
+    for seq_len, num_steps in zip(seq_lens, steps, strict=True):
         stride = 2 ** round(math.log2(math.sqrt(seq_len)))
         cases = [("torch", "dense")] + [("jax", p) for p in patterns]
         for impl, pattern in cases:
-            overrides = training_case(seq_len, pattern, steps=steps, data_path=data_path,
+            overrides = training_case(seq_len, pattern, steps=num_steps, data_path=data_path,
                                       stride=stride)
             workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
             case = {"impl": impl, "overrides": overrides, "workdir": workdir,
@@ -218,7 +219,7 @@ def compare_training(seq_lens, *, steps: int, data_path: str, patterns=("dense",
                                timeout_s=None)
             shutil.rmtree(workdir, ignore_errors=True)
             row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
-                   "stride": None if pattern == "dense" else stride, "steps": steps,
+                   "stride": None if pattern == "dense" else stride, "steps": num_steps,
                    "wall_s": time.perf_counter() - start, **out}
             if "error" not in out:
                 row["tokens_per_s"] = out["steps_per_s"] * 12 * seq_len
@@ -231,7 +232,7 @@ def compare_training(seq_lens, *, steps: int, data_path: str, patterns=("dense",
                 f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
                 f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
             rows.append(row)
-    info = {"command": command, "machine": machine(), "steps": steps, "batch_size": 12,
+    info = {"command": command, "machine": machine(), "batch_size": 12,
             "data": data_path, "rows": rows}
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
@@ -239,7 +240,7 @@ def compare_training(seq_lens, *, steps: int, data_path: str, patterns=("dense",
             json.dump(info, f, indent=2)
         table = markdown_table(rows, [
             ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
-            ("stride", "stride"), ("steps_per_s", "steps/s"), ("tokens_per_s", "tokens/s"),
+            ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"), ("tokens_per_s", "tokens/s"),
             ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
             ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
         with open(os.path.join(output_dir, "results.md"), "w") as f:
