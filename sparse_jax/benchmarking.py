@@ -240,7 +240,8 @@ def compare_training(seq_lens, *, steps: list[int], data_path: str, patterns=("d
             json.dump(info, f, indent=2)
         table = markdown_table(rows, [
             ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
-            ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"), ("tokens_per_s", "tokens/s"),
+            ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"),
+            ("tokens_per_s", "tokens/s"),
             ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
             ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
         with open(os.path.join(output_dir, "results.md"), "w") as f:

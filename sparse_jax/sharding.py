@@ -182,10 +182,10 @@ def set_cpu_devices(count: int = -1) -> int | None:
 
     XLA:CPU runs many of a training step's operations (small matmuls, batched matmuls,
     elementwise passes) on one core; on a mesh of one device per core, each core runs its own
-    share of the batch, so a step uses every core (a training step of the README's models runs
-    1.2-1.4x faster on 2 cores). It must be called before JAX starts its backends, and changes
-    nothing on GPU/TPU (only the host platform is split) or when XLA_FLAGS already sets
-    --xla_force_host_platform_device_count. If the backends have started, it does nothing."""
+    share of the batch, so a step uses every core (docs/benchmarks/training). It must be called
+    before JAX starts its backends, and changes nothing on GPU/TPU (only the host platform is
+    split) or when XLA_FLAGS already sets --xla_force_host_platform_device_count. If the
+    backends have started, it does nothing."""
     if count == -1:
         count = cpu_cores()
     if not isinstance(count, int) or count < 1:
