@@ -81,7 +81,8 @@ def loss_bits(logits, targets):
 def load_jax_params(module: Transformer, params) -> None:
     """Copies a `SparseTransformer`'s parameters (`nnx.to_pure_dict(nnx.state(model))`) in."""
     def put(tensor, value):
-        tensor.data.copy_(torch.as_tensor(np.asarray(value, np.float32)))
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(np.array(value, np.float32)))
 
     def linear(mod, p):  # flax kernels are [in, out], torch weights [out, in]
         put(mod.weight, np.asarray(p["kernel"]).T)
