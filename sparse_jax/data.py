@@ -152,14 +152,20 @@ def _gunzip_cached(path: str) -> str:
                              f"..., {expected[1]} expects {expected[0][:12]}... for {raw}; "
                              f"fetch {path} again (a file of this repository: git checkout -- "
                              f"{path})")
+        # Vouched for before it appears, so another process never sees it unvouched (a rename
+        # keeps the size and mtime the key records).
+        _vouch(raw, {**key, **_file_key(tmp)})
         os.replace(tmp, raw)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
                          f"this repository: git checkout -- {path})") from e
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the decompressed copy of {path} next to it "
+                               f"({e.strerror or e}); decompress it somewhere writable (gunzip "
+                               "-k) and set --config.data.path to the copy") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _vouch(raw, {**key, **_file_key(raw)})
     return raw
 
 
