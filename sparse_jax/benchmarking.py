@@ -136,8 +136,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING_CONFIG = os.path.join(REPO, "configs", "bytes.py") + ":size=tiny,pattern=dense"
 
 
-def training_case(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int,
-                  overrides: dict | None = None) -> dict:
+def training_case(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int
+                  ) -> dict:
     """The flat config overrides of one benchmark model: configs/bytes.py's tiny size reshaped
     to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
     `data_path` for `steps` steps with one validation pass at the end."""
@@ -148,7 +148,7 @@ def training_case(seq_len: int, pattern: str, *, steps: int, data_path: str, str
             "optimizer.warmup_steps": min(100, steps // 10),
             "optimizer.min_lr_ratio": 0.1, "log_every": max(1, steps // 10),
             "eval_every": steps, "checkpoint_every": steps, "eval_batches": 20}
-    return {**case, **(overrides or {})}
+    return case
 
 
 def _training_config(overrides: dict):
@@ -222,7 +222,7 @@ def compare_training(seq_lens, *, steps: list[int], data_path: str, patterns=("d
                    "stride": None if pattern == "dense" else stride, "steps": num_steps,
                    "wall_s": time.perf_counter() - start, **out}
             if "error" not in out:
-                row["tokens_per_s"] = out["steps_per_s"] * 12 * seq_len
+                row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
                 torch_row = next((r for r in rows if r["seq_len"] == seq_len
                                   and r["impl"] == "torch"), row)
                 if "steps_per_s" in torch_row:
@@ -232,7 +232,7 @@ def compare_training(seq_lens, *, steps: list[int], data_path: str, patterns=("d
                 f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
                 f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
             rows.append(row)
-    info = {"command": command, "machine": machine(), "batch_size": 12,
+    info = {"command": command, "machine": machine(),
             "data": data_path, "rows": rows}
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
