@@ -12,25 +12,19 @@ bytes for training windows (train) and at least one byte (valid).
 
 size=cpu: a model sized for a 2-core CPU and a 30-minute budget (6 layers, d=128,
   strided l=32, context 512, 1.26M parameters, 2,900 steps of 8 windows). Hardware: a 2-core
-  CPU. Wall time on the shipped corpus: 25 min 4 s from process start (compilation, four
-  validation passes and checkpoints included) on a 2-core AMD EPYC with nothing else running.
-  Target: validation bits/byte <= 1.70 on the shipped corpus, below every general-purpose
-  compressor; measured 1.69 (2.29, 1.89, 1.75 at steps 725, 1,450, 2,175). On another file
-  training takes the same time; each validation pass reads the whole valid part (5 s here for
-  239K bytes), so on a large file set --config.eval_batches. On 4.7 MB of Python source it ended
-  at 1.92 (gzip -9 1.99, bzip2 -9 1.64, xz -9e 1.53 on that split; README).
+  CPU. Wall time: under 30 minutes on the shipped corpus from process start (compilation, four
+  validation passes and checkpoints included). Target: validation bits/byte <= 1.70 on the
+  shipped corpus, below every general-purpose compressor; the measured curve and wall time are
+  in README, "Results on real data". On another file training takes the same time; each
+  validation pass reads the whole valid part, so on a large file set --config.eval_batches.
 size=paper | small | tiny: the models of enwik8.py (paper: GPUs; tiny: seconds on a 2-core CPU).
 Target metric: validation bits per byte, which depends on the file; for reference, a unigram
 model scores the file's byte entropy, and on the shipped corpus's valid part gzip -9 costs 2.59,
 xz -9e 1.93 and bzip2 -9 1.86 bits/byte (data/README.md).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (configs/common.py: the shared fields)
-import enwik8  # noqa: E402  (configs/enwik8.py: the paper / small / tiny sizes)
+from configs import common
+from configs import enwik8  # the paper / small / tiny sizes
 
 
 def get_config(arg=None):

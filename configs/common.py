@@ -1,9 +1,10 @@
 """Fields every training config shares, and the parser of config arguments.
 
-Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py` and `quickstart.py` import it (their
-folder is put on sys.path) and set what differs. `base()` returns an unlocked ConfigDict with every
-field the trainer (`sparse_jax.train`) and the model (`sparse_jax.model.model_config`) read; the
-config files call `finish()` on it, which locks it so a mistyped override fails.
+Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py` and `quickstart.py` import it
+(`from configs import common`) and set what differs. `base()` returns an unlocked ConfigDict
+with every field the trainer (`sparse_jax.config.check_config`), the data
+(`sparse_jax.data.DataConfig`) and the model (`sparse_jax.model.ModelConfig`) read; the config
+files call `finish()` on it, which locks it so a mistyped override fails.
 """
 
 import ml_collections
@@ -56,10 +57,10 @@ def base() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel devices (-1: all devices / fsdp)
     c.mesh.fsdp = 1  # parameter-sharding devices (FSDP: parameters split along the width)
 
-    c.data = ml_collections.ConfigDict()  # sparse_jax.data.make_dataset reads these
+    c.data = ml_collections.ConfigDict()  # sparse_jax.data.DataConfig: exactly its fields
     c.data.name = "embedded"  # enwik8 | bytes | cifar10 | embedded
     c.data.path = config_dict.placeholder(str)  # enwik8 raw file or .zip; "bytes": a file (.gz ok)
-    c.data.download = False  # enwik8: fetch the archive when missing (needs network)
+    c.data.download = False  # enwik8, cifar10: fetch a missing archive (needs network)
     c.data.data_dir = config_dict.placeholder(str)  # TFDS data dir for cifar10 (None: TFDS default)
     c.data.manual_dir = config_dict.placeholder(str)  # where cifar-10-binary.tar.gz is (cifar10)
     c.data.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test of "bytes" and "embedded"

@@ -1,4 +1,4 @@
-r"""enwik8 (bits per byte), paper §7 / DESIGN.md §5: 30 layers, d=512, 8 heads, fixed pattern
+r"""enwik8 (bits per byte), paper §7 / docs/design.md §5: 30 layers, d=512, 8 heads, fixed pattern
 l=128, c=32, merged heads, context 12,288, dropout 0.40; 95M parameters.
 
 Command (the archive is read from data/enwik8.zip unless --config.data.path says otherwise):
@@ -19,11 +19,7 @@ size=tiny: 2 layers, d=64, context 256, 20 steps of 4 windows: a smoke test that
   on a 2-core CPU (the loss barely moves).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (configs/common.py: the shared fields)
+from configs import common
 
 
 def get_config(arg=None):

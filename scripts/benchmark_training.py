@@ -17,7 +17,7 @@ import sys
 
 from absl import app, flags
 
-from sparse_jax import benchmarking
+from sparse_jax import torch_benchmark
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
@@ -36,7 +36,7 @@ def main(argv):
     seq_lens, steps = [int(n) for n in _SEQ_LENS.value], [int(s) for s in _STEPS.value]
     if len(steps) not in (1, len(seq_lens)):
         raise app.UsageError("--steps needs one number or one per --seq_lens")
-    benchmarking.compare_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
+    torch_benchmark.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
                                   data_path=_DATA.value, patterns=_PATTERNS.value,
                                   cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
                                   command=" ".join(["python", *sys.argv]))

@@ -1,5 +1,5 @@
 r"""Trains the same model once per attention pattern and compares them (paper Table 2); all
-logic lives in `sparse_jax.compare`.
+logic lives in `sparse_jax.study`.
 
   python scripts/compare_patterns.py --config=configs/quickstart.py \
       --workdir=workdirs/patterns --patterns=dense,strided,fixed --steps=500
@@ -34,11 +34,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    from sparse_jax import compare
+    from sparse_jax import study
 
     config_flag = flags.FLAGS["config"]
     try:
-        result = compare.compare_patterns(
+        result = study.compare_patterns(
             config_flags.get_config_filename(config_flag), _WORKDIR.value, _PATTERNS.value,
             steps=_STEPS.value, overrides=config_flags.get_override_values(config_flag),
             output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
@@ -46,7 +46,7 @@ def main(argv):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # the run in progress saves a checkpoint on the same Ctrl-C
         sys.exit("interrupted; run the same command to resume")
-    print(compare.markdown(result["patterns"]))
+    print(study.markdown(result["patterns"]))
     print("Wrote " + ", ".join(result["outputs"].values()))
 
 

@@ -1,4 +1,12 @@
-"""Block-sparse attention for the factorized patterns, and the Flax NNX self-attention layer.
+"""The attention math of the factorized patterns: plain ``jnp`` functions and custom VJPs, no Flax.
+
+* ``sparse_attention(q, k, v, spec)``: the fast block-sparse path (below), and for
+  ``PatternSpec("dense")`` causal attention with a custom backward that reuses the forward's
+  probabilities; ``multi_spec_attention`` splits the heads into groups, one pattern each.
+* ``dense_attention`` (a mask) and ``gather_attention`` (index arrays): the references the tests
+  hold the fast path to.
+* ``decode_attention``: one query per head over gathered keys, a step of the cached decoder.
+  It and the references share one masked softmax (``_masked_exp``).
 
 ``sparse_attention(q, k, v, spec)`` computes exactly ``softmax(q kᵀ / √d + mask) v`` for the
 pattern's mask, without an n×n array and without a per-query copy of K/V. It follows the
@@ -25,6 +33,7 @@ of each term; the summary term's static chunks are O(n·|S|) / ``_SUMMARY_CHUNKS
 Sequence lengths that are not a multiple of the block are padded at the end: a padded key sits
 after every real query, so causality already hides it, and padded query rows are dropped.
 A query with no key at all (possible only for the fixed summary part alone) outputs zeros.
+Design: docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -37,76 +46,13 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sparse_jax import patterns
+from sparse_jax.patterns import PatternSpec
 
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
 _SUMMARY_CHUNKS = 8  # query-row chunks of the summary term; fewer chunks score more masked keys
-
-
-@dataclasses.dataclass(frozen=True)
-class PatternSpec:
-    """Names an attention pattern; hashable, so it can be a static argument of ``jax.jit``.
-
-    kind: "dense" | "local" | "strided" | "fixed".
-    stride: l (strided/fixed); the window of "local" is ``local_width`` (default stride + 1).
-    c: summary width of "fixed".
-    part: "both", or one part ("local"/"strided" for strided, "block"/"summary" for fixed).
-    local_width: local window of "strided"/"local" (default stride + 1, the paper's formula).
-    summary: "paper" or "lra" (fixed summary convention).
-    head: which summary sub-block of "fixed" (residues [l-(h+1)c, l-hc)).
-    """
-    kind: str = "strided"
-    stride: int | None = None
-    c: int | None = None
-    part: str = "both"
-    local_width: int | None = None
-    summary: str = "paper"
-    head: int = 0
-
-    def __post_init__(self):
-        patterns._check_choice("kind", self.kind, ("dense", "local", "strided", "fixed"))
-        if self.kind != "dense":
-            self.terms()  # validates every field
-
-    def _fields(self) -> dict:
-        return dict(stride=self.stride, c=self.c, part=self.part, local_width=self.local_width,
-                    summary=self.summary, head=self.head)
-
-    def indices(self, seq_len: int) -> np.ndarray:
-        """``int32[seq_len, K]`` key indices per query (see ``patterns``)."""
-        return patterns.pattern_indices(self.kind, seq_len, **self._fields())
-
-    def terms(self) -> tuple[patterns.Term, ...]:
-        """Disjoint block-level terms of the pattern (``patterns.pattern_terms``)."""
-        return patterns.pattern_terms(self.kind, **self._fields())
-
-    @property
-    def block(self) -> int:
-        """Row length of the grid the fast path works on (all terms share it)."""
-        terms = self.terms()
-        blocks = {t.stride if isinstance(t, patterns.ColumnTerm) else t.block for t in terms}
-        assert len(blocks) == 1, blocks
-        return blocks.pop()
-
-    def mask(self, seq_len: int) -> np.ndarray:
-        """``bool[seq_len, seq_len]`` (for references and pictures; O(n²))."""
-        return patterns.indices_to_mask(self.indices(seq_len), seq_len)
-
-    def mean_keys(self, seq_len: int) -> float:
-        """Mean number of keys per query (|S| in FLOP counts)."""
-        if self.kind == "dense":
-            return (seq_len + 1) / 2
-        return patterns.mean_keys_per_query(self.indices(seq_len))
-
-    def __str__(self) -> str:
-        if self.kind == "dense":
-            return "dense"
-        extras = {k: v for k, v in self._fields().items()
-                  if v is not None and v != PatternSpec.__dataclass_fields__[k].default}
-        return self.kind + "(" + ", ".join(f"{k}={v}" for k, v in extras.items()) + ")"
 
 
 def _check_qkv(q, k, v):
@@ -127,6 +73,15 @@ def _check_qkv(q, k, v):
 # References.
 
 
+def _masked_exp(scores, mask):
+    """The masked softmax shared by the references and the decoding step, before its division:
+    ``exp(score - row max)`` where ``mask`` holds, 0 elsewhere, and the row sums (float32). The
+    caller divides by ``max(sum, 1e-30)``, so a row with no key gives zeros, not NaN."""
+    scores = jnp.where(mask, scores, _NEG)
+    probs = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    return probs, probs.sum(-1, keepdims=True)
+
+
 def dense_attention(q, k, v, mask):
     """The obviously-correct reference: ``softmax(q kᵀ / √d, masked) v`` in float32.
 
@@ -135,11 +90,8 @@ def dense_attention(q, k, v, mask):
     """
     _check_qkv(q, k, v)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    mask = jnp.asarray(mask, dtype=bool)
-    scores = jnp.where(mask, scores, _NEG)
-    probs = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
-    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    probs, total = _masked_exp(scores / math.sqrt(q.shape[-1]), jnp.asarray(mask, dtype=bool))
+    probs = probs / jnp.maximum(total, 1e-30)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32))
     return out.astype(q.dtype)
 
@@ -153,20 +105,36 @@ def gather_attention(q, k, v, indices):
     safe = jnp.where(valid, idx, 0)
     k_g, v_g = k[:, safe], v[:, safe]  # [B, n, K, H, d]
     scores = jnp.einsum("bqhd,bqkhd->bhqk", q, k_g, preferred_element_type=jnp.float32)
-    scores = jnp.where(valid[None, None], scores / math.sqrt(q.shape[-1]), _NEG)
-    probs = jnp.where(valid[None, None], jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
-    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    probs, total = _masked_exp(scores / math.sqrt(q.shape[-1]), valid[None, None])
+    probs = probs / jnp.maximum(total, 1e-30)
     return jnp.einsum("bhqk,bqkhd->bqhd", probs, v_g.astype(jnp.float32)).astype(q.dtype)
+
+
+def decode_attention(q_BHD, k_BKHD, v_BKHD, valid):
+    """Attention of one query per (batch, head) over K keys: one position of a cached decoder.
+
+    q: [B, H, d]; k: [B, K, H, d]; v: [B, K, H, dv]; valid: bool broadcastable to [B, H, K]
+    (False: not a key of this query). As in ``sparse_attention``, q is scaled by 1/√d in its
+    dtype, scores and softmax are float32 and the probabilities enter the value product in the
+    input dtype, so a step rounds as its row of the full pass does. Returns [B, H, dv] in q's
+    dtype; zeros for a query with no valid key.
+    """
+    q_BHD = q_BHD * jnp.asarray(1.0 / math.sqrt(q_BHD.shape[-1]), q_BHD.dtype)
+    scores = jnp.einsum("bhd,bkhd->bhk", q_BHD, k_BKHD, preferred_element_type=jnp.float32)
+    probs, total = _masked_exp(scores, valid)
+    out = jnp.einsum("bhk,bkhd->bhd", probs.astype(v_BKHD.dtype), v_BKHD,
+                     preferred_element_type=jnp.float32)
+    return (out / jnp.maximum(total, 1e-30)).astype(q_BHD.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # The fast path. Each term becomes one or more "pieces". A piece sees the grid in its own
 # layout, [B, H, tiles, queries per tile, ...]: the tiles are the grid rows (or sub-rows), or the
-# grid columns for column attention (``transposed``). The keys of tile t lie in tiles t - halo .. t, so the
-# queries of a chunk of consecutive tiles need one contiguous slab of K/V. A piece is computed
-# chunk by chunk in a ``lax.scan``, so only one chunk's score tiles exist at a time (memory is
-# bounded by the chunk, whatever the compiler's schedule), and the forward pass and the custom
-# backward pass share one definition of each piece.
+# grid columns for column attention (``transposed``). The keys of tile t lie in tiles
+# t - halo .. t, so the queries of a chunk of consecutive tiles need one contiguous slab of K/V.
+# A piece is computed chunk by chunk in a ``lax.scan``, so only one chunk's score tiles exist at
+# a time (memory is bounded by the chunk, whatever the compiler's schedule), and the forward
+# pass and the custom backward pass share one definition of each piece.
 
 _CHUNK_SCORES = 1 << 16  # scores per (batch, head) in one scan step of a piece (256 KiB float32)
 _MIN_SUB_ROW = 64  # shortest sub-row a sliding-window band is cut into (shorter: slower dots)
@@ -501,38 +469,6 @@ def sparse_attention(q, k, v, spec: PatternSpec):
     return out.astype(q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Ways of combining the parts in a layer (paper §4.3).
-
-MODES = ("merged", "interleaved", "multihead")
-
-
-def _parts(kind: str) -> tuple[str, str]:
-    return patterns.PARTS[kind][1:] if kind in patterns.PARTS else ()
-
-
-def layer_specs(spec: PatternSpec, mode: str, layer: int = 0, *,
-                distinct_summaries: bool = False) -> tuple[PatternSpec, ...]:
-    """Pattern of each head group of layer ``layer``; heads are split evenly over the groups.
-
-    merged: one group attending the union of the parts (``spec`` with part="both").
-    interleaved: one group, the part ``layer mod 2`` (local/strided, block/summary).
-    multihead: one group per part; for fixed with ``distinct_summaries``, group h instead takes
-    the whole pattern with summary sub-block ``head=h`` (``stride // c`` groups).
-    Dense and local patterns have one part: every mode gives ``(spec,)``.
-    """
-    patterns._check_choice("mode", mode, MODES)
-    parts = _parts(spec.kind)
-    if not parts or mode == "merged":
-        return (spec,)
-    if mode == "interleaved":
-        return (dataclasses.replace(spec, part=parts[layer % 2]),)
-    if spec.kind == "fixed" and distinct_summaries:
-        return tuple(dataclasses.replace(spec, part="both", head=h)
-                     for h in range(spec.stride // spec.c))
-    return tuple(dataclasses.replace(spec, part=p) for p in parts)
-
-
 def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec]):
     """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``."""
     heads = q.shape[2]
@@ -545,46 +481,3 @@ def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec]):
     outs = [sparse_attention(q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g],
                              v[:, :, i * g:(i + 1) * g], s) for i, s in enumerate(specs)]
     return jnp.concatenate(outs, axis=2)
-
-
-class SparseSelfAttention(nnx.Module):
-    """Multi-head causal self-attention over a factorized pattern.
-
-    ``specs`` is one pattern per head group (see ``layer_specs``): one spec for merged or
-    interleaved layers, several for multi-head mode. ``qk_dim`` (default ``d_model``) sets the
-    total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
-    Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
-    N(0, out_std²) (default init_std), biases 0.
-    """
-
-    def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
-                 qk_dim: int | None = None, init_std: float | None = None,
-                 out_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        qk_dim = d_model if qk_dim is None else qk_dim
-        for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
-            if dim % num_heads:
-                raise ValueError(f"{name}={dim} must be divisible by num_heads={num_heads}")
-        specs = tuple(specs)
-        if not specs or num_heads % len(specs):
-            raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
-                             f"groups ({len(specs)})")
-        init_std = 0.125 / math.sqrt(d_model) if init_std is None else init_std
-        out_std = init_std if out_std is None else out_std
-        dense = lambda i, o, std: nnx.Linear(  # noqa: E731
-            i, o, kernel_init=nnx.initializers.normal(std), dtype=dtype, param_dtype=param_dtype,
-            rngs=rngs)
-        self.query = dense(d_model, qk_dim, init_std)
-        self.key = dense(d_model, qk_dim, init_std)
-        self.value = dense(d_model, d_model, init_std)
-        self.out = dense(d_model, d_model, out_std)
-        self.num_heads = num_heads
-        self.specs = specs
-
-    def __call__(self, x):
-        """x: [B, n, d_model] -> [B, n, d_model]."""
-        batch, seq_len, _ = x.shape
-        split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        out = multi_spec_attention(q, k, v, self.specs)
-        return self.out(out.reshape(batch, seq_len, -1))

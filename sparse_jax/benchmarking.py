@@ -1,14 +1,15 @@
-"""Helpers shared by the benchmark scripts: timing after compile, one fresh process per case
-with its peak memory, the matmul ceiling of the machine, and tables.
+"""Tools of the benchmarks: one fresh process per case with its peak memory, timing after
+compile, the matmul ceiling of the machine, a description of the machine, tables and a plot.
 
-Each case runs in its own process so that its peak resident memory (RSS high-water mark) is its
-own, and a case that runs out of memory is reported instead of taking the benchmark down.
+Each case runs in its own process (`run_isolated`) so that its peak resident memory (RSS
+high-water mark) is its own, and a case that runs out of memory is reported instead of taking
+the benchmark down. The benchmarks themselves are in `sparse_jax.benchmarks` and
+`sparse_jax.torch_benchmark`; the pattern study (`sparse_jax.study`) uses the same tools.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import resource
@@ -39,9 +40,16 @@ def time_call(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
 
 
 def peak_rss_gb() -> float:
-    """This process's resident-memory high-water mark in GB (Linux reports KiB)."""
+    """This process's resident-memory high-water mark in GB (10^9 bytes; Linux reports KiB)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def available_memory_gb() -> float:
+    """Memory the kernel could give a new allocation now (``MemAvailable``), in GB; Linux."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
 
 
 def matmul_gflops(size: int = 4096, repeats: int = 5) -> float:
@@ -56,6 +64,7 @@ def matmul_gflops(size: int = 4096, repeats: int = 5) -> float:
 
 
 def _rss_of(pid: int) -> float:
+    """The current RSS of process `pid` in GB (0 if it cannot be read)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -67,10 +76,13 @@ def _rss_of(pid: int) -> float:
 
 
 def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dict | None = None,
-                 timeout_s: float = 1800) -> dict:
-    """Runs ``python argv...`` in a fresh process, which must print one JSON object as its last
-    stdout line; returns it. A process whose RSS passes ``mem_limit_gb`` (polled every 0.1 s,
-    Linux only) is killed and reported as ``{"error": "out of memory (> X GB)"}``."""
+                 timeout_s: float | None = 1800) -> dict:
+    """Runs ``python argv...`` (a module: ``["-m", "sparse_jax.benchmarks", CASE]``) in a fresh
+    process, which prints its result as a JSON object on a line of its own; returns the last such
+    object. A process that fails returns the last object it printed (or {}) plus "error": "out
+    of memory" when it was killed or XLA/Python ran out of memory, "out of memory (> X GB)" when
+    its RSS passed ``mem_limit_gb`` (polled every 0.1 s, Linux only), "timed out after N s",
+    or "exit CODE: last line of stderr". ``env`` adds to this process's environment."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
     killed = threading.Event()
@@ -89,15 +101,19 @@ def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dic
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.communicate()
         return {"error": f"timed out after {timeout_s:.0f} s"}
     watcher.join()
+    printed = [line for line in out.splitlines() if line.startswith("{")]
+    result = json.loads(printed[-1]) if printed else {}
     if killed.is_set():
-        return {"error": f"out of memory (> {mem_limit_gb:g} GB)"}
+        return {**result, "error": f"out of memory (> {mem_limit_gb:g} GB)"}
     if proc.returncode != 0:
         last = (err.strip().splitlines() or ["?"])[-1]
         oom = proc.returncode in (-9, 137) or "RESOURCE_EXHAUSTED" in err or "MemoryError" in err
-        return {"error": "out of memory" if oom else f"exit {proc.returncode}: {last[:200]}"}
-    return json.loads(out.strip().splitlines()[-1])
+        return {**result, "error": "out of memory" if oom else
+                f"exit {proc.returncode}: {last[:200]}"}
+    return result if printed else {"error": "the process printed no JSON result"}
 
 
 def machine() -> dict:
@@ -129,125 +145,35 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# Training speed against a PyTorch eager twin (scripts/benchmark_training.py).
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINING_CONFIG = os.path.join(REPO, "configs", "bytes.py") + ":size=tiny,pattern=dense"
-
-
-def training_case(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int
-                  ) -> dict:
-    """The flat config overrides of one benchmark model: configs/bytes.py's tiny size reshaped
-    to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
-    `data_path` for `steps` steps with one validation pass at the end."""
-    case = {"data.path": data_path, "model.seq_len": seq_len, "model.num_layers": 4,
-            "model.d_model": 128, "model.num_heads": 4, "model.pattern": pattern,
-            "model.stride": stride, "model.c": max(1, stride // 4), "batch_size": 12,
-            "total_steps": steps, "optimizer.lr": 1e-3,
-            "optimizer.warmup_steps": min(100, steps // 10),
-            "optimizer.min_lr_ratio": 0.1, "log_every": max(1, steps // 10),
-            "eval_every": steps, "checkpoint_every": steps, "eval_batches": 20}
-    return case
+def write_results(output_dir: str, info, markdown: str, indent: int = 1) -> None:
+    """Writes `info` as output_dir/results.json and `markdown` as output_dir/results.md."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(info, f, indent=indent)
+    with open(os.path.join(output_dir, "results.md"), "w") as f:
+        f.write(markdown)
 
 
-def _training_config(overrides: dict):
-    from sparse_jax import compare
+def plot_time_vs_seq_len(rows: list[dict], path: str) -> None:
+    """A log-log PNG of seconds (``median_ms``) against ``seq_len``: one line per pattern and
+    pass (dashed: forward, solid: forward + backward)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    config = compare.load_config_file(TRAINING_CONFIG)
-    config.update_from_flattened_dict(overrides)
-    return config
-
-
-def run_training_case(case: dict) -> dict:
-    """One benchmark run, in this (fresh) process: {"impl": "jax"} trains with
-    `sparse_jax.train.train` on `case["cpu_devices"]` CPU devices, {"impl": "torch"} the
-    PyTorch eager twin (`sparse_jax.torch_reference`) on the same batches from the same initial
-    parameters."""
-    from sparse_jax import sharding
-
-    if case["impl"] == "jax":
-        sharding.set_cpu_devices(case["cpu_devices"])
-    from flax import nnx
-
-    from sparse_jax import data as data_lib, model as model_lib, train as train_lib
-
-    config = _training_config(case["overrides"])
-    cfg = train_lib.check_config(config)
-    if case["impl"] == "torch":
-        from sparse_jax import torch_reference
-
-        dataset = data_lib.make_dataset(config.data, cfg.seq_len)
-        init = nnx.to_pure_dict(nnx.state(model_lib.SparseTransformer(
-            cfg, rngs=nnx.Rngs(config.seed)), nnx.Param))
-        return torch_reference.train_and_evaluate(config, dataset, init)
-    import jax
-
-    start = time.perf_counter()
-    result = train_lib.train(config, case["workdir"])
-    with open(os.path.join(case["workdir"], "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    speeds = [r["steps_per_s"] for r in rows if r["split"] == "train"][1:]  # not the compile
-    return {"train_s": time.perf_counter() - start, "steps_per_s": statistics.median(speeds),
-            "train_bits": {r["step"]: r["bits"] for r in rows if r["split"] == "train"},
-            "valid_bits": result["valid_bits"], "devices": len(jax.devices()),
-            "jax": jax.__version__}
-
-
-def compare_training(seq_lens, *, steps: list[int], data_path: str, patterns=("dense", "strided"),
-                     cpu_devices: int = -1, output_dir: str | None = None, command: str = "",
-                     log=print) -> dict:
-    """For each context length (and its number of steps): the PyTorch eager twin (dense
-    attention), then this project's trainer with each of `patterns` (stride ~ sqrt(n)), each in
-    a fresh process, one after another. Writes results.md and results.json to `output_dir`;
-    returns the JSON."""
-    import shutil
-    import tempfile
-
-    rows = []
-    for seq_len, num_steps in zip(seq_lens, steps, strict=True):
-        stride = 2 ** round(math.log2(math.sqrt(seq_len)))
-        cases = [("torch", "dense")] + [("jax", p) for p in patterns]
-        for impl, pattern in cases:
-            overrides = training_case(seq_len, pattern, steps=num_steps, data_path=data_path,
-                                      stride=stride)
-            workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
-            case = {"impl": impl, "overrides": overrides, "workdir": workdir,
-                    "cpu_devices": cpu_devices}
-            start = time.perf_counter()
-            out = run_isolated(["-m", "sparse_jax.benchmarking", json.dumps(case)],
-                               timeout_s=None)
-            shutil.rmtree(workdir, ignore_errors=True)
-            row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
-                   "stride": None if pattern == "dense" else stride, "steps": num_steps,
-                   "wall_s": time.perf_counter() - start, **out}
-            if "error" not in out:
-                row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
-                torch_row = next((r for r in rows if r["seq_len"] == seq_len
-                                  and r["impl"] == "torch"), row)
-                if "steps_per_s" in torch_row:
-                    row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
-                row["final_train_bits"] = list(out["train_bits"].values())[-1]
-            log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
-                f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
-                f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
-            rows.append(row)
-    info = {"command": command, "machine": machine(),
-            "data": data_path, "rows": rows}
-    if output_dir:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "results.json"), "w") as f:
-            json.dump(info, f, indent=2)
-        table = markdown_table(rows, [
-            ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
-            ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"),
-            ("tokens_per_s", "tokens/s"),
-            ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
-            ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
-        with open(os.path.join(output_dir, "results.md"), "w") as f:
-            f.write(f"`{command}`\n\n{table}\n")
-    return info
-
-
-if __name__ == "__main__":
-    print(json.dumps(run_training_case(json.loads(sys.argv[1]))), flush=True)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for pattern in dict.fromkeys(r["pattern"] for r in rows):
+        for pass_, style in [("fwd", "--"), ("fwdbwd", "-")]:
+            pts = [(r["seq_len"], r["median_ms"] / 1e3) for r in rows
+                   if r["pattern"] == pattern and r["pass"] == pass_ and "median_ms" in r]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", label=f"{pattern} {pass_}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("seconds (median of the best round)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

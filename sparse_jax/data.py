@@ -1,8 +1,10 @@
-"""Datasets: enwik8 and other byte files, CIFAR-10 through TFDS, and an embedded toy set.
+"""The data config, the byte and image datasets, and their batch iterators.
 
-Byte files are memory-mapped; a `.gz` file is decompressed once next to it. A file listed in
-its folder's SHA256SUMS (as the corpus shipped in `data/` is) is checked against it before use,
-once per version of the file. Everything here is NumPy on the host. Every batch is a dict of `[batch, seq_len]` arrays:
+`data_config(config.data)` turns the config section into a frozen, validated `DataConfig`;
+`make_dataset` reads its splits (through `sparse_jax.sources`) into a `ByteDataset` (enwik8, any
+byte file, the generated "embedded" stream; bits per byte) or an `ImageDataset` (CIFAR-10; bits
+per dim). `DataConfig.is_image` is the one answer to "is this an image model". Everything here
+is NumPy on the host. Every batch is a dict of `[batch, seq_len]` arrays:
 
 - `inputs` int32, `targets` int32: the model reads `inputs` and predicts `targets` position by
   position. Byte streams: a window starting at s has inputs x[s:s+L] and targets x[s+1:s+L+1].
@@ -12,180 +14,114 @@ once per version of the file. Everything here is NumPy on the host. Every batch 
 - `mask` bool (evaluation batches only): which targets count. Summing -log2 p over `mask` and
   dividing by `mask.sum()` gives bits per byte / per dim.
 
-Training iterators are pure functions of (seed, step, process): the batch at step k is drawn
-from `np.random.default_rng([seed, k, process_index])` (byte windows) or read from the epoch
-permutation `default_rng([seed, epoch])` (images). Their state is the JSON dict
-`{"seed": int, "step": int}`, so a restored run sees exactly the batches it would have seen.
-Each process draws its own `batch_size` rows; the global batch is batch_size x process_count.
+Training iterators are pure functions of (seed, step): step k's global batch of batch_size x
+process_count rows is the same for any number of processes, and process p reads rows
+[p * batch_size, (p + 1) * batch_size) of it. Byte windows start at offsets drawn from
+`np.random.default_rng([seed, k])`; images are read in the order of the epoch's permutation
+`default_rng([seed, epoch])`. An iterator's state is the JSON dict `{"seed": int, "step": int}`
+(`get_state` / `set_state`, saved in checkpoints), so a restored run sees exactly the batches it
+would have seen.
 """
 
 import dataclasses
-import gzip
-import hashlib
-import json
+import math
 import os
-import shutil
-import urllib.request
-import zipfile
-import zlib
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import numpy as np
 
-ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
-ENWIK8_SIZE = 100_000_000
-ENWIK8_MD5 = "a1fa5ffddb56f4953e226637dabbb36a"  # of the raw (unzipped) 10^8 bytes
-ENWIK8_FRACTIONS = (0.9, 0.05, 0.05)  # 90M train / 5M valid / 5M test (paper)
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
-CIFAR10_VALID_SIZE = 2_000  # held out of TFDS `train` (paper: 48,000 / 2,000 / 10,000)
-CIFAR10_SPLIT_SEED = 0  # fixed: the train/valid split never depends on the run's seed
-DOWNLOAD_TIMEOUT_S = 10  # per socket operation; offline fails at once instead of retrying
-SPLITS = ("train", "valid", "test")
+from sparse_jax import sources
+from sparse_jax.sources import SPLITS
+
+DATASETS = ("enwik8", "bytes", "cifar10", "embedded")
+IMAGE_SHAPES = {"cifar10": (32, 32, 3)}  # image datasets: (rows, columns, channels)
 
 
-def _download(url: str, dest: str, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
-    """Fetches `url` to `dest` through a temporary file, so `dest` is either complete or absent."""
-    tmp = f"{dest}.part{os.getpid()}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
-            shutil.copyfileobj(response, f, 1 << 20)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The `config.data` section; validated on construction (one-line ValueError per field)."""
+    name: str  # enwik8 | bytes | cifar10 | embedded
+    path: str | None = None  # enwik8: raw file or .zip; bytes: any file (a .gz is decompressed)
+    download: bool = False  # enwik8, cifar10: fetch a missing archive (needs network)
+    data_dir: str | None = None  # cifar10: TFDS data dir (None: TFDS default)
+    manual_dir: str | None = None  # cifar10: the archive's folder (None: data_dir/downloads/manual)
+    split_fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)  # bytes, embedded
+    seed: int = 0  # training order (window offsets / epoch permutations)
+    embedded_bytes: int = 2**21  # size of the generated "embedded" stream
+    embedded_seed: int = 0  # generator seed of the "embedded" stream
+
+    def __post_init__(self):
+        def fail(field, why):
+            raise ValueError(f"DataConfig.{field}={getattr(self, field)!r}: {why}")
+
+        if self.name not in DATASETS:
+            fail("name", f"unknown dataset: use one of {list(DATASETS)}")
+        for name in ("path", "data_dir", "manual_dir"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    fail(name, "must be None or a path")
+                object.__setattr__(self, name, os.fspath(value))
+        if self.name in ("enwik8", "bytes") and not self.path:
+            fail("path", f"data {self.name!r} needs a file: set --config.data.path=FILE")
+        if not isinstance(self.download, bool):
+            fail("download", "must be True or False")
+        for name, low in (("seed", 0), ("embedded_bytes", 1), ("embedded_seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                fail(name, f"must be an integer >= {low}")
+        fractions = self.split_fractions
+        if isinstance(fractions, (list, tuple)):
+            object.__setattr__(self, "split_fractions", tuple(fractions))
+        if not (isinstance(fractions, (list, tuple)) and len(fractions) == 3
+                and all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in fractions)
+                and min(fractions) >= 0 and abs(sum(fractions) - 1) <= 1e-6):
+            fail("split_fractions", "must be 3 non-negative numbers (train, valid, test) summing "
+                                    "to 1")
+
+    @property
+    def is_image(self) -> bool:
+        """Whether examples are images (bits per dim), not windows of a byte stream."""
+        return self.name in IMAGE_SHAPES
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """(rows, columns, channels) of an image dataset, None for byte data."""
+        return IMAGE_SHAPES.get(self.name)
+
+    @property
+    def unit(self) -> str:
+        """What bits are counted per: "dim" (a sub-pixel of an image) or "byte"."""
+        return "dim" if self.is_image else "byte"
+
+    @property
+    def fractions(self) -> tuple[float, float, float]:
+        """The train/valid/test fractions of a byte stream (enwik8: the paper's 90M/5M/5M)."""
+        return sources.ENWIK8_FRACTIONS if self.name == "enwik8" else self.split_fractions
+
+
+def data_config(config) -> DataConfig:
+    """`DataConfig` from a ConfigDict (`config.data`), a mapping or a DataConfig; unknown or
+    missing fields raise ValueError."""
+    if isinstance(config, DataConfig):
+        return config
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ValueError(f"expected a ConfigDict or mapping, got {type(config).__name__}")
+    fields = {f.name for f in dataclasses.fields(DataConfig)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"unknown data config field(s) {unknown}; valid: {sorted(fields)}")
+    if "name" not in config:
+        raise ValueError("missing data config field 'name' (one of enwik8, bytes, cifar10, "
+                         "embedded)")
+    return DataConfig(**config)
 
 
 # ---------------------------------------------------------------------------------------------
-# Byte files.
-
-CHECKSUMS = "SHA256SUMS"  # `sha256sum` format; a file listed in its folder's SHA256SUMS is checked
-CORPUS = "data/kjv.html.gz"  # the corpus shipped with the repository (see data/README.md)
-
-
-def _checksum(path: str) -> tuple[str, str] | None:
-    """(expected sha256, the SHA256SUMS file) if `path`'s folder lists its name, else None."""
-    listing = os.path.join(os.path.dirname(path) or ".", CHECKSUMS)
-    try:
-        with open(listing) as f:
-            for line in f:
-                digest, _, name = line.strip().partition("  ")
-                if name.lstrip("*") == os.path.basename(path):
-                    return digest.lower(), listing
-    except OSError:
-        pass
-    return None
-
-
-def _vouched(path: str, key: dict) -> bool:
-    """Whether `<path>.verified` records `key` (a check that passed for this very file)."""
-    try:
-        with open(path + ".verified") as f:
-            return json.load(f) == key
-    except (OSError, ValueError):
-        return False
-
-
-def _vouch(path: str, key: dict) -> None:
-    try:
-        with open(path + ".verified", "w") as f:
-            json.dump(key, f)
-    except OSError:  # read-only folder: check again next time
-        pass
-
-
-def _file_key(path: str, **extra) -> dict:
-    stat = os.stat(path)
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
-
-
-def _check_digest(path: str, algorithm: str, expected: str, fix: str) -> None:
-    """Hashes `path` and compares with `expected` (ValueError that ends with `fix`); a passing
-    result is recorded in `<path>.verified`, keyed by size and mtime, so each version of a file
-    is hashed once."""
-    key = _file_key(path, **{algorithm: expected})
-    if _vouched(path, key):
-        return
-    with open(path, "rb") as f:
-        got = hashlib.file_digest(f, algorithm).hexdigest()
-    if got != expected:
-        raise ValueError(f"{path} is damaged or not the expected file: {algorithm.upper()} "
-                         f"{got[:12]}..., expected {expected[:12]}...; {fix}")
-    _vouch(path, key)
-
-
-def _check_listed(path: str) -> None:
-    """Checks `path` against its folder's SHA256SUMS, if that lists it."""
-    listed = _checksum(path)
-    if listed is not None:
-        _check_digest(path, "sha256", listed[0], f"{listed[1]} lists it; fetch it again (a file "
-                      f"of this repository: git checkout -- {path})")
-
-
-def _gunzip_cached(path: str) -> str:
-    """The decompressed bytes of the .gz file `path`, written once to `path` without `.gz`
-    (next to it) and checked against SHA256SUMS when listed there; returns that path.
-
-    The copy is written through a temporary file and vouched for in `<copy>.verified`, keyed by
-    the .gz file's size and mtime, so a later start maps it at once, and a changed .gz is
-    decompressed again. A file at the copy's path that this function did not write is never
-    replaced."""
-    _check_listed(path)
-    raw = path[:-3]
-    source = _file_key(path)
-    key = {"source_size": source["size"], "source_mtime_ns": source["mtime_ns"]}
-    if os.path.exists(raw):
-        if _vouched(raw, {**key, **_file_key(raw)}):
-            return raw
-        if not os.path.exists(raw + ".verified"):
-            raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
-                             f"away, or set --config.data.path={raw} to read it instead")
-    expected = _checksum(raw)
-    tmp = f"{raw}.part{os.getpid()}"
-    try:
-        digest = hashlib.sha256()
-        with gzip.open(path, "rb") as src, open(tmp, "wb") as out:
-            while chunk := src.read(1 << 22):
-                digest.update(chunk)
-                out.write(chunk)
-        if expected is not None and digest.hexdigest() != expected[0]:
-            raise ValueError(f"{path} decompresses to bytes with sha256 {digest.hexdigest()[:12]}"
-                             f"..., {expected[1]} expects {expected[0][:12]}... for {raw}; "
-                             f"fetch {path} again (a file of this repository: git checkout -- "
-                             f"{path})")
-        # Vouched for before it appears, so another process never sees it unvouched (a rename
-        # keeps the size and mtime the key records).
-        _vouch(raw, {**key, **_file_key(tmp)})
-        os.replace(tmp, raw)
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
-                         f"this repository: git checkout -- {path})") from e
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write the decompressed copy of {path} next to it "
-                               f"({e.strerror or e}); decompress it somewhere writable (gunzip "
-                               "-k) and set --config.data.path to the copy") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return raw
-
-
-def load_bytes(path: str) -> np.ndarray:
-    """Any file as a read-only uint8 memory map; a `.gz` file is decompressed once next to it
-    (`_gunzip_cached`). A file listed in its folder's SHA256SUMS is checked against it."""
-    path = os.path.expanduser(os.fspath(path))
-    if not os.path.exists(path):
-        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-        raise FileNotFoundError(f"data file {path} not found{where}: set --config.data.path to "
-                                "an existing file, or run from the repository root")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"data path {path} is a folder; set --config.data.path to a file")
-    if path.endswith(".gz"):
-        path = _gunzip_cached(path)
-    else:
-        _check_listed(path)
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"{path} is empty")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+# Rows of a byte stream and of images.
 
 
 def split_bytes(data: np.ndarray, fractions=(0.9, 0.05, 0.05)) -> dict[str, np.ndarray]:
@@ -195,72 +131,6 @@ def split_bytes(data: np.ndarray, fractions=(0.9, 0.05, 0.05)) -> dict[str, np.n
                          f"{fractions}")
     cuts = [0, *(int(round(c * len(data))) for c in np.cumsum(fractions)[:2]), len(data)]
     return {name: data[a:b] for name, a, b in zip(SPLITS, cuts[:-1], cuts[1:])}
-
-
-def _verify(path: str, size: int, md5: str) -> None:
-    """Size and MD5 check of enwik8 (MD5 once per version of the file, see `_check_digest`)."""
-    stat = os.stat(path)
-    if stat.st_size != size:
-        raise ValueError(f"{path} has {stat.st_size:,} bytes, expected {size:,}: wrong or "
-                         f"truncated file; delete it and fetch {ENWIK8_URL} again")
-    _check_digest(path, "md5", md5, f"delete it and fetch {ENWIK8_URL} again")
-
-
-def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) -> None:
-    """Unzips `member` to `dest` via a checked temporary file; never replaces an existing file."""
-    tmp = f"{dest}.part{os.getpid()}"
-    try:
-        with zipfile.ZipFile(zip_path) as z:
-            if member not in z.namelist():
-                raise ValueError(f"{zip_path} has no member {member!r} (has {z.namelist()[:5]})")
-            digest, n = hashlib.md5(), 0
-            with z.open(member) as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 22):
-                    digest.update(chunk)
-                    n += len(chunk)
-                    out.write(chunk)
-        if n != size or digest.hexdigest() != md5:
-            raise ValueError(f"{zip_path}: member {member!r} has {n:,} bytes and MD5 "
-                             f"{digest.hexdigest()}, expected {size:,} and {md5}; fetch "
-                             f"{ENWIK8_URL} again")
-        if os.path.exists(dest):
-            raise FileExistsError(f"{dest} appeared while extracting; not replacing it")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_enwik8(path: str, *, download: bool = False, expected_size: int | None = None,
-                expected_md5: str | None = None) -> np.ndarray:
-    """The verified enwik8 bytes as a uint8 memory map.
-
-    `path` names the raw file (`.../enwik8`) or the archive (`.../enwik8.zip`); each implies the
-    other next to it. A raw file is used if present (it is never replaced). Otherwise the archive
-    is unpacked once to the raw path, checked before it is renamed into place. With `download`,
-    a missing archive is fetched from ENWIK8_URL first (fails fast when offline).
-    Verification (size, MD5 of the raw bytes) is cached in `<raw>.verified`, keyed by size and
-    mtime, so only the first start pays for hashing 100 MB. `expected_size`/`expected_md5`
-    default to ENWIK8_SIZE/ENWIK8_MD5 (tests pass those of a tiny fake file).
-    """
-    size = ENWIK8_SIZE if expected_size is None else expected_size
-    md5 = ENWIK8_MD5 if expected_md5 is None else expected_md5
-    path = os.path.expanduser(os.fspath(path))
-    raw, zip_path = (path[:-4], path) if path.endswith(".zip") else (path, path + ".zip")
-    if not os.path.exists(raw):
-        if not os.path.exists(zip_path):
-            how = (f"Download {ENWIK8_URL} and put it at {zip_path} (it is unpacked to {raw} on "
-                   f"first use), or set download=True when online.")
-            if not download:
-                raise FileNotFoundError(f"enwik8 not found at {raw} or {zip_path}. {how}")
-            try:
-                os.makedirs(os.path.dirname(zip_path) or ".", exist_ok=True)
-                _download(ENWIK8_URL, zip_path)
-            except OSError as e:
-                raise FileNotFoundError(f"could not download {ENWIK8_URL} ({e}). {how}") from e
-        _extract_member(zip_path, os.path.basename(raw), raw, size, md5)
-    _verify(raw, size, md5)
-    return load_bytes(raw)
 
 
 class EvalWindows(NamedTuple):
@@ -300,7 +170,18 @@ def read_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str
     return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
 
-class _StepIterator:
+def _image_rows(images: np.ndarray) -> dict[str, np.ndarray]:
+    """Targets: the images; inputs: the images shifted right by one, 0 in front."""
+    targets = images.astype(np.int32)
+    inputs = np.concatenate([np.zeros_like(targets[:, :1]), targets[:, :-1]], axis=1)
+    return {"inputs": inputs, "targets": targets}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training iterators.
+
+
+class StepIterator:
     """An iterator whose batch at step k is `self.batch_at(k)`: its state is (seed, step)."""
 
     def __init__(self, seed: int, step: int = 0):
@@ -314,6 +195,9 @@ class _StepIterator:
         self.step += 1
         return batch
 
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
     def get_state(self) -> dict[str, int]:
         return {"seed": self.seed, "step": self.step}
 
@@ -321,7 +205,7 @@ class _StepIterator:
         self.seed, self.step = int(state["seed"]), int(state["step"])
 
 
-class ByteWindows(_StepIterator):
+class ByteWindows(StepIterator):
     """Training windows at uniformly random offsets of one contiguous (memory-mapped) array.
 
     Step k's global batch of batch_size x process_count windows is drawn from
@@ -347,110 +231,7 @@ class ByteWindows(_StepIterator):
         return read_windows(self.data, self.starts_at(step), self.seq_len)
 
 
-# ---------------------------------------------------------------------------------------------
-# CIFAR-10 through TFDS (imported lazily: byte datasets never pay for it).
-
-
-def _cifar10_builder(data_dir):
-    import tensorflow_datasets as tfds
-
-    return tfds.builder("cifar10", data_dir=data_dir, file_format="array_record")
-
-
-def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
-                    download: bool = False) -> str:
-    """Prepares the real TFDS `cifar10` builder as array_record; returns the prepared folder.
-
-    Offline it reads the official archive from `manual_dir` (default `<data_dir>/downloads/
-    manual`), which TFDS checks against its recorded size and SHA-256. A missing archive fails at
-    once with what to fetch and where to put it (or is fetched first, with `download`), instead of
-    TFDS's minutes of download retries. Preparation needs TensorFlow; reading does not.
-    """
-    import tensorflow_datasets as tfds
-
-    builder = _cifar10_builder(data_dir)
-    if builder.is_prepared():
-        _check_array_record(builder)
-        return os.fspath(builder.data_dir)
-    manual_dir = os.fspath(manual_dir or os.path.join(builder.data_dir_root, "downloads", "manual"))
-    archive = os.path.join(manual_dir, builder.url_infos[CIFAR10_URL].filename)
-    if not os.path.exists(archive):
-        how = f"Download {CIFAR10_URL} and put it in {manual_dir}/ (expected file: {archive})."
-        if not download:
-            raise FileNotFoundError(f"CIFAR-10 archive not found. {how}")
-        try:
-            os.makedirs(manual_dir, exist_ok=True)
-            _download(CIFAR10_URL, archive)
-        except OSError as e:
-            raise FileNotFoundError(f"could not download {CIFAR10_URL} ({e}). {how}") from e
-    config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
-    builder.download_and_prepare(download_config=config, file_format="array_record")
-    return os.fspath(builder.data_dir)
-
-
-def _check_array_record(builder) -> None:
-    formats = {f.value for f in builder.info.available_file_formats()}
-    if "array_record" not in formats:
-        raise ValueError(f"CIFAR-10 in {builder.data_dir} is prepared as {sorted(formats)}, "
-                         "not array_record, which random access needs: convert it (`tfds "
-                         "convert_format`) or prepare it into another data_dir (prepare_cifar10)")
-
-
-class Cifar10Source:
-    """Random access to one CIFAR-10 split; images as uint8 [3072] in raster order (row, column,
-    channel)."""
-
-    def __init__(self, records, indices: np.ndarray):
-        self.records, self.indices = records, indices  # TFDS data source, rows of it in this split
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def examples(self, idx) -> list[dict]:
-        return self.records.__getitems__([int(self.indices[i]) for i in idx])
-
-    def images(self, idx) -> np.ndarray:
-        """uint8 [len(idx), 3072]."""
-        return np.stack([np.asarray(e["image"], np.uint8).reshape(-1) for e in self.examples(idx)])
-
-
-def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | None = None,
-                   ) -> Cifar10Source:
-    """Prepared CIFAR-10 split "train" (TFDS train minus `valid_size`), "valid" or "test".
-
-    The valid images are the last `valid_size` of a permutation of TFDS `train` drawn with the
-    fixed CIFAR10_SPLIT_SEED; both index sets are kept in TFDS's stored order. `valid_size`
-    defaults to CIFAR10_VALID_SIZE.
-    """
-    import tensorflow_datasets as tfds
-
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    builder = _cifar10_builder(data_dir)
-    if not builder.is_prepared():
-        raise FileNotFoundError(f"CIFAR-10 is not prepared in {builder.data_dir}: run "
-                                f"sparse_jax.data.prepare_cifar10(data_dir, manual_dir) once with "
-                                f"{CIFAR10_URL.rsplit('/', 1)[1]} in the manual dir")
-    _check_array_record(builder)
-    tfds_split = "test" if split == "test" else "train"
-    records = tfds.data_source("cifar10", split=tfds_split, data_dir=data_dir, download=False)
-    if split == "test":
-        return Cifar10Source(records, np.arange(len(records)))
-    valid_size = CIFAR10_VALID_SIZE if valid_size is None else valid_size
-    if not 0 < valid_size < len(records):
-        raise ValueError(f"valid_size {valid_size} must be in (0, {len(records)})")
-    perm = np.random.default_rng(CIFAR10_SPLIT_SEED).permutation(len(records))
-    part = perm[:-valid_size] if split == "train" else perm[-valid_size:]
-    return Cifar10Source(records, np.sort(part))
-
-
-def _image_rows(images: np.ndarray) -> dict[str, np.ndarray]:
-    targets = images.astype(np.int32)
-    inputs = np.concatenate([np.zeros_like(targets[:, :1]), targets[:, :-1]], axis=1)
-    return {"inputs": inputs, "targets": targets}
-
-
-class ImageBatches(_StepIterator):
+class ImageBatches(StepIterator):
     """Epochs of shuffled images (each a permutation from default_rng([seed, epoch])), read in
     global batches of batch_size x process_count of which this process takes its slice; the
     last partial global batch of an epoch is dropped."""
@@ -475,115 +256,36 @@ class ImageBatches(_StepIterator):
 
 
 # ---------------------------------------------------------------------------------------------
-# Embedded quickstart data.
+# Datasets.
 
-
-def _embedded_params(row_width, copy_distance, copy_prob, alphabet_size, branching):
-    if not (2 <= branching <= alphabet_size <= 94 and row_width >= 2 and copy_distance >= 1
-            and 0 <= copy_prob < 1):
-        raise ValueError("need 2 <= branching <= alphabet_size <= 94, row_width >= 2, "
-                         "copy_distance >= 1 and 0 <= copy_prob < 1")
-
-
-def embedded_bytes(num_bytes: int, seed: int = 0, *, row_width: int = 32, copy_distance: int = 4,
-                   copy_prob: float = 0.75, alphabet_size: int = 16, branching: int = 8,
-                   ) -> np.ndarray:
-    """A byte stream of text rows with local and long-range structure, generated in-process.
-
-    Rows are `row_width` bytes: `row_width - 1` symbols then a newline. Row r (r >= copy_distance)
-    is, with probability `copy_prob`, an exact copy of row r - copy_distance, i.e. of the bytes
-    exactly D = copy_distance * row_width positions back. Position i predicts byte i + 1, whose
-    copy sits at i + 1 - D, so a strided pattern with stride D - 1 sees it directly (stride D
-    needs the model to learn a relative offset; configs/quickstart.py); a model that cannot look
-    that far back cannot predict the copies. Otherwise it
-    is fresh: a Markov chain over `alphabet_size` printable characters whose first symbol is
-    uniform and each next one uniform over `branching` successors of the previous. The successor
-    table is doubly stochastic, so every symbol is equally frequent (unigram entropy about
-    log2(alphabet_size) bits). Bits per byte: see `embedded_entropy_rate`. Deterministic in seed.
-    """
-    _embedded_params(row_width, copy_distance, copy_prob, alphabet_size, branching)
-    rng = np.random.default_rng(seed)
-    a, w, k = alphabet_size, row_width, copy_distance
-    chars = np.frombuffer(b"etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789"
-                          b".,;:!?'-()[]{}<>/|@#$%^&*+=_~\\`\"", np.uint8)[:a]
-    # succ[x, c] = perm[(x + shift[c]) % a]: distinct successors per x, a permutation per c.
-    perm, shift = rng.permutation(a), rng.choice(a, size=branching, replace=False)
-    succ = perm[(np.arange(a)[:, None] + shift[None, :]) % a]
-    rows = -(-num_bytes // w)
-    symbols = np.empty((rows, w - 1), np.uint8)
-    symbols[:, 0] = rng.integers(0, a, size=rows, dtype=np.uint8)
-    choices = rng.integers(0, branching, size=(rows, w - 2), dtype=np.uint8)
-    for j in range(1, w - 1):
-        symbols[:, j] = succ[symbols[:, j - 1], choices[:, j - 1]]
-    fresh = (rng.random(rows) >= copy_prob) | (np.arange(rows) < k)
-    # A copy row repeats the last fresh row at distance a multiple of k: a running max per residue.
-    source = np.empty(rows, np.int64)
-    for r in range(min(k, rows)):
-        idx = np.arange(r, rows, k)
-        source[idx] = np.maximum.accumulate(np.where(fresh[idx], idx, -1))
-    text = np.concatenate([chars[symbols[source]], np.full((rows, 1), ord("\n"), np.uint8)], 1)
-    return text.reshape(-1)[:num_bytes]
-
-
-def embedded_entropy_rate(row_width: int = 32, copy_distance: int = 4, copy_prob: float = 0.75,
-                          alphabet_size: int = 16, branching: int = 8, *,
-                          sees_copies: bool = True) -> float:
-    """Bits per byte of `embedded_bytes` in the long run (rows >= copy_distance).
-
-    sees_copies=True: the best possible model, [H(copy_prob) + (1 - copy_prob) * H_row] / W, with
-    H_row = log2(alphabet) + (W - 2) log2(branching) the entropy of a fresh row (exact up to the
-    negligible chance that a fresh row equals its source). sees_copies=False: the floor of a model
-    that cannot see copy_distance rows back, to which every row looks fresh: H_row / W.
-    Defaults: 0.76 vs 2.94 bits/byte, with unigram entropy about 4.08 bits.
-    """
-    _embedded_params(row_width, copy_distance, copy_prob, alphabet_size, branching)
-    h_row = np.log2(alphabet_size) + (row_width - 2) * np.log2(branching)
-    if not sees_copies:
-        return float(h_row / row_width)
-    p = copy_prob
-    h_flag = 0.0 if p == 0 else -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
-    return float((h_flag + (1 - p) * h_row) / row_width)
-
-
-def unigram_entropy_bits(data: np.ndarray) -> float:
-    """Entropy in bits of the byte frequencies of `data`."""
-    p = np.bincount(np.asarray(data, np.uint8).reshape(-1), minlength=256) / data.size
-    p = p[p > 0]
-    return float(-(p * np.log2(p)).sum())
-
-
-# ---------------------------------------------------------------------------------------------
-# The trainer's entry point.
-
-
-def _field(config, name, default=None):
-    """`config.name` for a dict, ConfigDict or any object; `default` when absent or None."""
-    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
-    return default if value is None else value
+_Reader = Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]  # (rows, valid) -> batch
 
 
 @dataclasses.dataclass
 class Dataset:
-    """Splits of one dataset plus their training and evaluation batches for one process."""
+    """Splits of one dataset plus their training and evaluation batches for one process.
+
+    Subclasses say how a split is read: `ByteDataset` (windows of a byte stream) and
+    `ImageDataset` (whole images)."""
 
     name: str
-    unit: str  # "byte" (bits per byte) or "dim" (bits per dim)
     seq_len: int
     splits: dict[str, Any]  # split name -> uint8 array (bytes) or Cifar10Source (images)
     seed: int = 0
     process_index: int = 0
     process_count: int = 1
+    unit: ClassVar[str]  # "byte" (bits per byte) or "dim" (bits per dim)
 
-    def train_batches(self, batch_size: int, state: dict | None = None) -> _StepIterator:
+    def train_batches(self, batch_size: int, state: dict | None = None) -> StepIterator:
         """Endless per-process batches; `.get_state()` / `.set_state()` checkpoint the position."""
-        args = (batch_size, self.seed, self.process_index, self.process_count)
-        if self.unit == "dim":
-            it = ImageBatches(self.splits["train"], *args)
-        else:
-            it = ByteWindows(self.splits["train"], self.seq_len, *args)
+        it = self._train_iterator(batch_size)
         if state is not None:
             it.set_state(state)
         return it
+
+    def num_sequences(self, split: str, min_context: int | None = None) -> int:
+        """Rows (windows or images) of one evaluation pass over `split`, padding excluded."""
+        return self._eval_reader(split, min_context)[0]
 
     def eval_batches(self, split: str, batch_size: int, min_context: int | None = None,
                      ) -> Iterator[dict[str, np.ndarray]]:
@@ -592,54 +294,97 @@ class Dataset:
         Windows (bytes) or images are dealt in global batches of batch_size x process_count, the
         last one padded with masked-out rows, so every process runs the same number of batches.
         """
-        data = self.splits[split]
-        if self.unit == "dim":
-            count = len(data)
-        else:
-            windows = eval_windows(data, self.seq_len, min_context)
-            count = len(windows.starts)
+        count, read = self._eval_reader(split, min_context)
         global_batch = batch_size * self.process_count
         for first in range(0, count, global_batch):
             rows = first + self.process_index * batch_size + np.arange(batch_size)
             valid = rows < count
-            rows = np.where(valid, rows, 0)
-            if self.unit == "dim":
-                batch = _image_rows(data.images(rows))
-                batch["mask"] = np.broadcast_to(valid[:, None], batch["targets"].shape).copy()
-            else:
-                batch = read_windows(data, windows.starts[rows], self.seq_len)
-                j = np.arange(self.seq_len)[None]
-                batch["mask"] = (valid[:, None] & (j >= windows.score_from[rows, None])
-                                 & (j < windows.score_to[rows, None]))
-            yield batch
+            yield read(np.where(valid, rows, 0), valid)
+
+    def _train_iterator(self, batch_size: int) -> StepIterator:
+        raise NotImplementedError
+
+    def _eval_reader(self, split: str, min_context: int | None) -> tuple[int, _Reader]:
+        """(rows in one pass over `split`, the function that reads rows as a masked batch)."""
+        raise NotImplementedError
 
 
-def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1) -> Dataset:
-    """The dataset named by `config.name`: "enwik8", "bytes", "cifar10" or "embedded".
+class ByteDataset(Dataset):
+    """Splits of one byte stream: random training windows, evaluation windows (`eval_windows`)."""
 
-    Fields read (dict, ConfigDict or object): name; path (enwik8 raw/zip or any byte file,
-    plain or .gz);
-    download (enwik8 only, default False); data_dir and manual_dir (TFDS); split_fractions
-    (bytes, embedded; default 0.9/0.05/0.05); embedded_bytes and embedded_seed (embedded;
-    defaults 2**21 and 0); seed (training order; default 0).
+    unit = "byte"
+
+    def _train_iterator(self, batch_size):
+        return ByteWindows(self.splits["train"], self.seq_len, batch_size, self.seed,
+                           self.process_index, self.process_count)
+
+    def _eval_reader(self, split, min_context):
+        data = self.splits[split]
+        windows = eval_windows(data, self.seq_len, min_context)
+        j = np.arange(self.seq_len)[None]
+
+        def read(rows, valid):
+            batch = read_windows(data, windows.starts[rows], self.seq_len)
+            batch["mask"] = (valid[:, None] & (j >= windows.score_from[rows, None])
+                             & (j < windows.score_to[rows, None]))
+            return batch
+
+        return len(windows.starts), read
+
+
+class ImageDataset(Dataset):
+    """Splits of images: shuffled training epochs, every sub-pixel of every image scored."""
+
+    unit = "dim"
+
+    def _train_iterator(self, batch_size):
+        return ImageBatches(self.splits["train"], batch_size, self.seed, self.process_index,
+                            self.process_count)
+
+    def _eval_reader(self, split, min_context):
+        if min_context is not None:
+            raise ValueError("min_context applies to byte data only")
+        source = self.splits[split]
+
+        def read(rows, valid):
+            batch = _image_rows(source.images(rows))
+            batch["mask"] = np.broadcast_to(valid[:, None], batch["targets"].shape).copy()
+            return batch
+
+        return len(source), read
+
+
+def prepare(config) -> None:
+    """Prepares what `make_dataset` reads and that must exist first: the TFDS CIFAR-10 builder
+    (fails at once if its archive is missing, unless `download`). Byte data needs nothing."""
+    cfg = data_config(config)
+    if cfg.name == "cifar10":
+        sources.prepare_cifar10(cfg.data_dir, cfg.manual_dir, cfg.download)
+
+
+def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1,
+                 ) -> Dataset:
+    """The dataset of `config` (a DataConfig, or a ConfigDict / mapping for `data_config`).
+
+    enwik8: `path` names the raw file or the .zip (`download` fetches a missing archive), split
+    90M/5M/5M. bytes: any file at `path` (plain or .gz), split by `split_fractions`. embedded:
+    `embedded_bytes` bytes generated with `embedded_seed`, split by `split_fractions`. cifar10:
+    the prepared TFDS builder in `data_dir` (see `prepare`); seq_len must be 3,072.
     """
-    name = _field(config, "name")
-    fractions = tuple(_field(config, "split_fractions", (0.9, 0.05, 0.05)))
-    if name == "cifar10":
-        if seq_len != 3072:
-            raise ValueError(f"CIFAR-10 images are 3072 bytes long, got seq_len {seq_len}")
-        data_dir = _field(config, "data_dir")
-        splits, unit = {s: cifar10_source(s, data_dir) for s in SPLITS}, "dim"
-    elif name == "enwik8":
-        data = load_enwik8(_field(config, "path"), download=bool(_field(config, "download", False)))
-        splits, unit = split_bytes(data, ENWIK8_FRACTIONS), "byte"
-    elif name == "bytes":
-        splits, unit = split_bytes(load_bytes(_field(config, "path")), fractions), "byte"
-    elif name == "embedded":
-        data = embedded_bytes(int(_field(config, "embedded_bytes", 2**21)),
-                              int(_field(config, "embedded_seed", 0)))
-        splits, unit = split_bytes(data, fractions), "byte"
+    cfg = data_config(config)
+    args = (cfg.name, seq_len)
+    kwargs = dict(seed=cfg.seed, process_index=process_index, process_count=process_count)
+    if cfg.is_image:
+        size = math.prod(cfg.image_shape)
+        if seq_len != size:
+            raise ValueError(f"{cfg.name} images are {size} sub-pixels long "
+                             f"({' x '.join(map(str, cfg.image_shape))}), got seq_len {seq_len}")
+        return ImageDataset(*args, {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS},
+                            **kwargs)
+    if cfg.name == "enwik8":
+        data = sources.load_enwik8(cfg.path, download=cfg.download)
+    elif cfg.name == "bytes":
+        data = sources.load_bytes(cfg.path)
     else:
-        raise ValueError(f"unknown dataset {name!r}: use enwik8, bytes, cifar10 or embedded")
-    return Dataset(name, unit, seq_len, splits, int(_field(config, "seed", 0)), process_index,
-                   process_count)
+        data = sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed)
+    return ByteDataset(*args, split_bytes(data, cfg.fractions), **kwargs)

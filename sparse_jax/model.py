@@ -1,4 +1,4 @@
-"""The Sparse Transformer decoder (paper §5, DESIGN.md §4) as a Flax NNX module.
+"""The Sparse Transformer decoder (paper §5, docs/design.md §4) as a Flax NNX module.
 
 ``ModelConfig`` is a frozen, validated dataclass (the model never sees a ConfigDict;
 ``model_config`` converts ``config.model``). ``SparseTransformer(cfg, rngs=...)`` maps
@@ -8,12 +8,14 @@
   per layer:  a = dropout(attn(norm(H))),  b = dropout(ff(norm(H + a))),  H = H + a + b
   logits = head(norm(H))
 
+(the block and its attention layer: ``sparse_jax.layers``).
+
 The residual stream, the final norm, the head and the loss are float32; the branches compute in
 ``cfg.dtype`` with ``cfg.param_dtype`` weights. Dropout is active iff ``dropout_rng`` is given,
 so a training step is a pure function of (state, batch, rng).
 
 Per-layer attention (``ModelConfig.specs``): ``mode`` merged / interleaved / multihead
-(``attention.layer_specs``), or a ``schedule`` cycle such as "local,local,local,strided"
+(``patterns.layer_specs``), or a ``schedule`` cycle such as "local,local,local,strided"
 (openai's CIFAR-10 layers): layer k uses part ``schedule[k % len(schedule)]``.
 
 Remat (``cfg.remat``, a named ``jax.checkpoint`` policy applied to each residual block, i.e.
@@ -22,18 +24,23 @@ input is kept; the whole block is recomputed in the backward pass, ~4/3 of the F
 "dots" = ``dots_with_no_batch_dims_saveable`` (keeps the projection matmul outputs, recomputes
 attention, norms and GeLU). On XLA:CPU (jax 0.10) remat saves memory only together with
 ``scan_layers``: unrolled, the compiler drops jax's optimization barriers and schedules the
-recomputation early, so peak memory does not change (measured; see scripts/benchmark_model.py).
+recomputation early, so peak memory does not change (see scripts/benchmark_model.py).
 
 ``scan_layers``: the layers are grouped by the period of the schedule (1 merged/multihead,
 2 interleaved, len(schedule)) and ``jax.lax.scan`` runs over the groups, whose parameters are
 stored stacked (leading axis = group). Each layer's parameters are drawn from the same key with
 or without scan, so both layouts initialize (and compute) identically.
+
+Decoding with a key/value cache is part of the model: ``init_cache(batch, length)`` and
+``decode_step(token_B, i, cache, tables)`` give the logits of position i from one token, each
+attention layer writing that position's key and value into the cache and attending its
+pattern's cached keys (``layers.SparseSelfAttention.decode_step``). The full forward pass and
+the cached step walk the blocks the same way (``_over_blocks``): a list, or scanned groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 
@@ -43,7 +50,8 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import patterns
-from sparse_jax.attention import MODES, PatternSpec, SparseSelfAttention, layer_specs
+from sparse_jax.layers import Block, linear
+from sparse_jax.patterns import MODES, PatternSpec, layer_specs
 
 REMAT_POLICIES = {
     "none": None,
@@ -52,7 +60,7 @@ REMAT_POLICIES = {
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 POS_EMBS = ("image", "text", "single")
-PATTERNS = ("dense", "local", "strided", "fixed")
+PATTERNS = patterns.KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,17 +218,10 @@ def model_config(config) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Modules.
+# The model.
 
 
-def _dropout(x, rate: float, key):
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def _position_tables(cfg: ModelConfig) -> list[tuple[int, np.ndarray]]:
+def position_tables(cfg: ModelConfig) -> list[tuple[int, np.ndarray]]:
     """(table size, index of every position 0..seq_len-1) for each position table."""
     p = np.arange(cfg.seq_len)
     if cfg.pos_emb == "single":
@@ -233,50 +234,16 @@ def _position_tables(cfg: ModelConfig) -> list[tuple[int, np.ndarray]]:
             (channels, p % channels)]
 
 
-def _linear(d_in, d_out, std, cfg, rngs, dtype=None):
-    return nnx.Linear(d_in, d_out, kernel_init=nnx.initializers.normal(std),
-                      dtype=dtype or DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                      rngs=rngs)
-
-
-class Block(nnx.Module):
-    """Pre-activation residual block: H + a + b with a = dropout(attn(norm(H))),
-    b = dropout(ff(norm(H + a)))."""
-
-    def __init__(self, cfg: ModelConfig, specs: tuple[PatternSpec, ...], *, rngs: nnx.Rngs):
-        d, dtype, param_dtype = cfg.d_model, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-        out_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
-        norm = functools.partial(nnx.LayerNorm, d, dtype=dtype, param_dtype=param_dtype)
-        self.attn_norm = norm(rngs=rngs)
-        self.attn = SparseSelfAttention(
-            d, cfg.num_heads, specs, qk_dim=cfg.qk_dim, init_std=0.125 / math.sqrt(d),
-            out_std=0.125 / math.sqrt(d) * out_scale, dtype=dtype, param_dtype=param_dtype,
-            rngs=rngs)
-        self.ff_norm = norm(rngs=rngs)
-        self.ff_in = _linear(d, cfg.ff_dim, 0.125 / math.sqrt(d), cfg, rngs)
-        self.ff_out = _linear(cfg.ff_dim, d, 0.125 / math.sqrt(cfg.ff_dim) * out_scale, cfg, rngs)
-        self.dropout = cfg.dropout
-
-    def __call__(self, h_BND, dropout_key=None):
-        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        a_BND = _dropout(self.attn(self.attn_norm(h_BND)), self.dropout, keys[0])
-        return self.finish(h_BND, a_BND, keys[1])
-
-    def finish(self, h_BND, a_BND, dropout_key=None):
-        """The block's output given its attention branch ``a``: H + a + b. (The cached sampler
-        computes ``a`` one position at a time and finishes the block here.)"""
-        x_BND = self.ff_norm(h_BND + a_BND)
-        b_BND = _dropout(self.ff_out(jax.nn.gelu(self.ff_in(x_BND))), self.dropout, dropout_key)
-        return h_BND + a_BND + b_BND  # float32 stream + compute-dtype branches -> float32
-
-
 class _BlockGroup(nnx.Module):
     """One period of the schedule: the blocks of layers ``0 .. period - 1`` (the schedule
     repeats, so group g serves layers ``g * period + p``)."""
 
     def __init__(self, cfg: ModelConfig, keys_P):
-        self.blocks = nnx.List([Block(cfg, cfg.layer_specs(p), rngs=nnx.Rngs(params=keys_P[p]))
-                                for p in range(cfg.period)])
+        self.blocks = nnx.List([Block(
+            cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
+            num_layers=cfg.num_layers, dropout=cfg.dropout, dtype=DTYPES[cfg.dtype],
+            param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))
+            for p in range(cfg.period)])
 
 
 def _init_blocks(cfg: ModelConfig, key):
@@ -285,8 +252,8 @@ def _init_blocks(cfg: ModelConfig, key):
 
     Traced (``nnx.eval_shape``, a jitted init), the groups are built by one ``jax.vmap``: layer
     by layer in the caller's trace would be quadratic in depth, as every ``nnx.Rngs`` draw on a
-    tracer walks the trace's equations (flax 0.12 reads the tracer's ``sharding``; 64 s for the
-    128-layer CIFAR-10 model). Eagerly, a plain loop reuses compiled primitives (no compile).
+    tracer walks the trace's equations (flax 0.12 reads the tracer's ``sharding``). Eagerly, a
+    plain loop reuses compiled primitives (no compile).
     The two agree to float rounding (~1 ulp); eager scan and no-scan layouts agree exactly.
     """
     groups = -(-cfg.num_layers // cfg.period)
@@ -317,22 +284,23 @@ class SparseTransformer(nnx.Module):
             num, d, embedding_init=nnx.initializers.normal(std), dtype=jnp.float32,
             param_dtype=param_dtype, rngs=rngs)
         self.token_embed = embed(cfg.vocab_size, 0.125 / math.sqrt(d))
-        tables = _position_tables(cfg)
+        tables = position_tables(cfg)
         pos_std = 0.125 / math.sqrt(d * len(tables))
         self.pos_embeds = nnx.List([embed(size, pos_std) for size, _ in tables])
         self.blocks, self.block_groups = _init_blocks(cfg, rngs.params())
         self.final_norm = nnx.LayerNorm(d, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
-        self.head = _linear(d, cfg.vocab_size, 0.125 / math.sqrt(d), cfg, rngs, jnp.float32)
+        self.head = linear(d, cfg.vocab_size, 0.125 / math.sqrt(d), dtype=jnp.float32,
+                           param_dtype=param_dtype, rngs=rngs)
 
     def embed(self, tokens_BN, positions_N=None) -> jax.Array:
         """Token plus position embeddings, float32[B, n, d]; the tokens sit at positions
-        0..n-1, or at ``positions_N`` (int[n], may be traced: the cached sampler embeds one
+        0..n-1, or at ``positions_N`` (int[n], may be traced: ``decode_step`` embeds one
         position at a time)."""
         seq_len = tokens_BN.shape[1]
         if seq_len > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds seq_len={self.cfg.seq_len}")
         h_BND = self.token_embed(tokens_BN)
-        for table, (_, index) in zip(self.pos_embeds, _position_tables(self.cfg)):
+        for table, (_, index) in zip(self.pos_embeds, position_tables(self.cfg)):
             rows = index[:seq_len] if positions_N is None else jnp.asarray(index)[positions_N]
             h_BND = h_BND + table(jnp.asarray(rows))[None]
         return h_BND
@@ -358,25 +326,11 @@ class SparseTransformer(nnx.Module):
         if cfg.remat != "none":
             apply = nnx.remat(block_fn, policy=REMAT_POLICIES[cfg.remat])
 
-        def layer_key(k):  # layer k's dropout key, the same with or without scan
-            return None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
+        def layer(block, k, h):  # layer k's dropout key is the same with or without scan
+            key = None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
+            return apply(block, h, key)
 
-        h_BND = pinned(h_BND.astype(jnp.float32))
-        if cfg.scan_layers:
-            graphdef, stacked = nnx.split(self.block_groups)
-
-            def body(h, xs):
-                state, group = xs
-                for p, block in enumerate(nnx.merge(graphdef, state).blocks):
-                    h = apply(block, h, layer_key(group * cfg.period + p))
-                return h, None
-
-            groups = cfg.num_layers // cfg.period
-            h_BND, _ = jax.lax.scan(body, h_BND, (stacked, jnp.arange(groups)))
-        else:
-            for k, block in enumerate(self.blocks):
-                h_BND = apply(block, h_BND, layer_key(k))
-        return self.head(self.final_norm(h_BND)).astype(jnp.float32)
+        return self._logits(self._over_blocks(layer, pinned(h_BND.astype(jnp.float32))))
 
     def __call__(self, tokens_BN, *, dropout_rng: jax.Array | None = None,
                  activation_sharding=None) -> jax.Array:
@@ -384,6 +338,55 @@ class SparseTransformer(nnx.Module):
         ``dropout_rng`` is given; ``activation_sharding`` as in ``from_embeddings``."""
         return self.from_embeddings(self.embed(tokens_BN), dropout_rng=dropout_rng,
                                     activation_sharding=activation_sharding)
+
+    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """An empty key/value cache of ``length`` <= seq_len positions for ``decode_step``:
+        (k [layers, batch, length, H, qk_dim / H], v [layers, batch, length, H, d / H]) in the
+        compute dtype."""
+        cfg = self.cfg
+        if not 1 <= length <= cfg.seq_len:
+            raise ValueError(f"a cache of {length} positions does not fit seq_len={cfg.seq_len}")
+        shape, dtype = (cfg.num_layers, batch, length, cfg.num_heads), DTYPES[cfg.dtype]
+        return (jnp.zeros((*shape, cfg.qk_dim // cfg.num_heads), dtype),
+                jnp.zeros((*shape, cfg.d_model // cfg.num_heads), dtype))
+
+    def decode_step(self, token_B, i, cache, tables) -> tuple[jax.Array, tuple]:
+        """Position ``i`` (may be traced) reading ``token_B`` (int [B]), given the keys and values
+        of positions < i in ``cache`` (``init_cache``): the logits float32[B, vocab] (equal to
+        row i of the full forward pass over the same tokens) and the cache with position i
+        written. ``tables``: {spec: int32[length, K]} for every sparse pattern of the layers
+        (``decode.decode_tables``). No dropout."""
+        h_B1D = self.embed(token_B[:, None], jnp.asarray(i)[None])
+
+        def layer(block, k, carry):
+            h_B1D, cache = carry
+            return block.decode_step(h_B1D, cache, k, i, tables)
+
+        h_B1D, cache = self._over_blocks(layer, (h_B1D, cache))
+        return self._logits(h_B1D)[:, 0], cache
+
+    def _over_blocks(self, fn, carry):
+        """``carry = fn(block, k, carry)`` for the blocks in order, layer k. Unrolled over
+        ``blocks``, or for ``scan_layers`` a ``jax.lax.scan`` over the stacked groups of
+        ``block_groups`` (k is then traced)."""
+        cfg = self.cfg
+        if not cfg.scan_layers:
+            for k, block in enumerate(self.blocks):
+                carry = fn(block, k, carry)
+            return carry
+        graphdef, stacked = nnx.split(self.block_groups)
+
+        def body(carry, xs):
+            state, group = xs
+            for p, block in enumerate(nnx.merge(graphdef, state).blocks):
+                carry = fn(block, group * cfg.period + p, carry)
+            return carry, None
+
+        groups = jnp.arange(cfg.num_layers // cfg.period)
+        return jax.lax.scan(body, carry, (stacked, groups))[0]
+
+    def _logits(self, h_BND):
+        return self.head(self.final_norm(h_BND)).astype(jnp.float32)
 
 
 def loss_bits(logits, targets, mask=None) -> jax.Array:
@@ -397,75 +400,3 @@ def loss_bits(logits, targets, mask=None) -> jax.Array:
         return nll.mean() / math.log(2)
     mask = jnp.asarray(mask, jnp.float32)
     return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0) / math.log(2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sizes and costs, without allocating parameters.
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Number of parameters, by formula (equals the allocated model's count)."""
-    d, f, qk, v = cfg.d_model, cfg.ff_dim, cfg.qk_dim, cfg.vocab_size
-    embeddings = v * d + d * sum(size for size, _ in _position_tables(cfg))
-    attention = 2 * (d * qk + qk) + 2 * (d * d + d)  # query, key; value, output
-    feed_forward = d * f + f + f * d + d
-    norms = 2 * 2 * d
-    return embeddings + cfg.num_layers * (attention + feed_forward + norms) + 2 * d + d * v + v
-
-
-@functools.lru_cache(maxsize=64)
-def _mean_keys(spec: PatternSpec, seq_len: int) -> float:
-    return spec.mean_keys(seq_len)
-
-
-def describe(cfg: ModelConfig, batch_size: int = 1) -> dict:
-    """Size, attention schedule and cost estimates of ``cfg``; allocates no parameters.
-
-    flops_per_token: forward matmul FLOPs (2 per multiply-add) of one token: projections
-    2(2d·qk + 2d²), feed-forward 4d·f, attention 2|S|(qk + d) with |S| the layer's mean keys per
-    query, head 2d·vocab. The block-sparse kernels also score masked keys inside their tiles
-    (up to ~2x |S|), which this does not count. flops_per_step = 3 x forward x n x batch
-    (forward + backward); remat recomputes the forward once more (~4x).
-
-    Activation memory (bytes; B batch, n seq_len, c compute-dtype bytes, H heads):
-    per layer and token the backward keeps s = 4·2d (float32 residual stream at both norms)
-    + c·(2d + 2qk + 2d + 2f) (norm outputs, q, k, v, attention output, GeLU in/out)
-    + 4·(d + H) (float32 attention output and log-sum-exp saved by the custom backward)
-    [+ 2d dropout masks] [+ 8·H·n for a dense layer: its probabilities and scores];
-    the head keeps 4·(d + 2·vocab). A transient attention workspace of one layer,
-    w = 8·B·H·n·|S|max (float32 scores and probabilities), comes on top.
-    Without remat: B·n·(N·s + head) + w. With remat (whole blocks): B·n·(N·4d + s + head) + w
-    (each block's float32 input, plus one block recomputed at a time; on XLA:CPU only reached
-    with ``scan_layers``, see the module docstring). This counts what the backward must keep;
-    XLA:CPU's buffer plan for scripts/benchmark_model.py's default model (4 layers, n=8192) was
-    2.0-2.4x larger (layout copies, backward temporaries), so read it as a lower bound.
-    """
-    model = nnx.eval_shape(lambda: SparseTransformer(cfg, rngs=nnx.Rngs(0)))
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    d, f, qk, n, heads = cfg.d_model, cfg.ff_dim, cfg.qk_dim, cfg.seq_len, cfg.num_heads
-    layer_specs_ = cfg.specs()
-    keys_per_layer = [np.mean([_mean_keys(s, n) for s in specs]) for specs in layer_specs_]
-    flops = sum(2 * (2 * d * qk + 2 * d * d) + 4 * d * f + 2 * k * (qk + d)
-                for k in keys_per_layer) + 2 * d * cfg.vocab_size
-    c = jnp.dtype(DTYPES[cfg.dtype]).itemsize
-    per_layer = []
-    for specs in layer_specs_:
-        s = 8 * d + c * (4 * d + 2 * qk + 2 * f) + 4 * (d + heads)
-        s += 2 * d if cfg.dropout else 0
-        s += sum(8 * heads // len(specs) * n for spec in specs if spec.kind == "dense")
-        per_layer.append(s)
-    head = 4 * (d + 2 * cfg.vocab_size)
-    workspace = 8 * batch_size * heads * n * max(keys_per_layer)
-    tokens = batch_size * n
-    return {
-        "params": params,
-        "param_count_formula": param_count(cfg),
-        "schedule": [" | ".join(map(str, specs)) for specs in layer_specs_],
-        "mean_keys_per_query": float(np.mean(keys_per_layer)),
-        "flops_per_token": int(flops),
-        "flops_per_step": int(3 * flops * tokens),
-        "batch_size": batch_size,
-        "activation_bytes": int(tokens * (sum(per_layer) + head) + workspace),
-        "activation_bytes_remat": int(tokens * (cfg.num_layers * 4 * d + max(per_layer) + head)
-                                      + workspace),
-    }

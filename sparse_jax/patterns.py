@@ -8,8 +8,8 @@ strided, local part    ``j in [i - w + 1, i]`` with window ``w = local_width`` (
                        the paper's ``[max(0, i - l), i]``; ``w = l`` is openai/DeepSpeed)
 strided, strided part  ``(i - j) mod l == 0``
 fixed, block part      ``j // l == i // l``
-fixed, summary part    ``j mod l in [l - (h+1)c, l - hc)`` for head ``h`` (default 0: the last c
-                       residues); ``summary="lra"`` adds residue 0 (long-range-arena's c + 1)
+fixed, summary part    ``j mod l in [l - (b+1)c, l - bc)`` for summary block ``b`` (default 0: the
+                       last c residues); ``summary="lra"`` adds residue 0 (long-range-arena's c + 1)
 =====================  ====================================================================
 
 Every ``*_indices`` function returns ``int32[seq_len, K]``: row ``i`` lists the keys of query
@@ -35,6 +35,10 @@ shape that a few dense matmuls serve with static shapes (the sequence viewed as 
 
 ``terms_to_indices`` rebuilds the index array from the terms; the tests check it equals the
 pattern, so the fast path and the index arrays cannot drift apart.
+
+``PatternSpec`` names a pattern (what the attention functions and the model take), and
+``layer_specs`` gives the patterns of a layer's head groups for each way of combining the parts
+(``MODES``). ``check_int`` and ``check_choice`` are the argument checks used throughout.
 """
 
 from __future__ import annotations
@@ -50,13 +54,15 @@ PARTS = {
     "fixed": ("both", "block", "summary"),
 }
 SUMMARY_CONVENTIONS = ("paper", "lra")
+KINDS = ("dense", "local", "strided", "fixed")
+MODES = ("merged", "interleaved", "multihead")  # ways of combining the parts in a layer
 
 
 # --------------------------------------------------------------------------------------------
 # Argument checking: every public function validates before allocating anything.
 
 
-def _check_int(name: str, value, low: int = 1, high: int | None = None) -> int:
+def check_int(name: str, value, low: int = 1, high: int | None = None) -> int:
     """Returns ``value`` as int if it is an integer in [low, high]; raises ValueError otherwise."""
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -67,23 +73,25 @@ def _check_int(name: str, value, low: int = 1, high: int | None = None) -> int:
     return value
 
 
-def _check_choice(name: str, value, allowed: Sequence[str]) -> str:
+def check_choice(name: str, value, allowed: Sequence[str]) -> str:
+    """Returns ``value`` if it is one of ``allowed``; raises ValueError naming ``name``."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
     return value
 
 
-def summary_residues(stride: int, c: int, head: int = 0, summary: str = "paper") -> tuple[int, ...]:
+def summary_residues(stride: int, c: int, summary_block: int = 0,
+                     summary: str = "paper") -> tuple[int, ...]:
     """The residues ``j mod stride`` of the fixed pattern's summary keys, ascending.
 
-    ``paper``: ``[stride - (head+1)*c, stride - head*c)``; ``lra`` adds residue 0.
+    ``paper``: ``[stride - (b+1)*c, stride - b*c)`` for ``b = summary_block``; ``lra`` adds
+    residue 0.
     """
-    stride = _check_int("stride", stride)
-    c = _check_int("c", c, 1, stride)
-    max_head = stride // c - 1
-    head = _check_int("head", head, 0, max_head)
-    _check_choice("summary", summary, SUMMARY_CONVENTIONS)
-    residues = set(range(stride - (head + 1) * c, stride - head * c))
+    stride = check_int("stride", stride)
+    c = check_int("c", c, 1, stride)
+    b = check_int("summary_block", summary_block, 0, stride // c - 1)
+    check_choice("summary", summary, SUMMARY_CONVENTIONS)
+    residues = set(range(stride - (b + 1) * c, stride - b * c))
     if summary == "lra":
         residues.add(0)
     return tuple(sorted(residues))
@@ -119,7 +127,7 @@ def _window_candidates(seq_len: int, width: int) -> np.ndarray:
 
 def dense_indices(seq_len: int) -> np.ndarray:
     """Causal dense attention: query ``i`` attends ``0..i``. ``K = seq_len``."""
-    seq_len = _check_int("seq_len", seq_len)
+    seq_len = check_int("seq_len", seq_len)
     return _compact(_window_candidates(seq_len, seq_len), seq_len)
 
 
@@ -128,8 +136,8 @@ def local_indices(seq_len: int, width: int) -> np.ndarray:
 
     Bound: ``K = min(width, seq_len)`` (row ``i`` has ``min(i + 1, width)`` keys).
     """
-    seq_len = _check_int("seq_len", seq_len)
-    width = _check_int("width", width)
+    seq_len = check_int("seq_len", seq_len)
+    width = check_int("width", width)
     return _compact(_window_candidates(seq_len, width), seq_len)
 
 
@@ -149,10 +157,10 @@ def strided_indices(seq_len: int, stride: int, *, part: str = "both",
       ``i - m l`` with ``m l <= w - 1`` lie inside the window), so
       ``K <= min(seq_len, w + ceil(seq_len / l) - 1)``.
     """
-    seq_len = _check_int("seq_len", seq_len)
-    stride = _check_int("stride", stride)
-    _check_choice("part", part, PARTS["strided"])
-    width = stride + 1 if local_width is None else _check_int("local_width", local_width)
+    seq_len = check_int("seq_len", seq_len)
+    stride = check_int("stride", stride)
+    check_choice("part", part, PARTS["strided"])
+    width = stride + 1 if local_width is None else check_int("local_width", local_width)
     candidates = []
     if part in ("both", "local"):
         candidates.append(_window_candidates(seq_len, width))
@@ -162,13 +170,14 @@ def strided_indices(seq_len: int, stride: int, *, part: str = "both",
     return _compact(np.concatenate(candidates, axis=1), seq_len)
 
 
-def fixed_indices(seq_len: int, stride: int, c: int, *, part: str = "both", head: int = 0,
-                  summary: str = "paper") -> np.ndarray:
+def fixed_indices(seq_len: int, stride: int, c: int, *, part: str = "both",
+                  summary_block: int = 0, summary: str = "paper") -> np.ndarray:
     """The fixed pattern (paper §4.2, Fig. 3c) or one of its parts.
 
     ``part="block"``: ``j // l == i // l``. ``part="summary"``: ``j mod l`` in
-    ``summary_residues(stride, c, head, summary)`` (``c`` residues, ``c + 1`` for ``lra``).
-    ``head=h`` selects the h-th distinct summary sub-block, which needs ``(h + 1) * c <= stride``.
+    ``summary_residues(stride, c, summary_block, summary)`` (``c`` residues, ``c + 1`` for
+    ``lra``). ``summary_block=b`` selects the b-th distinct summary sub-block of each block of
+    ``l`` positions, counted from its end, which needs ``(b + 1) * c <= stride``.
 
     Exact row sizes and the bound on K (``l = stride``, ``s`` summary residues):
 
@@ -177,10 +186,10 @@ def fixed_indices(seq_len: int, stride: int, c: int, *, part: str = "both", head
     * both: ``i mod l + 1 + (i // l) * s`` (earlier blocks contribute their summary keys, the
       current block all its keys up to ``i``), so ``K <= l + s * (ceil(seq_len / l) - 1)``.
     """
-    seq_len = _check_int("seq_len", seq_len)
-    stride = _check_int("stride", stride)
-    residues = summary_residues(stride, c, head, summary)
-    _check_choice("part", part, PARTS["fixed"])
+    seq_len = check_int("seq_len", seq_len)
+    stride = check_int("stride", stride)
+    residues = summary_residues(stride, c, summary_block, summary)
+    check_choice("part", part, PARTS["fixed"])
     positions = np.arange(seq_len, dtype=np.int32)
     num_blocks = -(-seq_len // stride)
     summary_keys = (np.arange(num_blocks)[:, None] * stride + np.array(residues)[None, :]).ravel()
@@ -208,7 +217,7 @@ def fixed_indices(seq_len: int, stride: int, c: int, *, part: str = "both", head
 
 def indices_to_mask(indices: np.ndarray, seq_len: int) -> np.ndarray:
     """``bool[seq_len, seq_len]`` mask with ``mask[i, j]`` true iff row ``i`` lists key ``j``."""
-    seq_len = _check_int("seq_len", seq_len)
+    seq_len = check_int("seq_len", seq_len)
     indices = np.asarray(indices)
     if indices.ndim != 2 or indices.shape[0] != seq_len:
         raise ValueError(f"indices must have shape [seq_len={seq_len}, K], got {indices.shape}")
@@ -223,24 +232,25 @@ def indices_to_mask(indices: np.ndarray, seq_len: int) -> np.ndarray:
 
 def pattern_indices(kind: str, seq_len: int, *, stride: int | None = None, c: int | None = None,
                     part: str = "both", local_width: int | None = None, summary: str = "paper",
-                    head: int = 0) -> np.ndarray:
-    """Dispatches to the index builder of ``kind`` ("dense", "local", "strided", "fixed").
+                    summary_block: int = 0) -> np.ndarray:
+    """Dispatches to the index builder of ``kind`` (one of ``KINDS``).
 
     For ``kind="local"`` the window is ``local_width`` (default ``stride + 1``).
     """
-    _check_choice("kind", kind, ("dense", "local", "strided", "fixed"))
+    check_choice("kind", kind, KINDS)
     if kind == "dense":
         return dense_indices(seq_len)
     if stride is None:
         raise ValueError(f"stride is required for kind={kind!r}")
     if kind == "local":
-        width = local_width if local_width is not None else _check_int("stride", stride) + 1
+        width = local_width if local_width is not None else check_int("stride", stride) + 1
         return local_indices(seq_len, width)
     if kind == "strided":
         return strided_indices(seq_len, stride, part=part, local_width=local_width)
     if c is None:
         raise ValueError("c (summary width) is required for kind='fixed'")
-    return fixed_indices(seq_len, stride, c, part=part, head=head, summary=summary)
+    return fixed_indices(seq_len, stride, c, part=part, summary_block=summary_block,
+                         summary=summary)
 
 
 def mean_keys_per_query(indices: np.ndarray) -> float:
@@ -302,24 +312,24 @@ Term = BandTerm | ColumnTerm | SummaryTerm
 
 def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
                   part: str = "both", local_width: int | None = None, summary: str = "paper",
-                  head: int = 0) -> tuple[Term, ...]:
+                  summary_block: int = 0) -> tuple[Term, ...]:
     """Disjoint block-level terms whose union is the pattern (see the module docstring).
 
     The grid block is ``stride`` for strided and fixed patterns, and ``max(1, width - 1)`` for
     a local window of ``width`` keys (so a row needs only its previous row).
     ``kind="dense"`` has no sparse terms; callers use dense attention for it.
     """
-    _check_choice("kind", kind, ("dense", "local", "strided", "fixed"))
+    check_choice("kind", kind, KINDS)
     if kind == "dense":
         raise ValueError("kind='dense' has no block terms: use dense attention")
-    stride = _check_int("stride", stride)
+    stride = check_int("stride", stride)
     if kind == "local":
-        width = stride + 1 if local_width is None else _check_int("local_width", local_width)
+        width = stride + 1 if local_width is None else check_int("local_width", local_width)
         block = max(1, width - 1)
         return (BandTerm(block, prev=-(-(width - 1) // block), max_distance=width - 1),)
     if kind == "strided":
-        _check_choice("part", part, PARTS["strided"])
-        width = stride + 1 if local_width is None else _check_int("local_width", local_width)
+        check_choice("part", part, PARTS["strided"])
+        width = stride + 1 if local_width is None else check_int("local_width", local_width)
         terms = []
         if part in ("both", "local"):
             prev = -(-(width - 1) // stride)
@@ -329,8 +339,8 @@ def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
         if part == "both":  # keys i - m*l with m*l <= w - 1 are in the local window already
             terms.append(ColumnTerm(stride, min_rows=(width - 1) // stride + 1))
         return tuple(terms)
-    residues = summary_residues(stride, c, head, summary)
-    _check_choice("part", part, PARTS["fixed"])
+    residues = summary_residues(stride, c, summary_block, summary)
+    check_choice("part", part, PARTS["fixed"])
     if part == "block":
         return (BandTerm(stride, prev=0, same_row=True),)
     if part == "summary":
@@ -359,51 +369,108 @@ def term_candidates(term: Term, seq_len: int) -> np.ndarray:
 
 def terms_to_indices(terms: Sequence[Term], seq_len: int) -> np.ndarray:
     """Index array of the union of ``terms`` (the reference check of the block view)."""
-    seq_len = _check_int("seq_len", seq_len)
+    seq_len = check_int("seq_len", seq_len)
     return _compact(np.concatenate([term_candidates(t, seq_len) for t in terms], axis=1), seq_len)
 
 
 # --------------------------------------------------------------------------------------------
-# Pictures.
+# A pattern by name, and the patterns of a layer's head groups.
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternSpec:
+    """Names an attention pattern; hashable, so it can be a static argument of ``jax.jit``, and
+    ordered by ``str``, so it can key a dict that ``jax.jit`` takes as an argument.
+
+    kind: one of ``KINDS``.
+    stride: l (strided/fixed); the window of "local" is ``local_width`` (default stride + 1).
+    c: summary width of "fixed".
+    part: "both", or one part ("local"/"strided" for strided, "block"/"summary" for fixed).
+    local_width: local window of "strided"/"local" (default stride + 1, the paper's formula).
+    summary: "paper" or "lra" (fixed summary convention).
+    summary_block: which summary sub-block of "fixed" (residues [l-(b+1)c, l-bc)).
+    """
+    kind: str = "strided"
+    stride: int | None = None
+    c: int | None = None
+    part: str = "both"
+    local_width: int | None = None
+    summary: str = "paper"
+    summary_block: int = 0
+
+    def __post_init__(self):
+        check_choice("kind", self.kind, KINDS)
+        if self.kind != "dense":
+            self.terms()  # validates every field
+
+    def _fields(self) -> dict:
+        return dict(stride=self.stride, c=self.c, part=self.part, local_width=self.local_width,
+                    summary=self.summary, summary_block=self.summary_block)
+
+    def indices(self, seq_len: int) -> np.ndarray:
+        """``int32[seq_len, K]`` key indices per query (``pattern_indices``)."""
+        return pattern_indices(self.kind, seq_len, **self._fields())
+
+    def terms(self) -> tuple[Term, ...]:
+        """Disjoint block-level terms of the pattern (``pattern_terms``)."""
+        return pattern_terms(self.kind, **self._fields())
+
+    @property
+    def block(self) -> int:
+        """Row length of the grid the fast path works on (all terms share it)."""
+        blocks = {t.stride if isinstance(t, ColumnTerm) else t.block for t in self.terms()}
+        assert len(blocks) == 1, blocks
+        return blocks.pop()
+
+    def mask(self, seq_len: int) -> np.ndarray:
+        """``bool[seq_len, seq_len]`` (for references and pictures; O(n²))."""
+        return indices_to_mask(self.indices(seq_len), seq_len)
+
+    def mean_keys(self, seq_len: int) -> float:
+        """Mean number of keys per query (|S| in FLOP counts)."""
+        if self.kind == "dense":
+            return (seq_len + 1) / 2
+        return mean_keys_per_query(self.indices(seq_len))
+
+    def __str__(self) -> str:
+        if self.kind == "dense":
+            return "dense"
+        extras = {k: v for k, v in self._fields().items()
+                  if v is not None and v != PatternSpec.__dataclass_fields__[k].default}
+        return self.kind + "(" + ", ".join(f"{k}={v}" for k, v in extras.items()) + ")"
+
+    def __lt__(self, other: PatternSpec) -> bool:
+        return str(self) < str(other)
+
+
+def layer_specs(spec: PatternSpec, mode: str, layer: int = 0, *,
+                distinct_summaries: bool = False) -> tuple[PatternSpec, ...]:
+    """Pattern of each head group of layer ``layer`` (paper §4.3); heads are split evenly over
+    the groups.
+
+    merged: one group attending the union of the parts (``spec`` with part="both").
+    interleaved: one group, the part ``layer mod 2`` (local/strided, block/summary).
+    multihead: one group per part; for fixed with ``distinct_summaries``, group b instead takes
+    the whole pattern with ``summary_block=b`` (``stride // c`` groups).
+    Dense and local patterns have one part: every mode gives ``(spec,)``.
+    """
+    check_choice("mode", mode, MODES)
+    parts = PARTS[spec.kind][1:] if spec.kind in PARTS else ()
+    if not parts or mode == "merged":
+        return (spec,)
+    if mode == "interleaved":
+        return (dataclasses.replace(spec, part=parts[layer % 2]),)
+    if spec.kind == "fixed" and distinct_summaries:
+        return tuple(dataclasses.replace(spec, part="both", summary_block=b)
+                     for b in range(spec.stride // spec.c))
+    return tuple(dataclasses.replace(spec, part=p) for p in parts)
 
 
 def pattern_parts(kind: str, seq_len: int, **spec) -> dict[str, np.ndarray]:
-    """The index arrays of a pattern's parts by name (one part for dense and local)."""
+    """The index arrays of a pattern's parts by name (one part for dense and local), as
+    scripts/plot_pattern.py draws them."""
     if kind in ("dense", "local"):
         return {kind: pattern_indices(kind, seq_len, **spec)}
     names = PARTS[kind][1:]
     spec = {k: v for k, v in spec.items() if k != "part"}
     return {name: pattern_indices(kind, seq_len, part=name, **spec) for name in names}
-
-
-def draw_pattern(parts: dict[str, np.ndarray], path: str, *, title: str = "",
-                 query: int | None = None) -> None:
-    """Draws the seq_len x seq_len mask of each part in its own colour (overlap in a third) to
-    a PNG. If ``query`` is given, that query's row is outlined."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
-    names = list(parts)
-    seq_len = len(next(iter(parts.values())))
-    code = np.zeros((seq_len, seq_len), dtype=np.int8)
-    for bit, name in enumerate(names):
-        code |= indices_to_mask(parts[name], seq_len).astype(np.int8) << bit
-    colours = ["#ffffff", "#1f77b4", "#ff7f0e", "#2ca02c"][: 2 ** len(names)]
-    labels = {1: names[0]}
-    if len(names) == 2:
-        labels.update({2: names[1], 3: "both parts"})
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    ax.imshow(code, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1,
-              interpolation="nearest")
-    if query is not None:
-        ax.add_patch(plt.Rectangle((-0.5, query - 0.5), seq_len, 1, fill=False, lw=1.2, ec="k"))
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[v]) for v in labels]
-    ax.legend(handles, list(labels.values()), loc="upper right", fontsize=8)
-    ax.set_xlabel("key position j")
-    ax.set_ylabel("query position i")
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -168,6 +168,12 @@ def per_device_bytes(abstract_state, mesh_shape: Mapping[str, int],
     return total
 
 
+def to_global(batch: dict, sharding) -> dict:
+    """This process's rows of a batch ({name: array}) as global arrays split by `sharding` (each
+    process passes its own rows; with one process, the whole batch)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
 def cpu_cores() -> int:
     """CPU cores this process may run on."""
     try:

@@ -56,7 +56,7 @@ class Transformer(nn.Module):
         if cfg.pattern != "dense" or cfg.scan_layers:
             raise ValueError("the PyTorch twin mirrors dense-attention, unscanned models only")
         self.cfg = cfg
-        tables = model_lib._position_tables(cfg)
+        tables = model_lib.position_tables(cfg)
         self.token_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeds = nn.ModuleList(nn.Embedding(size, cfg.d_model) for size, _ in tables)
         self.register_buffer("pos_index", torch.as_tensor(np.stack([i for _, i in tables])))

@@ -27,7 +27,17 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # ---------------------------------------------------------------------------------------------
-# enwik8.
+# Byte files and enwik8.
+
+
+@pytest.fixture(scope="session")
+def byte_file(tmp_path_factory):
+    """60 KB of the generated stream as a plain file (printable bytes: never 255)."""
+    from sparse_jax import sources
+
+    path = tmp_path_factory.mktemp("bytes") / "data.txt"
+    path.write_bytes(sources.embedded_bytes(60_000, seed=1).tobytes())
+    return str(path)
 
 
 def fake_enwik8(folder, size=5000, seed=0):

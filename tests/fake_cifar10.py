@@ -8,7 +8,7 @@ pattern study (`--images=shapes`).
 writes ROOT/manual/cifar-10-binary.tar.gz and prepares it into ROOT/tfds (give that folder to the
 trainer as --config.data.data_dir). The real builder checks the archive against the official
 size and SHA-256, so `prepare` substitutes this archive's for the duration of the preparation;
-the preparation code itself is the real one. `sparse_jax.data` holds out CIFAR10_VALID_SIZE =
+the preparation code itself is the real one. `sparse_jax.sources` holds out CIFAR10_VALID_SIZE =
 2,000 training images for validation, so a dataset for the command line needs more than 2,000
 training images (5 x train_per_file); tests lower CIFAR10_VALID_SIZE instead.
 
@@ -91,11 +91,11 @@ def prepare(root, train_per_file, num_test, images="noise", seed=0):
     from tensorflow_datasets.core.download import checksums
     from tensorflow_datasets.image_classification import cifar as tfds_cifar
 
-    from sparse_jax import data as D
+    from sparse_jax import sources
 
     manual = os.path.join(root, "manual")
     os.makedirs(manual, exist_ok=True)
-    recorded = tfds_cifar.Cifar10.url_infos[D.CIFAR10_URL]  # the real record, before patching
+    recorded = tfds_cifar.Cifar10.url_infos[sources.CIFAR10_URL]  # the real record, before patching
     assert recorded.size == 170_052_171, "TFDS changed its CIFAR-10 record"
     archive = os.path.join(manual, recorded.filename)
     expected = write_archive(archive, train_per_file, num_test, images, seed)
@@ -104,8 +104,8 @@ def prepare(root, train_per_file, num_test, images="noise", seed=0):
     tiny = checksums.UrlInfo(size=len(content), checksum=hashlib.sha256(content).hexdigest(),
                              filename=recorded.filename)
     data_dir = os.path.join(root, "tfds")
-    with mock.patch.object(tfds_cifar.Cifar10, "url_infos", {D.CIFAR10_URL: tiny}):
-        prepared = D.prepare_cifar10(data_dir, manual)
+    with mock.patch.object(tfds_cifar.Cifar10, "url_infos", {sources.CIFAR10_URL: tiny}):
+        prepared = sources.prepare_cifar10(data_dir, manual)
     assert any(name.startswith("cifar10-train.array_record") for name in os.listdir(prepared))
     return data_dir, expected
 

@@ -1,6 +1,5 @@
-"""Block-sparse attention against the dense masked reference, forward and gradients."""
-
-import dataclasses
+"""Block-sparse attention against the dense masked reference, forward and gradients; the decoding
+step; the NNX attention layer."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,9 @@ import pytest
 from flax import nnx
 
 from sparse_jax import attention as A
-from sparse_jax.attention import PatternSpec
+from sparse_jax import patterns as P
+from sparse_jax.layers import SparseSelfAttention
+from sparse_jax.patterns import PatternSpec
 
 
 def qkv(shape, dtype=jnp.float32, seed=0, dv=None):
@@ -32,8 +33,8 @@ SPECS = [
     PatternSpec("fixed", stride=8, c=2, part="block"),
     PatternSpec("fixed", stride=8, c=2, part="summary"),
     PatternSpec("fixed", stride=8, c=2, summary="lra"),
-    PatternSpec("fixed", stride=8, c=2, head=3),
-    PatternSpec("fixed", stride=8, c=2, part="summary", summary="lra", head=1),
+    PatternSpec("fixed", stride=8, c=2, summary_block=3),
+    PatternSpec("fixed", stride=8, c=2, part="summary", summary="lra", summary_block=1),
     PatternSpec("fixed", stride=6, c=6),
     PatternSpec("dense"),
 ]
@@ -176,6 +177,26 @@ def test_query_without_keys_outputs_zero():
     assert bool(jnp.isfinite(g).all())
 
 
+@pytest.mark.parametrize("spec", [SPECS[2], SPECS[8], SPECS[10], PatternSpec("dense")], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_equals_rows_of_the_full_pass(spec, dtype):
+    """One query over its gathered keys (the cached decoder's step) gives row i of
+    ``sparse_attention``; a query with no key (fixed summary part) gives zeros."""
+    n = 24
+    q, k, v = qkv((2, n, 3, 8), dtype=dtype, dv=4)
+    full = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
+    step = jax.jit(A.decode_attention)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-6
+    for i, row in enumerate(spec.indices(n)):
+        valid = row >= 0
+        got = step(q[:, i], k[:, np.maximum(row, 0)], v[:, np.maximum(row, 0)], valid)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got.astype(jnp.float32), full[:, i].astype(jnp.float32),
+                                   atol=tol, rtol=0, err_msg=f"row {i}")
+        if not valid.any():
+            assert np.all(np.asarray(got) == 0)
+
+
 def _jaxpr_sizes(jaxpr):
     """Element counts of every value computed in a jaxpr, recursing into sub-jaxprs."""
     for eqn in jaxpr.eqns:
@@ -232,25 +253,15 @@ def dense_layer(layer, x, specs):
 
 
 @pytest.mark.parametrize("base", [PatternSpec("strided", stride=8), PatternSpec("fixed", stride=8, c=2)], ids=str)
-@pytest.mark.parametrize("mode", A.MODES)
+@pytest.mark.parametrize("mode", P.MODES)
 @pytest.mark.parametrize("qk_dim", [32, 16])
 def test_layer_modes_match_dense_masked(base, mode, qk_dim):
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 40, 32))
     for layer_index in [0, 1]:
-        specs = A.layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
-        layer = A.SparseSelfAttention(32, 4, specs, qk_dim=qk_dim, rngs=nnx.Rngs(0))
+        specs = P.layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
+        layer = SparseSelfAttention(32, 4, specs, qk_dim=qk_dim, rngs=nnx.Rngs(0))
         got = nnx.jit(lambda layer, x: layer(x))(layer, x)
         np.testing.assert_allclose(got, nnx.jit(dense_layer, static_argnums=2)(layer, x, specs), atol=1e-5)
-
-
-def test_layer_specs():
-    strided = PatternSpec("strided", stride=8)
-    assert A.layer_specs(strided, "merged") == (strided,)
-    assert [s.part for s in (A.layer_specs(strided, "interleaved", i)[0] for i in range(3))] == ["local", "strided", "local"]
-    assert [s.part for s in A.layer_specs(strided, "multihead")] == ["local", "strided"]
-    fixed = PatternSpec("fixed", stride=8, c=2)
-    assert [s.head for s in A.layer_specs(fixed, "multihead", distinct_summaries=True)] == [0, 1, 2, 3]
-    assert A.layer_specs(PatternSpec("dense"), "interleaved", 1) == (PatternSpec("dense"),)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,30 +282,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="PatternSpec"):
         A.sparse_attention(q, k, v, "strided")
     with pytest.raises(ValueError, match="evenly"):
-        A.multi_spec_attention(q, k, v, A.layer_specs(PatternSpec("fixed", stride=8, c=2), "multihead",
+        A.multi_spec_attention(q, k, v, P.layer_specs(PatternSpec("fixed", stride=8, c=2), "multihead",
                                                       distinct_summaries=True)[:3])
     with pytest.raises(ValueError, match="divisible"):
-        A.SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))
-
-
-@pytest.mark.parametrize("fields,match", [
-    (dict(kind="butterfly", stride=4), "kind"),
-    (dict(kind="strided"), "stride"),
-    (dict(kind="strided", stride=0), "stride"),
-    (dict(kind="strided", stride=4, part="block"), "part"),
-    (dict(kind="fixed", stride=4, c=8), "c"),
-    (dict(kind="fixed", stride=4, c=2, head=2), "head"),
-    (dict(kind="fixed", stride=4, c=2, summary="openai"), "summary"),
-    (dict(kind="local", stride=4, local_width=0), "local_width"),
-])
-def test_spec_validation(fields, match):
-    with pytest.raises(ValueError, match=match):
-        PatternSpec(**fields)
-
-
-def test_spec_is_hashable_and_describes_itself():
-    spec = PatternSpec("fixed", stride=128, c=32)
-    assert hash(spec) == hash(dataclasses.replace(spec))
-    assert str(spec) == "fixed(stride=128, c=32)"
-    assert spec.block == 128
-    assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
+        SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))

@@ -1,9 +1,10 @@
 """Every config file and variant loads, is locked, builds a ModelConfig and passes the trainer's
-checks; config arguments and command-line overrides reject typos and wrong types."""
+checks; config arguments and command-line overrides reject typos and wrong types; the one loader
+(`configs.load`) reads names, paths and files outside the package as the command line does."""
 
 import ast
 import glob
-import importlib.util
+import importlib
 import itertools
 import os
 
@@ -11,12 +12,13 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from sparse_jax import train
+import configs
+from sparse_jax.config import check_config
 from sparse_jax.model import ModelConfig, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-HELPERS = {"common.py"}  # shared code, not a config
+HELPERS = {"common.py", "__init__.py"}  # shared code and the loader, not configs
 VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["strided", "fixed", "dense"],
@@ -29,11 +31,7 @@ VARIANTS = {
 
 
 def load(name):
-    path = os.path.join(CONFIGS, name)
-    spec = importlib.util.spec_from_file_location(f"config_{name[:-3]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"configs.{name[:-3]}")
 
 
 def variants(name):
@@ -45,6 +43,7 @@ def variants(name):
 def test_every_config_file_is_covered():
     files = {os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
     assert files - HELPERS == set(VARIANTS)
+    assert configs.names() == sorted(name[:-3] for name in VARIANTS)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -62,9 +61,9 @@ def test_every_variant_loads_locked_and_builds_a_model_config(name):
         if config.data.name == "bytes":
             path, config.data.path = config.data.path, None
             with pytest.raises(ValueError, match="data.path"):
-                train.check_config(config)
+                check_config(config)
             config.data.path = path
-        assert train.check_config(config) == cfg
+        assert check_config(config) == cfg
         assert config.eval_every > 0 and config.checkpoint_every > 0
         if arg and "size=tiny" in arg:  # a smoke test: tiny model, few steps
             assert config.total_steps <= 20 and config.model.num_layers <= 2
@@ -121,6 +120,22 @@ def parse(*argv):
                                     sys_argv=argv)  # as scripts/train.py, without sys.argv
     values(argv)
     return values.config
+
+
+def test_loader_reads_names_paths_and_outside_files_as_the_command_line_does(tmp_path):
+    path = os.path.join(CONFIGS, "quickstart.py")
+    expected = parse(f"--config={path}:data=embedded", "--config.optimizer.lr=0.01").to_dict()
+    for spec in ["quickstart:data=embedded", "quickstart.py:data=embedded",
+                 f"{path}:data=embedded"]:
+        assert configs.load(spec, {"optimizer.lr": 0.01}).to_dict() == expected, spec
+    mine = tmp_path / "my_config.py"  # a user's config outside the package, built on common
+    mine.write_text("from configs import common\n\n\ndef get_config(arg=None):\n"
+                    "    c = common.base()\n    c.total_steps = 7\n    return common.finish(c)\n")
+    assert configs.load(str(mine)).total_steps == parse(f"--config={mine}").total_steps == 7
+    with pytest.raises(ValueError, match="nope.py not found"):
+        configs.load("configs/nope.py")
+    with pytest.raises(ValueError, match="no field 'optimizer.lrr'"):
+        configs.load("quickstart", {"optimizer.lrr": 0.01})
 
 
 def test_command_line_overrides_reject_typos_and_wrong_types():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import NUM_TEST, TRAIN_PER_FILE, fake_enwik8  # shared with test_train.py
-from sparse_jax import data as D
+from sparse_jax import data as D, sources
 
 
 # ---------------------------------------------------------------------------------------------
@@ -19,13 +19,13 @@ from sparse_jax import data as D
 @pytest.mark.parametrize("n", [10**8, 1000, 21, 3])
 def test_split_bytes_contiguous_with_paper_sizes(n):
     positions = range(n)  # sliced like an array, costs nothing even at 10^8
-    for fractions in [D.ENWIK8_FRACTIONS, (0.8, 0.1, 0.1)]:
+    for fractions in [sources.ENWIK8_FRACTIONS, (0.8, 0.1, 0.1)]:
         splits = [D.split_bytes(positions, fractions)[s] for s in D.SPLITS]
         assert [r.start for r in splits] == [0, splits[0].stop, splits[1].stop]  # contiguous
         assert splits[2].stop == n and all(r.step == 1 for r in splits)
         assert np.allclose([len(r) for r in splits], np.multiply(fractions, n), atol=1)
     if n == 10**8:
-        splits = D.split_bytes(positions, D.ENWIK8_FRACTIONS)
+        splits = D.split_bytes(positions, sources.ENWIK8_FRACTIONS)
         assert [len(splits[s]) for s in D.SPLITS] == [90_000_000, 5_000_000, 5_000_000]
     with pytest.raises(ValueError):
         D.split_bytes(positions, (0.9, 0.05, 0.1))
@@ -33,7 +33,7 @@ def test_split_bytes_contiguous_with_paper_sizes(n):
 
 def test_load_enwik8_from_zip_extracts_once_and_caches_verification(tmp_path, monkeypatch):
     zip_path, raw, md5 = fake_enwik8(tmp_path)
-    data = D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+    data = sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
     assert isinstance(data, np.memmap) and data.dtype == np.uint8
     assert data.tobytes() == raw
     assert (tmp_path / "enwik8").read_bytes() == raw
@@ -43,27 +43,27 @@ def test_load_enwik8_from_zip_extracts_once_and_caches_verification(tmp_path, mo
     def no_hashing(*args, **kwargs):
         raise AssertionError("hashed again although size and mtime did not change")
 
-    monkeypatch.setattr(D.hashlib, "file_digest", no_hashing)
-    again = D.load_enwik8(tmp_path / "enwik8", expected_size=len(raw), expected_md5=md5)
+    monkeypatch.setattr(sources.hashlib, "file_digest", no_hashing)
+    again = sources.load_enwik8(tmp_path / "enwik8", expected_size=len(raw), expected_md5=md5)
     assert again.tobytes() == raw
     os.utime(tmp_path / "enwik8", ns=(1, 1))  # a changed file must be hashed again
     with pytest.raises(AssertionError, match="hashed again"):
-        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+        sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
 
 
 def test_load_enwik8_wrong_checksum_or_size(tmp_path):
     zip_path, raw, md5 = fake_enwik8(tmp_path)
     with pytest.raises(ValueError, match="MD5"):
-        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5="0" * 32)
+        sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5="0" * 32)
     assert os.listdir(tmp_path) == ["enwik8.zip"]  # nothing half-extracted left behind
     with pytest.raises(ValueError, match="bytes"):
-        D.load_enwik8(zip_path)  # the real 10^8-byte size
+        sources.load_enwik8(zip_path)  # the real 10^8-byte size
     (tmp_path / "enwik8").write_bytes(raw[:-1])
     with pytest.raises(ValueError, match=f"{len(raw) - 1:,} bytes, expected {len(raw):,}"):
-        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+        sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
     (tmp_path / "enwik8").write_bytes(raw[::-1])
     with pytest.raises(ValueError, match="MD5"):
-        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+        sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
 
 
 def test_extraction_never_replaces_an_existing_file(tmp_path):
@@ -71,28 +71,28 @@ def test_extraction_never_replaces_an_existing_file(tmp_path):
     mine = b"my own notes, not enwik8"
     (tmp_path / "enwik8").write_bytes(mine)
     with pytest.raises(ValueError):
-        D.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
+        sources.load_enwik8(zip_path, expected_size=len(raw), expected_md5=md5)
     assert (tmp_path / "enwik8").read_bytes() == mine
 
 
 def test_missing_enwik8_says_what_to_download_and_where(tmp_path, monkeypatch):
     path = tmp_path / "corpora" / "enwik8"
     with pytest.raises(FileNotFoundError) as e:
-        D.load_enwik8(path)
-    assert D.ENWIK8_URL in str(e.value) and f"{path}.zip" in str(e.value)
+        sources.load_enwik8(path)
+    assert sources.ENWIK8_URL in str(e.value) and f"{path}.zip" in str(e.value)
     # Offline download fails fast with the same advice (port 9: connection refused at once).
-    monkeypatch.setattr(D, "ENWIK8_URL", "http://127.0.0.1:9/enwik8.zip")
+    monkeypatch.setattr(sources, "ENWIK8_URL", "http://127.0.0.1:9/enwik8.zip")
     start = time.perf_counter()
     with pytest.raises(FileNotFoundError, match="127.0.0.1:9/enwik8.zip") as e:
-        D.load_enwik8(path, download=True)
+        sources.load_enwik8(path, download=True)
     assert time.perf_counter() - start < 5
     assert f"{path}.zip" in str(e.value) and not os.listdir(tmp_path / "corpora")
 
 
 def test_make_dataset_enwik8_and_bytes(tmp_path, monkeypatch):
     zip_path, raw, md5 = fake_enwik8(tmp_path, size=2000)
-    monkeypatch.setattr(D, "ENWIK8_SIZE", len(raw))
-    monkeypatch.setattr(D, "ENWIK8_MD5", md5)
+    monkeypatch.setattr(sources, "ENWIK8_SIZE", len(raw))
+    monkeypatch.setattr(sources, "ENWIK8_MD5", md5)
     ds = D.make_dataset({"name": "enwik8", "path": zip_path}, seq_len=16)
     assert ds.unit == "byte" and [len(ds.splits[s]) for s in D.SPLITS] == [1800, 100, 100]
     assert ds.splits["test"].tobytes() == raw[1900:]
@@ -104,6 +104,33 @@ def test_make_dataset_enwik8_and_bytes(tmp_path, monkeypatch):
     assert ds.splits["valid"].tobytes() == raw[1000:1600]
     with pytest.raises(ValueError, match="unknown dataset"):
         D.make_dataset({"name": "enwik9"}, seq_len=16)
+
+
+def test_data_config_is_typed_validated_and_says_what_is_an_image():
+    images = D.data_config(ml_collections.ConfigDict(
+        {"name": "cifar10", "data_dir": None, "split_fractions": [0.8, 0.1, 0.1]}))
+    assert images.is_image and images.image_shape == (32, 32, 3) and images.unit == "dim"
+    assert images.split_fractions == (0.8, 0.1, 0.1) and images.seed == 0
+    assert D.data_config(images) is images
+    text = D.data_config({"name": "embedded"})
+    assert not text.is_image and text.image_shape is None and text.unit == "byte"
+    assert text.fractions == (0.9, 0.05, 0.05)
+    assert D.data_config({"name": "enwik8", "path": "e"}).fractions == sources.ENWIK8_FRACTIONS
+    for fields, match in [
+            ({"name": "enwik9"}, r"DataConfig.name='enwik9': unknown dataset"),
+            ({"name": "bytes"}, r"DataConfig.path=None: .*--config.data.path=FILE"),
+            ({"name": "embedded", "seed": -1}, r"DataConfig.seed=-1: must be an integer >= 0"),
+            ({"name": "embedded", "seed": True}, r"DataConfig.seed=True"),
+            ({"name": "embedded", "embedded_bytes": 0}, r"DataConfig.embedded_bytes=0"),
+            ({"name": "embedded", "download": "yes"}, r"DataConfig.download='yes'"),
+            ({"name": "embedded", "split_fractions": (0.9, 0.05, 0.1)},
+             r"DataConfig.split_fractions=\(0.9, 0.05, 0.1\): must be 3 non-negative"),
+            ({"name": "embedded", "split_fractions": 0.9}, r"DataConfig.split_fractions=0.9"),
+            ({"name": "embedded", "shuffle": 1}, r"unknown data config field\(s\) \['shuffle'\]"),
+            ({"path": "e"}, "missing data config field 'name'")]:
+        with pytest.raises(ValueError, match=match) as e:
+            D.data_config(fields)
+        assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +156,7 @@ def _gz_with_sums(folder, raw: bytes, name="text.txt", listed=True):
 def test_gz_byte_file_is_decompressed_once_checked_and_mapped(tmp_path, monkeypatch):
     raw = bytes(range(256)) * 40
     gz = _gz_with_sums(tmp_path, raw)
-    data = D.load_bytes(gz)
+    data = sources.load_bytes(gz)
     assert isinstance(data, np.memmap) and data.tobytes() == raw
     assert (tmp_path / "text.txt").read_bytes() == raw  # the cache, next to the .gz
     assert not [p for p in os.listdir(tmp_path) if ".part" in p]
@@ -137,12 +164,12 @@ def test_gz_byte_file_is_decompressed_once_checked_and_mapped(tmp_path, monkeypa
     def no_work(*args, **kwargs):
         raise AssertionError("decompressed or hashed again although nothing changed")
 
-    monkeypatch.setattr(D.gzip, "open", no_work)
-    monkeypatch.setattr(D.hashlib, "file_digest", no_work)
-    assert D.load_bytes(gz).tobytes() == raw
+    monkeypatch.setattr(sources.gzip, "open", no_work)
+    monkeypatch.setattr(sources.hashlib, "file_digest", no_work)
+    assert sources.load_bytes(gz).tobytes() == raw
     os.utime(gz, ns=(1, 1))  # a changed .gz is checked and decompressed again
     with pytest.raises(AssertionError, match="again"):
-        D.load_bytes(gz)
+        sources.load_bytes(gz)
 
 
 def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
@@ -152,13 +179,13 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
     with open(gz, "wb") as f:  # truncated copy: its sha256 no longer matches SHA256SUMS
         f.write(good[:len(good) // 2])
     with pytest.raises(ValueError, match="damaged.*git checkout") as e:
-        D.load_bytes(gz)
+        sources.load_bytes(gz)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "text.txt")
     # Not listed: the truncated stream itself is reported, and nothing is left behind.
     os.remove(tmp_path / "SHA256SUMS")
     with pytest.raises(ValueError, match="not a complete gzip file"):
-        D.load_bytes(gz)
+        sources.load_bytes(gz)
     assert sorted(os.listdir(tmp_path)) == ["text.txt.gz"]
     # Listed content differs from what the stream decompresses to.
     gz = _gz_with_sums(tmp_path, raw)
@@ -167,32 +194,32 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
     with open(tmp_path / "SHA256SUMS", "w") as f:
         f.write(lines[0] + "\n" + "0" * 64 + "  text.txt\n")
     with pytest.raises(ValueError, match="decompresses to"):
-        D.load_bytes(gz)
+        sources.load_bytes(gz)
     # A file the loader did not write is never replaced by the decompressed copy.
     (tmp_path / "text.txt").write_bytes(b"mine")
     with pytest.raises(ValueError, match="exists but was not decompressed"):
-        D.load_bytes(gz)
+        sources.load_bytes(gz)
     assert (tmp_path / "text.txt").read_bytes() == b"mine"
     # A listed plain file is checked too.
     with pytest.raises(ValueError, match="damaged"):
-        D.load_bytes(tmp_path / "text.txt")
+        sources.load_bytes(tmp_path / "text.txt")
 
 
 def test_missing_or_folder_data_path_says_what_to_set(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path"):
-        D.load_bytes(tmp_path / "nope.txt")
+        sources.load_bytes(tmp_path / "nope.txt")
     with pytest.raises(IsADirectoryError, match="is a folder"):
-        D.load_bytes(tmp_path)
+        sources.load_bytes(tmp_path)
 
 
 def test_shipped_corpus_matches_its_published_checksums():
     """The repository's corpus is read through the real loader and is the listed file."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    data = D.load_bytes(os.path.join(root, D.CORPUS))
+    data = sources.load_bytes(os.path.join(root, sources.CORPUS))
     assert len(data) == 4_780_876
     assert bytes(data[:15]) == b"<!DOCTYPE HTML "
     splits = D.split_bytes(data)
-    assert 4.7 < D.unigram_entropy_bits(splits["train"]) < 4.9
+    assert 4.7 < sources.unigram_entropy_bits(splits["train"]) < 4.9
 
 
 def test_byte_windows_are_shifted_slices_in_bounds():
@@ -264,8 +291,9 @@ def test_eval_batches_mask_and_targets_align(m, process_count):
     splits = {"train": data, "valid": data, "test": data}
     scored = []
     for p in range(process_count):
-        ds = D.Dataset("bytes", "byte", 64, splits, process_index=p, process_count=process_count)
+        ds = D.ByteDataset("bytes", 64, splits, process_index=p, process_count=process_count)
         windows = D.eval_windows(data, 64, m)
+        assert ds.num_sequences("valid", m) == len(windows.starts)
         for k, batch in enumerate(ds.eval_batches("valid", batch_size=3, min_context=m)):
             assert batch["mask"].shape == (3, 64) and batch["mask"].dtype == bool
             for row in range(3):
@@ -287,10 +315,10 @@ def test_eval_batches_mask_and_targets_align(m, process_count):
 def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
     data_dir, expected = cifar
     num_train = 5 * TRAIN_PER_FILE
-    train, valid, test = (D.cifar10_source(s, data_dir, valid_size=4) for s in D.SPLITS)
+    train, valid, test = (sources.cifar10_source(s, data_dir, valid_size=4) for s in D.SPLITS)
     assert (len(train), len(valid), len(test)) == (num_train - 4, 4, NUM_TEST)
     assert sorted([*train.indices, *valid.indices]) == list(range(num_train))
-    perm = np.random.default_rng(D.CIFAR10_SPLIT_SEED).permutation(num_train)
+    perm = np.random.default_rng(sources.CIFAR10_SPLIT_SEED).permutation(num_train)
     np.testing.assert_array_equal(valid.indices, np.sort(perm[-4:]))  # fixed-seed permutation
     seen = set()
     for source in (train, valid, test):
@@ -302,12 +330,12 @@ def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
             np.testing.assert_array_equal(image, expected[name])
             seen.add(name)
     assert seen == set(expected)
-    assert D.prepare_cifar10(data_dir) == os.path.join(data_dir, "cifar10", "3.0.2")  # reused
+    assert sources.prepare_cifar10(data_dir) == os.path.join(data_dir, "cifar10", "3.0.2")  # reused
 
 
 def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
     data_dir, expected = cifar
-    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)
+    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)
     config = {"name": "cifar10", "data_dir": data_dir, "seed": 7}
     shards = [D.make_dataset(config, 3072, process_index=p, process_count=2) for p in range(2)]
     ds = shards[0]
@@ -332,6 +360,9 @@ def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
     assert mask.shape == (8, 3072) and mask[:5].all() and not mask[5:].any()
     targets = np.concatenate([b[0]["targets"] for b in batches])
     np.testing.assert_array_equal(targets[:5], ds.splits["test"].images(range(5)))
+    assert ds.num_sequences("test") == NUM_TEST
+    with pytest.raises(ValueError, match="byte data only"):
+        next(ds.eval_batches("test", batch_size=4, min_context=8))
     with pytest.raises(ValueError, match="3072"):
         D.make_dataset(config, 1024)
 
@@ -339,12 +370,12 @@ def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
 def test_cifar10_missing_archive_or_data_fails_fast_and_says_where(tmp_path):
     start = time.perf_counter()
     with pytest.raises(FileNotFoundError) as e:
-        D.prepare_cifar10(str(tmp_path / "tfds"), str(tmp_path / "manual"))
+        sources.prepare_cifar10(str(tmp_path / "tfds"), str(tmp_path / "manual"))
     message = str(e.value)
-    assert D.CIFAR10_URL in message and str(tmp_path / "manual") in message
+    assert sources.CIFAR10_URL in message and str(tmp_path / "manual") in message
     assert "cifar-10-binary.tar.gz" in message
     with pytest.raises(FileNotFoundError, match="prepare_cifar10"):
-        D.cifar10_source("train", str(tmp_path / "tfds"))
+        sources.cifar10_source("train", str(tmp_path / "tfds"))
     assert time.perf_counter() - start < 5
 
 
@@ -354,10 +385,10 @@ def test_cifar10_missing_archive_or_data_fails_fast_and_says_where(tmp_path):
 
 def test_embedded_is_deterministic_with_documented_structure():
     w, k, p = 32, 4, 0.75
-    x = D.embedded_bytes(64_000 + 7, seed=3)
+    x = sources.embedded_bytes(64_000 + 7, seed=3)
     assert len(x) == 64_007 and x.dtype == np.uint8
-    np.testing.assert_array_equal(x, D.embedded_bytes(64_007, seed=3))
-    assert not np.array_equal(x, D.embedded_bytes(64_007, seed=4))
+    np.testing.assert_array_equal(x, sources.embedded_bytes(64_007, seed=3))
+    assert not np.array_equal(x, sources.embedded_bytes(64_007, seed=4))
     rows = x[:64_000].reshape(-1, w)
     assert np.all(rows[:, -1] == ord("\n")) and not np.any(rows[:, :-1] == ord("\n"))
     copies = np.all(rows[k:] == rows[:-k], axis=1)
@@ -368,9 +399,9 @@ def test_embedded_is_deterministic_with_documented_structure():
     for a, b in zip(fresh[:, :-1].ravel(), fresh[:, 1:].ravel()):
         successors.setdefault(a, set()).add(b)
     assert len(successors) == 16 and all(len(s) == 8 for s in successors.values())
-    unigram = D.unigram_entropy_bits(x)
+    unigram = sources.unigram_entropy_bits(x)
     assert 4.0 < unigram < 4.15
-    best, local = D.embedded_entropy_rate(), D.embedded_entropy_rate(sees_copies=False)
+    best, local = sources.embedded_entropy_rate(), sources.embedded_entropy_rate(sees_copies=False)
     assert np.isclose(local, (4 + 30 * 3) / 32)  # log2(16) + 30 log2(8) bits per 32-byte row
     assert np.isclose(best, (0.8113 + 0.25 * 94) / 32, atol=1e-3)  # + H(0.75), 1/4 rows fresh
     assert best < unigram / 2 < local  # "half the unigram entropy" needs the long-range copies
@@ -378,8 +409,8 @@ def test_embedded_is_deterministic_with_documented_structure():
 
 def test_embedded_is_fast_and_unigram_entropy_is_exact():
     start = time.perf_counter()
-    x = D.embedded_bytes(4_000_000, seed=0)
+    x = sources.embedded_bytes(4_000_000, seed=0)
     assert time.perf_counter() - start < 2
-    assert np.isclose(D.unigram_entropy_bits(np.arange(256, dtype=np.uint8)), 8)
-    assert D.unigram_entropy_bits(np.full(10, 7, np.uint8)) == 0
+    assert np.isclose(sources.unigram_entropy_bits(np.arange(256, dtype=np.uint8)), 8)
+    assert sources.unigram_entropy_bits(np.full(10, 7, np.uint8)) == 0
     assert len(x) == 4_000_000

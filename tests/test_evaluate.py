@@ -1,7 +1,6 @@
 """Evaluation of a checkpoint: bits/byte equals a hand-computed NLL, every byte scored once with
 and without min_context, checkpoint choice, bits/dim of images, the script, and bad input."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,29 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparse_jax import checkpoints
+from sparse_jax import config as config_lib
 from sparse_jax import data as D
+from sparse_jax import sources
 from sparse_jax import evaluate as E
 from sparse_jax import train
 from sparse_jax.model import SparseTransformer, model_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def get_config(name, arg=None, **overrides):
-    """configs/<name>.py:<arg>, then overrides given as {"optimizer__lr": ...}."""
-    spec = importlib.util.spec_from_file_location(
-        f"config_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg)
-    config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
-    return config
-
-
-TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_layers=2,
-                 model__d_model=16, model__num_heads=2, model__stride=8, batch_size=4,
-                 total_steps=4, eval_every=2, checkpoint_every=2, log_every=2, eval_batches=2,
-                 optimizer__warmup_steps=1, optimizer__lr=3e-2)
+from test_train import ROOT, TINY_TEXT, get_config  # noqa: F401  (also used by test_sample)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +31,7 @@ def text_run(tmp_path_factory):
 
 def hand_bits(workdir, split, step, min_context):
     """Bits per byte from the model's logits with a float64 NumPy log-softmax, window by window."""
-    model, config, _ = E.restore_model(workdir, step)
+    model, config, _ = checkpoints.restore_model(workdir, step)
     n = model.cfg.seq_len
     data = D.make_dataset(config.data, n).splits[split]
     windows = D.eval_windows(data, n, min_context)
@@ -90,19 +74,19 @@ def test_checkpoint_choice(text_run):
     assert results[2]["bits"] != results["latest"]["bits"]
     # The trainer scored at most eval_batches of the valid split; here the whole split counts.
     assert results["latest"]["num_scored"] == len(
-        D.make_dataset(train.load_config(text_run).data, 64).splits["valid"]) - 1
+        D.make_dataset(config_lib.read_record(text_run).data, 64).splits["valid"]) - 1
 
 
 def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypatch):
     def expensive(*args, **kwargs):
         raise AssertionError("checks must come before restoring parameters")
 
-    monkeypatch.setattr(E, "restore_model", expensive)
+    monkeypatch.setattr(checkpoints, "restore_model", expensive)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         E.evaluate(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         E.evaluate(str(tmp_path))
-    (tmp_path / "config.json").write_text(train.load_config(text_run).to_json())
+    (tmp_path / "config.json").write_text(config_lib.read_record(text_run).to_json())
     with pytest.raises(FileNotFoundError, match="no checkpoints"):
         E.evaluate(str(tmp_path))
     for kwargs, message in [(dict(checkpoint="last"), "latest"),
@@ -117,8 +101,9 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
         E.evaluate(text_run, checkpoint=3)
 
 
+@pytest.mark.slow  # starts other processes
 def test_script_prints_a_table_and_writes_json(text_run):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(ROOT, "scripts", "evaluate.py")
     proc = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--split=valid",
                            "--checkpoint=2", "--min_context=32", "--batch_size=8"],
@@ -135,23 +120,22 @@ def test_script_prints_a_table_and_writes_json(text_run):
 def save_like_train(config, workdir, step=1):
     """A randomly initialized checkpoint written with the trainer's own checkpoint functions."""
     os.makedirs(workdir)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    config_lib.write_record(workdir, config)
     model = SparseTransformer(model_config(config.model), rngs=nnx.Rngs(config.seed))
     optimizer = nnx.Optimizer(model, train.make_optimizer(config)[0], wrt=nnx.Param)
-    manager = train.make_checkpoint_manager(workdir, 2)
+    manager = checkpoints.manager(workdir, keep=2)
     meta = {"step": step, "data": {"seed": 0, "step": step}, "rng": [0, 0], "window": {},
             "best_valid_bits": None}
-    train.save_checkpoint(manager, step, {"params": nnx.state(model),
-                                          "opt": nnx.state(optimizer)}, meta, None)
-    train.wait_for_checkpoint(manager, step)
+    checkpoints.save(manager, step, {"params": nnx.state(model), "opt": nnx.state(optimizer)},
+                     meta, None)
+    checkpoints.wait(manager, step)
     manager.close()
     return model
 
 
 def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
     data_dir, expected = cifar
-    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
                         model__num_heads=1)
     workdir = str(tmp_path / "run")

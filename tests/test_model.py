@@ -1,5 +1,6 @@
 """SparseTransformer: shapes, causality by gradients, a plain masked reference, remat, scan,
-initialization, parameter counts, dtypes, config validation, describe() and its script."""
+cached decoding, initialization, parameter counts, dtypes, config validation, describe() and its
+script."""
 
 import dataclasses
 import json
@@ -16,8 +17,9 @@ import pytest
 from flax import nnx
 
 from sparse_jax.attention import dense_attention
-from sparse_jax.model import (ModelConfig, SparseTransformer, describe, loss_bits, model_config,
-                              param_count)
+from sparse_jax.decode import decode_tables
+from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
+from sparse_jax.sizing import describe, param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(seq_len=16, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
@@ -135,7 +137,7 @@ def _layer_norm(x, p, eps=1e-6):
 
 def reference_logits(params, cfg, x):
     """A plain causal transformer on ``dense_attention`` with each layer's masks, written from
-    DESIGN.md §4 and the parameters alone."""
+    docs/design.md §4 and the parameters alone."""
     n = x.shape[1]
     dense = lambda v, p: v @ p["kernel"] + p["bias"]  # noqa: E731
     pos = np.arange(n)
@@ -221,11 +223,40 @@ def test_bfloat16_compute_close_to_float32():
 
 
 # ---------------------------------------------------------------------------------------------
+# Cached decoding: the model's public one-position step.
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct"])
+def test_decode_step_equals_full_forward(name, scan):
+    """init_cache, then decode_step position by position, gives the full forward pass's logits
+    at every position, with the layers unrolled or scanned (weights scaled up so that logits
+    are O(1) and attention is peaked)."""
+    cfg = tiny(scan_layers=scan, **SCHEDULES[name])
+    model = make(cfg)
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0, nnx.state(model, nnx.Param)))
+    x = tokens()
+    full = np.asarray(apply(model, x))
+    assert full.std() > 0.3  # not a trivially small comparison
+    cache, tables = model.init_cache(2, 16), decode_tables(cfg, 16)
+    assert [c.shape for c in cache] == [(cfg.num_layers, 2, 16, 2, 8)] * 2
+    step = nnx.jit(lambda model, *args: model.decode_step(*args))  # tables: a jit argument
+    logits = []
+    for i in range(16):
+        row, cache = step(model, x[:, i], i, cache, tables)
+        logits.append(row)
+    assert logits[0].shape == (2, 256) and logits[0].dtype == jnp.float32
+    np.testing.assert_allclose(np.stack(logits, axis=1), full, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="does not fit seq_len=16"):
+        model.init_cache(2, 17)
+
+
+# ---------------------------------------------------------------------------------------------
 # Initialization and parameter counts.
 
 
 def test_initialization_statistics():
-    """Every weight matrix's std within 5% of DESIGN.md §4's target (mean near 0); biases 0,
+    """Every weight matrix's std within 5% of docs/design.md §4's target (mean near 0); biases 0,
     norm scales 1. d=256 keeps each estimate's error near 1%."""
     d, n_layers = 256, 2
     cfg = ModelConfig(seq_len=1024, num_layers=n_layers, d_model=d, num_heads=2, ff_mult=2.0,
@@ -361,7 +392,7 @@ def test_describe_script(tmp_path):
             config.model.pattern = arg or "strided"
             return config
     """))
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = lambda *args: subprocess.run(  # noqa: E731
         [sys.executable, os.path.join(ROOT, "scripts", "describe.py"), *args],
         capture_output=True, text=True, env=env, check=True).stdout

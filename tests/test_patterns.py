@@ -1,7 +1,10 @@
-"""Pattern index builders against brute-force sets written straight from DESIGN.md §2."""
+"""Pattern index builders against brute-force sets written straight from docs/design.md §2;
+PatternSpec and the layer schedules."""
 
+import dataclasses
 import time
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -25,8 +28,9 @@ def brute_strided(n, l, part="both", w=None):
     return brute(n, keep[part])
 
 
-def brute_fixed(n, l, c, part="both", head=0, summary="paper"):
-    residues = set(range(l - (head + 1) * c, l - head * c)) | ({0} if summary == "lra" else set())
+def brute_fixed(n, l, c, part="both", summary_block=0, summary="paper"):
+    b = summary_block
+    residues = set(range(l - (b + 1) * c, l - b * c)) | ({0} if summary == "lra" else set())
     block = lambda i, j: j // l == i // l  # noqa: E731
     summ = lambda i, j: j % l in residues  # noqa: E731
     keep = {"block": block, "summary": summ, "both": lambda i, j: block(i, j) or summ(i, j)}
@@ -67,10 +71,10 @@ def test_strided_matches_brute_force(n, l, part, w):
 @pytest.mark.parametrize("summary", ["paper", "lra"])
 def test_fixed_matches_brute_force(n, l, part, summary):
     for c in sorted({1, max(1, l // 4), l}):
-        for head in range(l // c):
-            got = P.fixed_indices(n, l, c, part=part, head=head, summary=summary)
+        for b in range(l // c):
+            got = P.fixed_indices(n, l, c, part=part, summary_block=b, summary=summary)
             check_format(got, n)
-            assert rows(got) == brute_fixed(n, l, c, part, head, summary), (c, head)
+            assert rows(got) == brute_fixed(n, l, c, part, b, summary), (c, b)
 
 
 @pytest.mark.parametrize("n", [1, 2, 9, 33])
@@ -85,7 +89,7 @@ def test_dense_and_local(n):
 
 
 def test_worked_example_each_convention():
-    """DESIGN.md §2: l=4, c=1, query 13."""
+    """docs/design.md §2: l=4, c=1, query 13."""
     paper = P.fixed_indices(16, 4, 1)
     assert rows(paper)[13] == [3, 7, 11, 12, 13]
     lra = P.fixed_indices(16, 4, 1, summary="lra")
@@ -175,8 +179,8 @@ def term_specs(l):
     for part in P.PARTS["fixed"]:
         for summary in ["paper", "lra"]:
             for c in sorted({1, max(1, l // 2), l}):
-                for head in range(l // c):
-                    yield "fixed", dict(stride=l, c=c, part=part, summary=summary, head=head)
+                for b in range(l // c):
+                    yield "fixed", dict(stride=l, c=c, part=part, summary=summary, summary_block=b)
 
 
 @pytest.mark.parametrize("n,l", [(16, 4), (17, 4), (3, 8), (40, 6), (25, 1)])
@@ -210,11 +214,11 @@ def test_strided_property(n, l, w, part):
        part=st.sampled_from(P.PARTS["fixed"]), summary=st.sampled_from(P.SUMMARY_CONVENTIONS))
 def test_fixed_property(data, n, l, part, summary):
     c = data.draw(st.integers(1, l))
-    head = data.draw(st.integers(0, l // c - 1))
-    got = P.fixed_indices(n, l, c, part=part, head=head, summary=summary)
+    b = data.draw(st.integers(0, l // c - 1))
+    got = P.fixed_indices(n, l, c, part=part, summary_block=b, summary=summary)
     check_format(got, n)
-    assert rows(got) == brute_fixed(n, l, c, part, head, summary)
-    terms = P.pattern_terms("fixed", stride=l, c=c, part=part, head=head, summary=summary)
+    assert rows(got) == brute_fixed(n, l, c, part, b, summary)
+    terms = P.pattern_terms("fixed", stride=l, c=c, part=part, summary_block=b, summary=summary)
     assert rows(P.terms_to_indices(terms, n)) == rows(got)
 
 
@@ -231,8 +235,8 @@ def test_fixed_property(data, n, l, part, summary):
     (lambda: P.strided_indices(16, 4, local_width=0), "local_width"),
     (lambda: P.fixed_indices(16, 4, 5), "c"),
     (lambda: P.fixed_indices(16, 4, 0), "c"),
-    (lambda: P.fixed_indices(16, 4, 2, head=2), "head"),
-    (lambda: P.fixed_indices(16, 4, 2, head=-1), "head"),
+    (lambda: P.fixed_indices(16, 4, 2, summary_block=2), "summary_block"),
+    (lambda: P.fixed_indices(16, 4, 2, summary_block=-1), "summary_block"),
     (lambda: P.fixed_indices(16, 4, 2, part="strided"), "part"),
     (lambda: P.fixed_indices(16, 4, 2, summary="openai"), "summary"),
     (lambda: P.local_indices(16, 2.5), "width"),
@@ -248,14 +252,14 @@ def test_bad_input(call, match):
 
 def test_error_names_value_and_range():
     with pytest.raises(ValueError) as err:
-        P.fixed_indices(64, 8, 4, head=2)
-    assert "head" in str(err.value) and "2" in str(err.value) and "[0, 1]" in str(err.value)
+        P.fixed_indices(64, 8, 4, summary_block=2)
+    assert "summary_block" in str(err.value) and "2" in str(err.value) and "[0, 1]" in str(err.value)
 
 
 def test_huge_input_fails_before_allocating():
     start = time.perf_counter()
-    with pytest.raises(ValueError, match="head"):
-        P.fixed_indices(10**12, 128, 32, head=4)
+    with pytest.raises(ValueError, match="summary_block"):
+        P.fixed_indices(10**12, 128, 32, summary_block=4)
     assert time.perf_counter() - start < 0.1
 
 
@@ -267,3 +271,50 @@ def test_long_sequences_are_fast():
         idx = build()
         assert time.perf_counter() - start < 1.0
         assert idx.shape[0] == 16384 and idx.shape[1] <= 300
+
+
+# ---------------------------------------------------------------------------------------------
+# PatternSpec and the patterns of a layer's head groups.
+
+
+def test_layer_specs():
+    strided = P.PatternSpec("strided", stride=8)
+    assert P.layer_specs(strided, "merged") == (strided,)
+    assert [s.part for s in (P.layer_specs(strided, "interleaved", i)[0] for i in range(3))] == ["local", "strided", "local"]
+    assert [s.part for s in P.layer_specs(strided, "multihead")] == ["local", "strided"]
+    fixed = P.PatternSpec("fixed", stride=8, c=2)
+    assert [s.summary_block for s in P.layer_specs(fixed, "multihead", distinct_summaries=True)] == [0, 1, 2, 3]
+    assert P.layer_specs(P.PatternSpec("dense"), "interleaved", 1) == (P.PatternSpec("dense"),)
+    with pytest.raises(ValueError, match="mode"):
+        P.layer_specs(strided, "mixed")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(kind="butterfly", stride=4), "kind"),
+    (dict(kind="strided"), "stride"),
+    (dict(kind="strided", stride=0), "stride"),
+    (dict(kind="strided", stride=4, part="block"), "part"),
+    (dict(kind="fixed", stride=4, c=8), "c"),
+    (dict(kind="fixed", stride=4, c=2, summary_block=2), "summary_block"),
+    (dict(kind="fixed", stride=4, c=2, summary="openai"), "summary"),
+    (dict(kind="local", stride=4, local_width=0), "local_width"),
+])
+def test_spec_validation(fields, match):
+    with pytest.raises(ValueError, match=match):
+        P.PatternSpec(**fields)
+
+
+def test_spec_is_hashable_ordered_and_describes_itself():
+    spec = P.PatternSpec("fixed", stride=128, c=32)
+    assert hash(spec) == hash(dataclasses.replace(spec))
+    assert str(spec) == "fixed(stride=128, c=32)"
+    assert str(dataclasses.replace(spec, summary_block=1)) == "fixed(stride=128, c=32, summary_block=1)"
+    assert spec.block == 128
+    assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
+    # Ordered by name, so specs can key a dict that jax.jit takes (the decoder's index tables).
+    specs = [P.PatternSpec("strided", stride=4, c=2), P.PatternSpec("strided", stride=4), spec]
+    assert sorted(specs) == sorted(specs, key=str)
+    tables = {s: s.indices(8) for s in specs}
+    out = jax.jit(lambda t: {s: x + 1 for s, x in t.items()})(tables)
+    assert all(np.array_equal(out[s], tables[s] + 1) for s in specs)
+

@@ -13,11 +13,12 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from sparse_jax import data as D
-from sparse_jax import evaluate as E
+from sparse_jax import decode
+from sparse_jax import checkpoints
 from sparse_jax import sample as S
+from sparse_jax import sources
 from sparse_jax.model import ModelConfig, SparseTransformer
-from test_evaluate import ROOT, get_config, save_like_train
+from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
 
 TINY = dict(seq_len=32, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
 SCHEDULES = {
@@ -46,7 +47,7 @@ PROMPT = np.array([[5, 7, 9], [200, 1, 3]])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_cached_logits_equal_full_forward_at_every_position(name):
     model = make(**SCHEDULES[name])
-    tokens, logits = S.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    tokens, logits = decode.generate(model, PROMPT, 30, seed=1, return_logits=True)
     assert tokens.shape == (2, 33) and logits.shape == (2, 32, 256)
     np.testing.assert_array_equal(tokens[:, :3], PROMPT)
     full = np.asarray(full_forward(model, jnp.asarray(tokens[:, :-1])))
@@ -56,9 +57,11 @@ def test_cached_logits_equal_full_forward_at_every_position(name):
 
 def test_the_comparison_catches_a_wrong_pattern(monkeypatch):
     model = make(pattern="strided")
-    local = S.decode_tables(ModelConfig(**{**TINY, "pattern": "local"}), 32)
-    monkeypatch.setattr(S, "decode_tables", lambda cfg, n: tuple(t[:n] for t in local))
-    tokens, logits = S.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    (local,) = decode.decode_tables(ModelConfig(**{**TINY, "pattern": "local"}), 32).values()
+    strided = decode.decode_tables
+    monkeypatch.setattr(decode, "decode_tables",
+                        lambda cfg, n: {spec: local[:n] for spec in strided(cfg, n)})
+    tokens, logits = decode.generate(model, PROMPT, 30, seed=1, return_logits=True)
     full = np.asarray(full_forward(model, jnp.asarray(tokens[:, :-1])))
     assert np.abs(logits - full)[:, :4].max() < 1e-4  # the patterns agree on the first row
     assert np.abs(logits - full).max() > 1e-2
@@ -67,42 +70,38 @@ def test_the_comparison_catches_a_wrong_pattern(monkeypatch):
 def test_seeds_greedy_and_prompts():
     model = make(pattern="strided")  # every call below decodes [2, 33] tokens: two compilations
     prompt = np.full((2, 1), 5)
-    a = S.generate(model, prompt, 32, seed=3, top_k=40)
-    np.testing.assert_array_equal(a, S.generate(model, prompt, 32, seed=3, top_k=40))
-    assert not np.array_equal(a, S.generate(model, prompt, 32, seed=4, top_k=40))
+    a = decode.generate(model, prompt, 32, seed=3, top_k=40)
+    np.testing.assert_array_equal(a, decode.generate(model, prompt, 32, seed=3, top_k=40))
+    assert not np.array_equal(a, decode.generate(model, prompt, 32, seed=4, top_k=40))
     assert not np.array_equal(a[0], a[1])  # rows of one batch are independent samples
-    greedy = S.generate(model, PROMPT, 30, temperature=0)
+    greedy = decode.generate(model, PROMPT, 30, temperature=0)
     full = np.asarray(full_forward(model, jnp.asarray(greedy[:, :-1])))
     np.testing.assert_array_equal(greedy[:, 3:], full.argmax(-1)[:, 2:])
-    assert S.generate(model, np.zeros((2, 32), int), 1, temperature=0).shape == (2, 33)
+    assert decode.generate(model, np.zeros((2, 32), int), 1, temperature=0).shape == (2, 33)
     with pytest.raises(ValueError, match="longer than the model's context"):
-        S.generate(model, np.zeros((1, 33), int), 1)  # a prompt longer than n
+        decode.generate(model, np.zeros((1, 33), int), 1)  # a prompt longer than n
     with pytest.raises(ValueError, match="at most 2 new bytes"):
-        S.generate(model, np.zeros((1, 31), int), 3)
+        decode.generate(model, np.zeros((1, 31), int), 3)
 
 
 def test_filter_logits_top_k_top_p_temperature():
     logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
-    kept = lambda **kw: np.isfinite(np.asarray(S.filter_logits(logits, **kw)))[0].tolist()  # noqa
+    kept = lambda **kw: np.isfinite(np.asarray(decode.filter_logits(logits, **kw)))[0].tolist()  # noqa
     assert kept(top_k=2) == [False, True, False, True]
     assert kept(top_k=4) == kept(top_p=1.0) == [True] * 4
     assert kept(top_p=0.3) == [False, True, False, False]  # 0.4 alone reaches 0.3
     assert kept(top_p=0.5) == [False, True, False, True]  # 0.4 < 0.5, then 0.3
     assert kept(top_k=3, top_p=0.9) == [False, True, True, True]
-    np.testing.assert_allclose(S.filter_logits(logits, 2.0), logits / 2.0)
-    draws = np.asarray(S.sample_logits(jax.random.key(0), jnp.tile(logits, (20000, 1)),
-                                       temperature=1.0, top_k=3))
+    np.testing.assert_allclose(decode.filter_logits(logits, 2.0), logits / 2.0)
+    draws = np.asarray(decode.sample_logits(jax.random.key(0), jnp.tile(logits, (20000, 1)),
+                                            temperature=1.0, top_k=3))
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, [0, 4 / 9, 2 / 9, 3 / 9], atol=0.015)
-    draws = np.asarray(S.sample_logits(jax.random.key(1), jnp.tile(logits, (20000, 1)), 0.5))
+    draws = np.asarray(decode.sample_logits(jax.random.key(1), jnp.tile(logits, (20000, 1)), 0.5))
     p = np.array([0.1, 0.4, 0.2, 0.3]) ** 2
     np.testing.assert_allclose(np.bincount(draws, minlength=4) / len(draws), p / p.sum(),
                                atol=0.015)
-    assert S.sample_logits(None, logits, temperature=0).tolist() == [1]
-
-
-TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_layers=2,
-                 model__d_model=16, model__num_heads=2, model__stride=8)
+    assert decode.sample_logits(None, logits, temperature=0).tolist() == [1]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,7 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
     def expensive(*args, **kwargs):
         raise AssertionError("checks must come before restoring parameters")
 
-    monkeypatch.setattr(E, "restore_model", expensive)
+    monkeypatch.setattr(checkpoints, "restore_model", expensive)
     for kwargs, message in [
             (dict(num_samples=0), "num_samples"), (dict(num_samples=-2), "num_samples"),
             (dict(prompt="x" * 65), "longer than the model's context of 64"),
@@ -152,7 +151,7 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
 
 
 def test_script_prints_and_writes_samples(text_run, tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(ROOT, "scripts", "sample.py")
     out = tmp_path / "s.txt"
     proc = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--num_samples=2",
@@ -169,7 +168,7 @@ def test_script_prints_and_writes_samples(text_run, tmp_path):
 
 def test_images_and_completion(cifar, tmp_path, monkeypatch):
     data_dir, _ = cifar
-    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
                         model__num_heads=1)
     workdir = str(tmp_path / "run")
@@ -178,7 +177,7 @@ def test_images_and_completion(cifar, tmp_path, monkeypatch):
     assert result["samples"].shape == (2, 32, 32, 3) and result["path"].endswith("1_seed5.png")
     assert Image.open(result["path"]).size == (2 * 34 + 2, 36)
     done = S.sample(workdir, complete=2, seed=5)
-    originals = D.cifar10_source("test", data_dir).images([0, 1]).reshape(2, 32, 32, 3)
+    originals = sources.cifar10_source("test", data_dir).images([0, 1]).reshape(2, 32, 32, 3)
     np.testing.assert_array_equal(done["samples"][:, :16], originals[:, :16])  # the top halves
     assert not np.array_equal(done["samples"][:, 16:], originals[:, 16:])
     assert done["path"].endswith("1_complete_test_seed5.png")

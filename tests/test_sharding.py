@@ -39,8 +39,7 @@ def losses(workdir, split="train"):
 
 def child_env(devices):
     return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +116,7 @@ def test_distributed_start_up_needs_size_and_rank(monkeypatch):
         S.initialize_distributed("127.0.0.1:1234", 2, 2)
 
 
+@pytest.mark.slow  # starts other processes
 def test_cpu_devices_one_per_core_unless_xla_flags_say_otherwise():
     code = ("from sparse_jax import sharding as S; import sys; "
             "got = S.set_cpu_devices(int(sys.argv[1])); import jax; "
@@ -133,6 +133,7 @@ def test_cpu_devices_one_per_core_unless_xla_flags_say_otherwise():
         S.set_cpu_devices(0)
 
 
+@pytest.mark.slow  # starts other processes
 def test_describe_reports_per_device_memory():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "describe.py"),
@@ -199,12 +200,13 @@ def one_device_run(tmp_path_factory, byte_file):
     return root
 
 
+@pytest.mark.slow  # starts other processes
 def test_eight_devices_match_one_device_and_checkpoints_move_between_them(one_device_run,
                                                                            byte_file):
     root = one_device_run
     code = ("import test_sharding as t; "
             f"t._eight_device_child({byte_file!r}, {str(root)!r})")
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=TESTS,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "CHILD OK" in out.stdout, out.stdout + out.stderr[-5000:]
     child = json.loads(out.stdout.split("CHILD OK", 1)[1])
@@ -235,6 +237,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts other processes
 def test_two_processes_match_one_process(one_device_run, byte_file, tmp_path):
     """2 processes x 2 CPU devices, one coordinator on 127.0.0.1: each process reads its half
     of every global batch; losses and the checkpoint equal the 1-device run's."""
@@ -270,11 +273,3 @@ def test_two_processes_match_one_process(one_device_run, byte_file, tmp_path):
     for step in (6, 7, 8):
         assert got[step] == pytest.approx(one[step], abs=1e-5), step
 
-
-@pytest.fixture(scope="module")
-def byte_file(tmp_path_factory):
-    from sparse_jax import data as D
-
-    path = tmp_path_factory.mktemp("bytes") / "data.txt"
-    path.write_bytes(D.embedded_bytes(60_000, seed=1).tobytes())
-    return str(path)

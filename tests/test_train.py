@@ -3,7 +3,6 @@ resume after SIGKILL / SIGTERM, NaN, and bad input."""
 
 import errno
 import glob
-import importlib.util
 import json
 import os
 import signal
@@ -15,8 +14,11 @@ import time
 import numpy as np
 import pytest
 
+import configs
 from conftest import fake_enwik8
+from sparse_jax import config as config_lib
 from sparse_jax import data as D
+from sparse_jax import sources
 from sparse_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,21 +26,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def get_config(name, arg="size=tiny", **overrides):
     """configs/<name>.py:<arg>, then overrides given as {"optimizer__lr": ...}."""
-    path = os.path.join(ROOT, "configs", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"config_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg)
-    config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
-    return config
+    return configs.load(f"{name}:{arg or ''}",
+                        {k.replace("__", "."): v for k, v in overrides.items()})
 
 
-@pytest.fixture(scope="module")
-def byte_file(tmp_path_factory):
-    """60 KB of the embedded data as a plain file (printable bytes: never 255)."""
-    path = tmp_path_factory.mktemp("bytes") / "data.txt"
-    path.write_bytes(D.embedded_bytes(60_000, seed=1).tobytes())
-    return str(path)
+# A 2-layer, d=16 model on 20 KB of the generated stream: 4 steps, checkpoints at 2 and 4.
+TINY_TEXT = dict(data__embedded_bytes=20_000, model__seq_len=64, model__num_layers=2,
+                 model__d_model=16, model__num_heads=2, model__stride=8, batch_size=4,
+                 total_steps=4, eval_every=2, checkpoint_every=2, log_every=2, eval_batches=2,
+                 optimizer__warmup_steps=1, optimizer__lr=3e-2)
 
 
 def read_metrics(workdir):
@@ -56,8 +52,8 @@ def checkpoint_steps(workdir):
 
 def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, capsys):
     zip_path, raw, md5 = fake_enwik8(tmp_path, size=20_000)
-    monkeypatch.setattr(D, "ENWIK8_SIZE", len(raw))
-    monkeypatch.setattr(D, "ENWIK8_MD5", md5)
+    monkeypatch.setattr(sources, "ENWIK8_SIZE", len(raw))
+    monkeypatch.setattr(sources, "ENWIK8_MD5", md5)
     config = get_config("enwik8", "size=tiny", data__path=zip_path)
     monkeypatch.chdir(tmp_path)
     workdir = "run"  # relative, as users type it (Orbax itself needs absolute paths)
@@ -71,7 +67,7 @@ def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, 
     assert {"bits", "lr", "grad_norm", "tokens_per_s", "steps_per_s"} <= set(rows[0])
     assert rows[-1]["bits"] == pytest.approx(result["valid_bits"])
     assert rows[0]["bits"] > rows[-2]["bits"]  # it learns something
-    assert train.load_config(workdir).to_dict() == config.to_dict()
+    assert config_lib.read_record(workdir).to_dict() == config.to_dict()
     events = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     assert events and os.path.getsize(events[0]) > 0
     assert checkpoint_steps(workdir) == [10, 20]
@@ -86,12 +82,26 @@ def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, 
 
 def test_tiny_cifar10_trains_end_to_end(cifar, tmp_path, monkeypatch):
     data_dir, _ = cifar
-    monkeypatch.setattr(D, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir)
     result = train.train(config, str(tmp_path / "run"))
     assert result["step"] == 4 and 0 < result["valid_bits"] < 9
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows if r["split"] == "valid"] == [2, 4]
+
+
+def test_golden_one_step(tmp_path):
+    """A tiny model's training loss before and after one optimizer step, and its validation
+    bits, pinned: any change to initialization, data order, the model's numerics or the
+    optimizer moves them (values from the trainer as of the layout redesign, float32 on CPU)."""
+    overrides = {**TINY_TEXT, "total_steps": 2, "log_every": 1, "eval_every": 2}
+    result = train.train(get_config("quickstart", "data=embedded", **overrides),
+                         str(tmp_path / "run"))
+    bits = {(r["step"], r["split"]): r["bits"] for r in read_metrics(tmp_path / "run")}
+    assert bits == {(1, "train"): pytest.approx(8.028453, abs=2e-5),
+                    (2, "train"): pytest.approx(8.040126, abs=2e-5),
+                    (2, "valid"): pytest.approx(8.167952, abs=2e-5)}
+    assert result["valid_bits"] == bits[(2, "valid")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +127,7 @@ def wait_for(predicate, process, timeout=120):
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # starts other processes
 def test_resume_after_sigkill_and_sigterm_gives_the_same_losses(tmp_path, byte_file):
     reference = str(tmp_path / "reference")
     assert start(reference, byte_file, tmp_path / "reference.log").wait() == 0

@@ -27,7 +27,7 @@ resumes interrupted ones from their last checkpoint, and refuses a folder that h
 another config.
 
 What is measured, per pattern:
-- parameters and mean keys per query (over layers): `model.describe`;
+- parameters and mean keys per query (over layers): `sizing.describe`;
 - seconds per step and tokens/s: the median over the trainer's log windows (steps_per_s in
   metrics.jsonl) without the first window of each process, which includes compilation;
   validation passes and checkpoint saves are outside the windows;
@@ -43,7 +43,6 @@ What is measured, per pattern:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import os
@@ -53,9 +52,12 @@ import time
 
 import ml_collections
 
-from sparse_jax import benchmarking, sharding
+import configs
+from sparse_jax import benchmarking, checkpoints, sharding
+from sparse_jax import config as config_lib
 from sparse_jax import train as train_lib
-from sparse_jax.model import PATTERNS, describe, model_config
+from sparse_jax.model import PATTERNS, model_config
+from sparse_jax.sizing import describe
 
 DEFAULT_PATTERNS = ("dense", "strided", "fixed")
 NOTE = ("s/step and tokens/s: median over the log windows after the first (which includes "
@@ -66,16 +68,6 @@ STUDY_FILE = "study.json"
 
 # ---------------------------------------------------------------------------------------------
 # Configs.
-
-
-def load_config_file(spec: str) -> ml_collections.ConfigDict:
-    """`"configs/cifar10.py:size=tiny"` -> that file's `get_config("size=tiny")`."""
-    path, _, arg = spec.partition(":")
-    name = "config_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
 
 
 def check_patterns(patterns, steps: int | None = None) -> tuple[str, ...]:
@@ -97,56 +89,36 @@ def pattern_configs(config_spec: str, patterns=DEFAULT_PATTERNS, *, steps: int |
     """One validated config per pattern: `config_spec` with `pattern=<name>` added to its
     arguments, then `overrides` (flat: {"optimizer.lr": 1e-3}), then total_steps = steps."""
     patterns = check_patterns(patterns, steps)
-    path, _, arg = config_spec.partition(":")
-    if not os.path.isfile(path):
-        raise ValueError(f"config file {path} not found")
+    path, arg = configs.split_spec(config_spec)  # ValueError if there is no such file
+    arg = arg or ""
     items = [s.strip() for s in arg.split(",") if s.strip()]
     overrides = dict(overrides or {})
     if any(s.partition("=")[0].strip() == "pattern" for s in items) or "model.pattern" in overrides:
         raise ValueError("the pattern comes from --patterns; leave it out of --config")
     if "total_steps" in overrides and steps is not None:
         raise ValueError("give the number of steps once: --steps or --config.total_steps")
-    configs = {}
+    by_pattern = {}
     for pattern in patterns:
         try:
-            config = load_config_file(f"{path}:{','.join(items + [f'pattern={pattern}'])}")
+            config = configs.load(f"{path}:{','.join(items + [f'pattern={pattern}'])}")
         except ValueError as e:
             raise ValueError(f"{path} has no variant pattern={pattern}: {e}") from e
         config.update_from_flattened_dict(overrides)
         if steps is not None:
             config.total_steps = steps
         try:
-            train_lib.check_config(config)  # model (the pattern fits seq_len) and trainer fields
+            config_lib.check_config(config)  # model (the pattern fits seq_len) and trainer fields
         except ValueError as e:
             raise ValueError(f"pattern {pattern}: {e}") from e
-        configs[pattern] = config
+        by_pattern[pattern] = config
     first, *rest = patterns
     for pattern in rest:
-        differences = [k for k in _differences(_flat(configs[first]), _flat(configs[pattern]))
+        differences = [k for k in config_lib.differences(by_pattern[first], by_pattern[pattern])
                        if not k.startswith("model.")]
         if differences:
             raise ValueError(f"patterns {first} and {pattern} would differ in more than the "
                              f"model: {differences}")
-    return configs
-
-
-def _flat(config) -> dict:
-    def walk(d, prefix):
-        for key, value in d.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    d = config if isinstance(config, dict) else json.loads(config.to_json())
-    return dict(walk(d, ""))
-
-
-def _differences(old: dict, new: dict) -> list[str]:
-    """Keys whose values differ, ignoring where the data lives."""
-    location = {f"data.{k}" for k in train_lib.LOCATION_FIELDS}
-    return sorted(k for k in set(old) | set(new)
-                  if k not in location and old.get(k, "<absent>") != new.get(k, "<absent>"))
+    return by_pattern
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,11 +141,10 @@ def _write_json(path: str, value) -> None:
 def run_status(run_dir: str, config) -> str:
     """"done" (finished and evaluated), "resume" (checkpoints of this config) or "new";
     ValueError if `run_dir` holds checkpoints of another config (they are never touched)."""
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
+    if not checkpoints.steps(run_dir):
         return "new"
-    saved = _read_json(os.path.join(run_dir, "config.json"), {})
-    differences = _differences(_flat(saved), _flat(config))
+    saved = _read_json(os.path.join(run_dir, config_lib.RECORD), {})
+    differences = list(config_lib.differences(saved, config))
     if differences:
         raise ValueError(f"{run_dir} holds a run of another config (differences: "
                          f"{', '.join(differences)}); use another --workdir")
@@ -185,11 +156,11 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
     """Trains (or resumes) the run whose config is `run_dir/config.json`, evaluates its last
     checkpoint on the valid split and records the session in `run_dir/study.json`; the session
     starts at `launched` (default: now). Meant to run in a fresh process
-    (`python -m sparse_jax.compare RUN_DIR LAUNCH_TIME`)."""
+    (`python -m sparse_jax.study RUN_DIR LAUNCH_TIME`)."""
     from sparse_jax import evaluate
 
     start = time.time() if launched is None else launched
-    config = train_lib.load_config(run_dir)
+    config = config_lib.read_record(run_dir)
     study_path = os.path.join(run_dir, STUDY_FILE)
     study = _read_json(study_path, {"sessions": []})
     session = {"start": start, "end": None, "step": None, "peak_rss_gb": None}
@@ -330,35 +301,31 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
                      log=print) -> dict:
     """Trains and evaluates every pattern (see the module docstring); returns the JSON written
     to `output_dir/results.json` (default `workdir`) plus the output paths under "outputs"."""
-    configs = pattern_configs(config_spec, patterns, steps=steps, overrides=overrides)
-    runs = {p: os.path.join(workdir, p) for p in configs}
-    status = {p: run_status(runs[p], c) for p, c in configs.items()}  # refuses before training
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [package_root,
-                                                       os.environ.get("PYTHONPATH")]))}
-    for pattern, config in configs.items():
+    by_pattern = pattern_configs(config_spec, patterns, steps=steps, overrides=overrides)
+    runs = {p: os.path.join(workdir, p) for p in by_pattern}
+    status = {p: run_status(runs[p], c) for p, c in by_pattern.items()}  # refuses before training
+    for pattern, config in by_pattern.items():
         run_dir = runs[pattern]
         if status[pattern] == "done":
             log(f"{pattern}: finished in {run_dir}; reusing it")
             continue
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            f.write(config.to_json(indent=2))  # the config the process reads (train rewrites it)
+        config_lib.write_record(run_dir, config)  # the config the worker process reads
         verb = "resuming" if status[pattern] == "resume" else "training"
         log(f"{pattern}: {verb} {config.total_steps} steps in {run_dir} "
             f"(log: {os.path.join(run_dir, 'train.log')})")
-        out = benchmarking.run_isolated(["-m", "sparse_jax.compare", run_dir, repr(time.time())],
-                                        env=env, timeout_s=None)
+        out = benchmarking.run_isolated(["-m", "sparse_jax.study", run_dir, repr(time.time())],
+                                        timeout_s=None)
         if "error" in out or out.get("interrupted"):
             raise RuntimeError(f"pattern {pattern} did not finish "
                                f"({out.get('error') or out['interrupted']}); see "
                                f"{os.path.join(run_dir, 'train.log')}. Run the same command to "
                                "resume.")
-    rows = [summarize(runs[p], c) for p, c in configs.items()]
+    rows = [summarize(runs[p], c) for p, c in by_pattern.items()]
     for r in rows:
         log(f"{r['pattern']}: valid {r['valid_bits']:.4f} bits/{r['unit']}, "
             f"{r['s_per_step'] or float('nan'):.3f} s/step, {r['peak_rss_gb']:.2f} GB peak RSS")
-    first = next(iter(configs.values()))
+    first = next(iter(by_pattern.values()))
     info = {"config": config_spec, "overrides": overrides or {}, "steps": first.total_steps,
             "batch_size": first.batch_size, "seed": first.seed, "command": command,
             "machine": benchmarking.machine()}
@@ -370,7 +337,7 @@ def _worker(argv):
     from absl import logging
 
     if len(argv) not in (2, 3):
-        raise SystemExit("usage: python -m sparse_jax.compare RUN_DIR [LAUNCH_TIME]")
+        raise SystemExit("usage: python -m sparse_jax.study RUN_DIR [LAUNCH_TIME]")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     sharding.set_cpu_devices()  # as scripts/train.py: one CPU device per core
     result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from sparse_jax import compare, train
-from sparse_jax.model import describe, model_config
+from sparse_jax import config as config_lib
+from sparse_jax import study
+from sparse_jax.model import model_config
+from sparse_jax.sizing import describe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py") + ":data=embedded"
@@ -24,11 +26,11 @@ PATTERNS = ["dense", "fixed"]
 def run_study(workdir, **kwargs):
     args = dict(steps=4, overrides=SMALL, output_dir=os.path.join(workdir, "out"),
                 log=lambda line: None)
-    return compare.compare_patterns(QUICKSTART, workdir, PATTERNS, **{**args, **kwargs})
+    return study.compare_patterns(QUICKSTART, workdir, PATTERNS, **{**args, **kwargs})
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("study"))
     return workdir, run_study(workdir)
 
@@ -40,15 +42,16 @@ def files_under(folder):
             for d, _, names in os.walk(folder) for n in names}
 
 
-def test_every_pattern_is_an_ordinary_run_measured_consistently(study):
-    workdir, result = study
+@pytest.mark.slow  # starts other processes
+def test_every_pattern_is_an_ordinary_run_measured_consistently(study_run):
+    workdir, result = study_run
     rows = result["patterns"]
     assert [r["pattern"] for r in rows] == PATTERNS
-    configs = compare.pattern_configs(QUICKSTART, PATTERNS, steps=4, overrides=SMALL)
+    by_pattern = study.pattern_configs(QUICKSTART, PATTERNS, steps=4, overrides=SMALL)
     for r in rows:
         run_dir = os.path.join(workdir, r["pattern"])
-        config = train.load_config(run_dir)  # a run evaluate/sample/train can open as any other
-        assert config.to_dict() == configs[r["pattern"]].to_dict()
+        config = config_lib.read_record(run_dir)  # a run evaluate/sample/train can open as any other
+        assert config.to_dict() == by_pattern[r["pattern"]].to_dict()
         assert sorted(int(s) for s in os.listdir(os.path.join(run_dir, "checkpoints"))) == [2, 4]
         with open(os.path.join(run_dir, "eval", "valid_4.json")) as f:
             assert r["valid_bits"] == json.load(f)["bits"]  # the whole valid split, last step
@@ -86,14 +89,15 @@ def test_every_pattern_is_an_ordinary_run_measured_consistently(study):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_rerun_reuses_finished_runs_without_training_or_overwriting(study, monkeypatch):
-    workdir, result = study
+@pytest.mark.slow  # starts other processes
+def test_rerun_reuses_finished_runs_without_training_or_overwriting(study_run, monkeypatch):
+    workdir, result = study_run
     runs = {p: files_under(os.path.join(workdir, p)) for p in PATTERNS}
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished pattern was trained again")
 
-    monkeypatch.setattr(compare.benchmarking, "run_isolated", no_training)
+    monkeypatch.setattr(study.benchmarking, "run_isolated", no_training)
     again = run_study(workdir)
     assert again["patterns"] == result["patterns"]
     assert {p: files_under(os.path.join(workdir, p)) for p in PATTERNS} == runs
@@ -102,7 +106,7 @@ def test_rerun_reuses_finished_runs_without_training_or_overwriting(study, monke
 def test_wall_time_and_step_time_across_a_resumed_run(tmp_path):
     """Two sessions with a gap between them: the gap is not wall time, and the first log window
     of each session (compilation) is not step time."""
-    config = compare.pattern_configs(QUICKSTART, ["strided"], steps=4, overrides=SMALL)["strided"]
+    config = study.pattern_configs(QUICKSTART, ["strided"], steps=4, overrides=SMALL)["strided"]
     run = tmp_path / "strided"
     run.mkdir()
     t0, t1 = 1000.0, 5000.0  # the run was interrupted after step 2 and resumed an hour later
@@ -118,18 +122,19 @@ def test_wall_time_and_step_time_across_a_resumed_run(tmp_path):
                 {"start": t1, "end": t1 + 13, "step": 4, "peak_rss_gb": 0.7}]
     with open(run / "study.json", "w") as f:
         json.dump({"sessions": sessions, "final": {"step": 4, "bits": 3.9, "unit": "byte"}}, f)
-    r = compare.summarize(str(run), config)
+    r = study.summarize(str(run), config)
     assert r["curve"] == [[2, 12.0, 4.5], [4, 12.0 + 11.0, 4.0]]
     assert r["wall_s"] == 12.0 + 13.0 and r["sessions"] == 2
     assert r["timed_windows"] == 1 and r["s_per_step"] == 1.0 and r["tokens_per_s"] == 508
     assert r["peak_rss_gb"] == 0.7 and r["valid_bits"] == 3.9
 
 
-def test_bad_input_is_refused_before_anything_trains(study, tmp_path, monkeypatch):
+@pytest.mark.slow  # starts other processes
+def test_bad_input_is_refused_before_anything_trains(study_run, tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("trained despite bad input")
 
-    monkeypatch.setattr(compare.benchmarking, "run_isolated", no_training)
+    monkeypatch.setattr(study.benchmarking, "run_isolated", no_training)
     workdir = str(tmp_path / "runs")
     cases = [
         (dict(patterns=["dense", "sparse"]), "unknown pattern"),
@@ -146,10 +151,10 @@ def test_bad_input_is_refused_before_anything_trains(study, tmp_path, monkeypatc
         config = kwargs.pop("config", QUICKSTART)
         args = {"steps": 4, "overrides": SMALL, "log": lambda line: None, **kwargs}
         with pytest.raises(ValueError, match=message):
-            compare.compare_patterns(config, workdir, patterns, **args)
+            study.compare_patterns(config, workdir, patterns, **args)
     assert not os.path.exists(workdir)
 
-    done, _ = study  # finished runs of 4 steps: a study of 6 steps must not touch them
+    done, _ = study_run  # finished runs of 4 steps: a study of 6 steps must not touch them
     before = files_under(done)
     with pytest.raises(ValueError, match="holds a run of another config.*total_steps"):
         run_study(done, steps=6)

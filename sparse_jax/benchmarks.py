@@ -1,0 +1,519 @@
+"""The benchmarks that scripts/benchmark_*.py run: each is a driver that runs its cases one
+after another, and the functions that measure one case.
+
+  benchmark_attention   block-sparse attention against dense causal attention, forward and
+                        forward + backward, over sequence lengths (scripts/benchmark_attention.py)
+  benchmark_model       a training step (loss and gradients) of a small model, by pattern,
+                        remat and layer layout (scripts/benchmark_model.py)
+  benchmark_compile     jit lower + compile of the 128-layer CIFAR-10 model's loss gradient
+                        (scripts/benchmark_model.py --compile_cifar)
+  benchmark_sampling    cached sampling against re-running the model, and evaluation
+                        throughput, in this process (scripts/benchmark_sampling.py)
+
+The attention and model cases each run in a fresh process (`benchmarking.run_isolated`):
+`python -m sparse_jax.benchmarks KIND CASE_JSON` prints the case's result as one JSON line.
+Nothing here imports JAX before a case has set up its devices. The trainer against a PyTorch
+twin (scripts/benchmark_training.py) is in `sparse_jax.torch_benchmark`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from sparse_jax import benchmarking
+
+GIB = 2**30
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+def _isolated(kind: str, case: dict, **kwargs) -> dict:
+    return benchmarking.run_isolated(["-m", "sparse_jax.benchmarks", kind, json.dumps(case)],
+                                     **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: sparse against dense (scripts/benchmark_attention.py).
+
+def parse_pattern(name: str, seq_len: int):
+    """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n))
+    as a PatternSpec."""
+    from sparse_jax.patterns import PatternSpec
+
+    kind, *args = name.split(":")
+    if args == ["sqrt"]:
+        args = [str(round(math.sqrt(seq_len)))]
+    ints = [int(a) for a in args]
+    if kind == "fixed":
+        return PatternSpec("fixed", stride=ints[0], c=ints[1])
+    if kind == "local":
+        return PatternSpec("local", stride=ints[0], local_width=ints[0])
+    return PatternSpec(kind, stride=ints[0] if ints else None)
+
+
+def run_attention_case(case: dict) -> dict:
+    """One (pattern, seq_len, pass) with heads split over case["devices"] devices: compile
+    seconds, median/min/max ms of case["repeats"] runs, peak RSS and XLA's temporary memory;
+    or, for {"matmul": True}, the matmul ceiling in GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from sparse_jax.attention import sparse_attention
+
+    if case["matmul"]:
+        return {"gflops": benchmarking.matmul_gflops()}
+    n, spec = case["seq_len"], parse_pattern(case["pattern"], case["seq_len"])
+    dtype = jnp.dtype(case["dtype"])
+    shape = (case["batch"], n, case["heads"], case["head_dim"])
+    mesh = Mesh(jax.devices()[:case["devices"]], ("heads",))
+    heads = P(None, None, "heads", None)
+    q, k, v = (jax.device_put(jax.random.normal(key, shape, dtype), NamedSharding(mesh, heads))
+               for key in jax.random.split(jax.random.PRNGKey(0), 3))
+    if spec.kind == "dense":
+        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    else:
+        attend = lambda q, k, v: sparse_attention(q, k, v, spec)  # noqa: E731
+    if case["devices"] > 1:  # each device attends with its own heads
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)
+    if case["pass"] == "fwd":
+        fn = jax.jit(attend)
+    else:
+        fn = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
+                              argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    compiled = fn.lower(q, k, v).compile()
+    compile_s = time.perf_counter() - start
+    temp_gb = compiled.memory_analysis().temp_size_in_bytes * case["devices"] / 1e9  # per device
+    result = benchmarking.time_call(compiled, q, k, v, repeats=case["repeats"])
+    result["compile_s"] += compile_s  # compile, then the first run
+    return {**result, "peak_rss_gb": benchmarking.peak_rss_gb(), "xla_temp_gb": temp_gb,
+            "keys_per_query": spec.mean_keys(n), "spec": str(spec)}
+
+
+def default_devices() -> int:
+    """One device per core on a CPU, else all local devices."""
+    import jax
+
+    return os.cpu_count() if jax.default_backend() == "cpu" else jax.local_device_count()
+
+
+def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: int = 8,
+                        head_dim: int = 64, batch: int = 1, dtype: str = "float32",
+                        devices: int | None = None, repeats: int = 5, rounds: int = 1,
+                        mem_limit_gb: float = 20.0, output_dir: str = "docs/benchmarks/attention",
+                        log=_print) -> dict:
+    """Every (pattern, seq_len, pass) `rounds` times, each in a fresh process killed past
+    `mem_limit_gb`, with a `jnp.dot` ceiling at each round's start and at the end; reports each
+    case's best round (`best_round`), its useful GFLOP/s (4·B·H·n·|S|·d forward, 2.5× that for
+    forward + backward) and speed-up over dense. Writes results.json, results.md and
+    time_vs_seq_len.png to `output_dir`; returns the JSON."""
+    os.makedirs(output_dir, exist_ok=True)
+    devices = devices or default_devices()
+    if heads % devices:
+        raise ValueError(f"--heads={heads} cannot be split over {devices} devices")
+    env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                        f"--xla_force_host_platform_device_count={devices}".strip()}
+    common = dict(heads=heads, head_dim=head_dim, batch=batch, dtype=dtype, devices=devices,
+                  repeats=repeats)
+
+    def isolated(case):
+        return _isolated("attention", case, mem_limit_gb=mem_limit_gb, env=env)
+
+    cases = [{**common, "matmul": False, "pattern": pattern, "seq_len": seq_len, "pass": pass_}
+             for pattern in patterns for seq_len in seq_lens for pass_ in passes]
+    runs = [[] for _ in cases]  # each case's result in every round
+    ceilings = []
+    for round_ in range(rounds):
+        ceilings.append(isolated({"matmul": True})["gflops"])
+        log(f"round {round_ + 1}: jnp.dot 4096x4096 float32: {ceilings[-1]:.0f} GFLOP/s")
+        for case, results in zip(cases, runs):
+            if results and "error" in results[-1]:
+                continue  # out of memory (or failed) once is enough
+            load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
+            results.append({**isolated(case), "load_avg_1min": load})
+            r = results[-1]
+            log(f"{case['pattern']:>14} n={case['seq_len']:>6} {case['pass']:>6}: " + (
+                f"{r['median_ms']:9.1f} ms  {r['peak_rss_gb']:5.2f} GB RSS  "
+                f"{r['xla_temp_gb']:5.2f} GB temp  load {load:.1f}"
+                if "median_ms" in r else r["error"]))
+    ceilings.append(isolated({"matmul": True})["gflops"])
+    ceiling = max(ceilings)  # the best jnp.dot: a busy moment must not flatter the fractions
+    log(f"jnp.dot 4096x4096 float32 at the end: {ceilings[-1]:.0f} GFLOP/s")
+    rows = [best_round(case, results) for case, results in zip(cases, runs)]
+    for row in rows:
+        if "median_ms" in row:
+            flops = 4 * batch * heads * row["seq_len"] * row["keys_per_query"] * head_dim \
+                * (2.5 if row["pass"] == "fwdbwd" else 1.0)
+            row["gflops"] = flops / (row["median_ms"] / 1e3) / 1e9
+            row["of_ceiling"] = row["gflops"] / ceiling
+    for row in rows:  # speed-up against dense at the same seq_len and pass
+        dense = next((r for r in rows if r["pattern"] == "dense" and r["seq_len"] == row["seq_len"]
+                      and r["pass"] == row["pass"] and "median_ms" in r), None)
+        if dense and "median_ms" in row:
+            row["speedup_vs_dense"] = dense["median_ms"] / row["median_ms"]
+    summary = {"machine": benchmarking.machine(), "matmul_gflops": ceiling,
+               "matmul_gflops_measured": ceilings, "settings": {**common, "rounds": rounds},
+               "rows": rows, "growth": growth_exponents(rows)}
+    table = benchmarking.markdown_table([{**r, "result": r.get("error", "ok")} for r in rows], [
+        ("pattern", "pattern"), ("seq_len", "n"), ("pass", "pass"), ("median_ms", "ms"),
+        ("peak_rss_gb", "peak RSS GB"), ("xla_temp_gb", "XLA temp GB"),
+        ("keys_per_query", "keys/query"), ("gflops", "GFLOP/s"),
+        ("of_ceiling", "of jnp.dot"), ("speedup_vs_dense", "× vs dense"),
+        ("load_avg_1min", "load"), ("result", "result")])
+    machine = summary["machine"]
+    header = (f"Machine: {machine['cpu']}, {machine['cores']} cores, jax {machine['jax']} "
+              f"({machine['backend']}); B={batch} H={heads} d={head_dim} {dtype}, heads split "
+              f"over {devices} device(s); {rounds} round(s) of every case, the round with the "
+              f"lowest median shown; jnp.dot 4096² = {ceiling:.0f} GFLOP/s (best of "
+              f"{', '.join(f'{c:.0f}' for c in ceilings)}: each round's start and the end); "
+              f"load: the 1-minute load average when the shown round started\n\n")
+    growth = benchmarking.markdown_table(summary["growth"], [
+        ("pattern", "pattern"), ("pass", "pass"), ("from", "from n"), ("to", "to n"),
+        ("exponent", "time ∝ n^x, x =")])
+    benchmarking.write_results(output_dir, summary, header + table + "\n\n" + growth + "\n")
+    log("\n" + header + table + "\n\n" + growth)
+    benchmarking.plot_time_vs_seq_len(rows, os.path.join(output_dir, "time_vs_seq_len.png"))
+    return summary
+
+
+def best_round(case: dict, results: list[dict]) -> dict:
+    """The round with the lowest median time (on a shared machine, the least disturbed one),
+    with every round's median and the highest peak RSS of all rounds."""
+    done = [r for r in results if "median_ms" in r]
+    if not done:
+        return {**case, **results[-1]}
+    best = min(done, key=lambda r: r["median_ms"])
+    return {**case, **best, "peak_rss_gb": max(r["peak_rss_gb"] for r in done),
+            "round_medians_ms": [r["median_ms"] for r in done]}
+
+
+def growth_exponents(rows) -> list[dict]:
+    """x in time ∝ n^x between the shortest and the longest n that ran, per pattern and pass."""
+    out = []
+    for pattern in dict.fromkeys(r["pattern"] for r in rows):
+        for pass_ in dict.fromkeys(r["pass"] for r in rows):
+            pts = sorted((r["seq_len"], r["median_ms"]) for r in rows
+                         if r["pattern"] == pattern and r["pass"] == pass_ and "median_ms" in r)
+            if len(pts) >= 2 and pts[0][0] < pts[-1][0]:
+                (n0, t0), (n1, t1) = pts[0], pts[-1]
+                out.append({"pattern": pattern, "pass": pass_, "from": n0, "to": n1,
+                            "exponent": math.log(t1 / t0) / math.log(n1 / n0)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A model's training step and compile time (scripts/benchmark_model.py).
+
+def _grad_fn(cfg):
+    """Jitted (loss, grads) of a model with config ``cfg``, and the abstract model."""
+    import jax
+    from flax import nnx
+
+    from sparse_jax import model as model_lib
+
+    abstract = nnx.eval_shape(lambda: model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+
+    def loss(state, tokens):
+        logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+        return model_lib.loss_bits(logits, tokens[:, 1:])
+
+    return jax.jit(jax.value_and_grad(loss)), abstract
+
+
+def _peak_rss_gib() -> float:
+    return benchmarking.peak_rss_gb() * 1e9 / GIB
+
+
+def run_model_case(case: dict) -> dict:
+    """{"kind": "step"}: compiles one training step of case["model"] (ModelConfig fields) on
+    random bytes, prints what it knows (compile time, XLA's buffer plan) in case the run goes
+    out of memory, then times case["steps"] steps after a warm-up step; a plan over 80% of the
+    available memory is not run. {"kind": "compile"}: jit lower and compile seconds of the loss
+    gradient at batch 1, without running it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparse_jax import model as model_lib
+    from sparse_jax import sizing
+
+    cfg = model_lib.ModelConfig(**case["model"])
+    step, abstract = _grad_fn(cfg)
+    if case["kind"] == "compile":
+        tokens = jax.ShapeDtypeStruct((1, cfg.seq_len + 1), jnp.int32)
+        start = time.perf_counter()
+        lowered = step.lower(nnx.state(abstract), tokens)
+        lower_s = time.perf_counter() - start
+        start = time.perf_counter()
+        lowered.compile()
+        compile_s = time.perf_counter() - start
+        return {**case, "lower_s": lower_s, "compile_s": compile_s,
+                "total_s": lower_s + compile_s, "peak_rss_gib": _peak_rss_gib()}
+    state = nnx.state(model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(0), (case["batch_size"], cfg.seq_len + 1), 0, 256,
+                                dtype=jnp.int32)
+    info = sizing.describe(cfg, case["batch_size"])
+    start = time.perf_counter()
+    compiled = step.lower(state, tokens).compile()
+    result = {**case, "compile_s": time.perf_counter() - start,
+              "xla_temp_gib": compiled.memory_analysis().temp_size_in_bytes / GIB,
+              "estimated_activation_gib": info["activation_bytes" + (
+                  "_remat" if cfg.remat != "none" else "")] / GIB}
+    print(json.dumps(result), flush=True)  # survives if the steps run out of memory
+    available_gib = benchmarking.available_memory_gb() * 1e9 / GIB
+    if result["xla_temp_gib"] > 0.8 * available_gib:  # don't push a shared machine into OOM
+        raise SystemExit(f"skipped: XLA plans {result['xla_temp_gib']:.1f} GiB of buffers, "
+                         f"{available_gib:.1f} GiB available")
+    jax.block_until_ready(compiled(state, tokens))  # warm-up
+    times = []
+    for _ in range(case["steps"]):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(state, tokens))
+        times.append(time.perf_counter() - start)
+    return {**result, "median_step_s": statistics.median(times), "step_s": times,
+            "peak_rss_gib": _peak_rss_gib()}
+
+
+def _fmt(result: dict, key: str, spec: str = ".2f") -> str:
+    return format(result[key], spec) if key in result else "-"
+
+
+def _model_case(case: dict) -> dict:
+    """The case's result; a failed case keeps what it printed and says why in "error"."""
+    return {**case, **_isolated("model", case, timeout_s=None)}
+
+
+def benchmark_model(cases, *, seq_len: int = 8192, num_layers: int = 4, d_model: int = 256,
+                    num_heads: int = 4, stride: int = 128, batch_size: int = 1, steps: int = 3,
+                    log=_print) -> list[dict]:
+    """A training step of one model for each "pattern:remat:layout" in `cases` (layout:
+    unrolled or scan, i.e. scan_layers), float32; logs a markdown table row by row and returns
+    every case's numbers."""
+    log(f"{num_layers} layers, d={d_model}, {num_heads} heads, n={seq_len}, batch {batch_size}, "
+        "float32, loss + gradients")
+    log("| attention | remat | layers | median step s | compile s | peak RSS GiB "
+        "| XLA temp GiB | estimated activations GiB |")
+    log("|---|---|---|---|---|---|---|---|")
+    results = []
+    for name in cases:
+        pattern, remat, layout = name.split(":")
+        model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
+                     num_heads=num_heads, pattern=pattern, stride=stride, remat=remat,
+                     scan_layers=layout == "scan")
+        r = _model_case(dict(kind="step", model=model, batch_size=batch_size, steps=steps))
+        results.append(r)
+        label = f"strided ({stride})" if pattern == "strided" else pattern
+        log(f"| {label} | {remat} | {layout} | {_fmt(r, 'median_step_s')} | "
+            f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} | "
+            f"{_fmt(r, 'xla_temp_gib')} | {_fmt(r, 'estimated_activation_gib')} |"
+            + (f" {r['error']}" if "error" in r else ""))
+    return results
+
+
+def benchmark_compile(log=_print) -> list[dict]:
+    """Lower + compile seconds of the paper's 128-layer CIFAR-10 model (batch 1), merged strided
+    or a local,local,local,strided schedule, with and without scan_layers and remat; logs a
+    markdown table row by row and returns every case's numbers."""
+    cifar = dict(seq_len=3072, num_layers=128, d_model=256, num_heads=2, ff_mult=2.0,
+                 qk_ratio=0.5, pattern="strided", stride=96, pos_emb="image")
+    log("| model | scan_layers | remat | lower s | compile s | peak RSS GiB |")
+    log("|---|---|---|---|---|---|")
+    results = []
+    for schedule in ("", "local,local,local,strided"):
+        for scan in (False, True):
+            for remat in ("none", "full"):
+                model = dict(cifar, schedule=schedule, scan_layers=scan, remat=remat)
+                r = _model_case(dict(kind="compile", model=model))
+                results.append(r)
+                name = f"CIFAR-10 128 layers, {schedule or 'strided merged'}"
+                log(f"| {name} | {scan} | {remat} | {_fmt(r, 'lower_s', '.1f')} | "
+                    f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} |"
+                    + (f" {r['error']}" if "error" in r else ""))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling with the cache against re-running the model, and evaluation throughput
+# (scripts/benchmark_sampling.py). Both run in this process, one after the other.
+
+EVAL_CONFIG = "quickstart.py:data=embedded"  # a spec for configs.load: the evaluated run
+
+
+def _seconds(timing: dict) -> tuple[float, float]:
+    """(first call s, median s of the repeats) of a `benchmarking.time_call` result."""
+    return timing["compile_s"], timing["median_ms"] / 1e3
+
+
+def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 256,
+                   num_heads: int = 4, stride: int = 64, length: int = 4096, batch_size: int = 1,
+                   naive_steps: int = 128) -> dict:
+    """A randomly initialized strided model samples `length` bytes after a one-byte prompt:
+    (a) with `decode.generate` (pattern-aware cache, one scan), first call and median of 2
+    more; (b) naively, one jitted full forward pass over the [batch, seq_len] buffer per new
+    byte, timed over `naive_steps` steps after a warm-up step and extrapolated linearly to
+    `length` (its cost does not depend on the position); (c) estimated: a forward pass over
+    the prefix padded to the next power of two, the median forward time at each such length
+    summed over the steps that would use it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from sparse_jax import decode
+    from sparse_jax.model import ModelConfig, SparseTransformer
+
+    n, batch = seq_len, batch_size
+    cfg = ModelConfig(seq_len=n, num_layers=num_layers, d_model=d_model, num_heads=num_heads,
+                      pattern="strided", stride=stride)
+    model = SparseTransformer(cfg, rngs=nnx.Rngs(0))
+    prompt = np.zeros((batch, 1), np.int32)
+    first, cached_s = _seconds(benchmarking.time_call(
+        lambda: decode.generate(model, prompt, length, seed=0), repeats=2))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def naive_step(state, buffer, i, key):  # one full forward pass per new byte
+        logits = jax.lax.dynamic_index_in_dim(nnx.merge(graphdef, state)(buffer), i, 1, False)
+        drawn = jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+        return jax.lax.dynamic_update_index_in_dim(buffer, drawn, i + 1, 1)
+
+    buffer, key = jnp.zeros((batch, n), jnp.int32), jax.random.key(0)
+    jax.block_until_ready(naive_step(state, buffer, 0, key))  # compile
+    steps = min(naive_steps, length - 1)
+    start = time.perf_counter()
+    for i in range(steps):
+        buffer = naive_step(state, buffer, i, key)
+    jax.block_until_ready(buffer)
+    naive_step_s = (time.perf_counter() - start) / steps
+
+    forward = nnx.jit(lambda m, x: m(x))
+    bucket_s, lengths = {}, [min(2 ** k, n) for k in range(6, n.bit_length() + 1)]
+    for m in sorted(set(lengths)):
+        bucket_s[m] = _seconds(benchmarking.time_call(
+            forward, model, jnp.zeros((batch, m), jnp.int32), repeats=3))[1]
+    fed = np.arange(1, length + 1)  # the smart naive sampler runs a forward over i + 1 bytes
+    buckets = np.array(sorted(bucket_s))
+    padded = buckets[np.searchsorted(buckets, fed)]
+    bucketed_s = float(sum(bucket_s[int(m)] for m in padded))
+    naive_total = naive_step_s * length
+    return {
+        "model": dict(num_layers=cfg.num_layers, d_model=cfg.d_model, num_heads=cfg.num_heads,
+                      seq_len=n, stride=cfg.stride, pattern="strided merged", dtype=cfg.dtype),
+        "length": length, "batch_size": batch,
+        "cached_first_call_s": first, "cached_s": cached_s,
+        "cached_ms_per_byte": cached_s / length * 1e3,
+        "naive_timed_steps": steps, "naive_ms_per_byte": naive_step_s * 1e3,
+        "naive_extrapolated_s": naive_total, "speedup_vs_naive": naive_total / cached_s,
+        "bucketed_forward_s": {str(k): v for k, v in bucket_s.items()},
+        "bucketed_naive_estimated_s": bucketed_s,
+        "speedup_vs_bucketed_naive": bucketed_s / cached_s,
+    }
+
+
+def evaluation_speed(workdir: str, eval_mib: int = 1) -> dict:
+    """Trains `EVAL_CONFIG` for 1 step in `workdir` (embedded data of 20 x `eval_mib` MiB, so
+    the test split is `eval_mib` MiB) and evaluates it with `evaluate.evaluate` over the whole
+    test split; its tokens/s next to the forward-only tokens/s of the same jitted eval step on a
+    batch already on the device (median of 20) and a training step's (loss and gradients,
+    median of 10)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import configs
+    from sparse_jax import checkpoints, evaluate, train
+    from sparse_jax.model import loss_bits
+
+    config = configs.load(EVAL_CONFIG, {
+        "data.embedded_bytes": 20 * eval_mib * 2**20,  # 5% test split = eval_mib MiB
+        "total_steps": 1, "eval_batches": 1, "optimizer.warmup_steps": 0})
+    train.train(config, workdir)
+
+    result = evaluate.evaluate(workdir, "test", progress=False, write=False)
+    model, config, _ = checkpoints.restore_model(workdir)
+    graphdef, params = nnx.split(model)
+    batch_size, n = config.batch_size, model.cfg.seq_len
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (batch_size, n + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "mask": np.ones((batch_size, n), bool)}
+    batch = jax.device_put(batch)
+    forward = jax.jit(evaluate.make_eval_step(graphdef))
+    _, forward_s = _seconds(benchmarking.time_call(forward, params, batch, repeats=20))
+
+    def loss(params, batch):
+        return loss_bits(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
+
+    _, grad_s = _seconds(benchmarking.time_call(jax.jit(jax.value_and_grad(loss)), params, batch,
+                                                repeats=10))
+    tokens_per_batch = batch_size * n
+    return {
+        "model": f"configs/quickstart.py ({model.cfg.num_layers} layers, d={model.cfg.d_model}, "
+                 f"n={n}, {model.cfg.base_spec})",
+        "split_bytes": result["split_size"], "batch_size": batch_size,
+        "bits_per_byte": result["bits"], "num_scored": result["num_scored"],
+        "eval_tokens_per_s": result["tokens_per_s"], "eval_wall_s": result["wall_s"],
+        "forward_only_tokens_per_s": tokens_per_batch / forward_s,
+        "train_step_tokens_per_s": tokens_per_batch / grad_s,
+        "eval_over_forward_only": result["tokens_per_s"] * forward_s / tokens_per_batch,
+    }
+
+
+def benchmark_sampling(*, evaluation: bool = True, eval_mib: int = 1, output: str | None = None,
+                       log=_print, **sampling) -> dict:
+    """`sampling_speed(**sampling)`, then (if `evaluation`) `evaluation_speed` of a run in a
+    temporary folder; logs markdown tables, writes {"machine", "sampling", "evaluation"} as
+    JSON to `output` and returns it."""
+    import tempfile
+
+    results = {"machine": benchmarking.machine(), "sampling": sampling_speed(**sampling)}
+    s = results["sampling"]
+    log(f"Sampling {s['length']} bytes x {s['batch_size']}, {s['model']}")
+    log(benchmarking.markdown_table([
+        {"way": "cached (pattern-aware KV cache, one scan)", "ms": s["cached_ms_per_byte"],
+         "total": s["cached_s"], "speedup": 1.0},
+        {"way": f"naive full forward per byte (timed {s['naive_timed_steps']} steps, "
+                "extrapolated)", "ms": s["naive_ms_per_byte"], "total": s["naive_extrapolated_s"],
+         "speedup": s["speedup_vs_naive"]},
+        {"way": "naive forward on the prefix padded to 2^k (estimated)",
+         "ms": s["bucketed_naive_estimated_s"] / s["length"] * 1e3,
+         "total": s["bucketed_naive_estimated_s"], "speedup": s["speedup_vs_bucketed_naive"]}],
+        [("way", "sampler"), ("ms", "ms per byte"), ("total", f"s for {s['length']} bytes"),
+         ("speedup", "cached is x faster")]))
+    log(f"(cached: first call incl. compilation {s['cached_first_call_s']:.1f} s)")
+    if evaluation:
+        with tempfile.TemporaryDirectory() as workdir:
+            results["evaluation"] = e = evaluation_speed(os.path.join(workdir, "run"), eval_mib)
+        log(f"\nEvaluation of {e['split_bytes']:,} bytes, {e['model']}, batch {e['batch_size']}")
+        log(benchmarking.markdown_table([
+            {"what": "evaluate() end to end (after the first batch)",
+             "tps": e["eval_tokens_per_s"]},
+            {"what": "forward only (same jitted step, batch on device)",
+             "tps": e["forward_only_tokens_per_s"]},
+            {"what": "training step (loss + gradients)", "tps": e["train_step_tokens_per_s"]}],
+            [("what", "measured"), ("tps", "tokens/s")]))
+        log(f"evaluate / forward-only = {e['eval_over_forward_only']:.2f}; "
+            f"{e['bits_per_byte']:.3f} bits/byte over {e['num_scored']:,} bytes in "
+            f"{e['eval_wall_s']:.1f} s")
+    if output:
+        with open(output, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+CASES = {"attention": run_attention_case, "model": run_model_case}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in CASES:
+        raise SystemExit(f"usage: python -m sparse_jax.benchmarks {{{','.join(CASES)}}} CASE_JSON")
+    print(json.dumps(CASES[sys.argv[1]](json.loads(sys.argv[2]))), flush=True)

@@ -1,0 +1,97 @@
+"""The run config: checks of the fields the trainer reads, differences between two configs, and
+the workdir's record of the config a run trained with (`WORKDIR/config.json`).
+
+A run config is the `ml_collections.ConfigDict` of a file in `configs/` (see `configs.load`):
+trainer fields at the top level, and the sections `optimizer`, `mesh`, `data` (read by
+`sparse_jax.data`) and `model` (exactly the fields of `sparse_jax.model.ModelConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+
+from sparse_jax import data as data_lib
+from sparse_jax.model import ModelConfig, model_config
+
+RECORD = "config.json"  # in the workdir: the config the run trains with
+# Fields that only say where the data lives: they may change when a run is resumed.
+LOCATION_FIELDS = ("data.download", "data.data_dir", "data.manual_dir")
+
+
+def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """Validates the fields the trainer reads (ValueError) and returns the ModelConfig."""
+    cfg = model_config(config.model)  # ValueError for an invalid model or pattern
+    opt = config.optimizer
+    positive = {"total_steps": config.total_steps, "batch_size": config.batch_size,
+                "log_every": config.log_every, "eval_every": config.eval_every,
+                "checkpoint_every": config.checkpoint_every,
+                "keep_checkpoints": config.keep_checkpoints,
+                "optimizer.grad_accum": opt.grad_accum}
+    for name, value in positive.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be a positive integer, got {value!r}")
+    if not opt.lr > 0 or not 0 <= opt.min_lr_ratio <= 1 or opt.weight_decay < 0:
+        raise ValueError("need optimizer.lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0")
+    if not 0 <= opt.warmup_steps < config.total_steps:
+        raise ValueError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, "
+                         f"total_steps={config.total_steps})")
+    if config.batch_size % opt.grad_accum:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by optimizer."
+                         f"grad_accum={opt.grad_accum}")
+    if config.batch_size % jax.process_count():
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
+                         f"{jax.process_count()} processes")
+    data_lib.data_config(config.data)  # ValueError for a missing file path or a bad data field
+    return cfg
+
+
+def flat(config) -> dict:
+    """{"optimizer.lr": 0.001, ...}: a ConfigDict or its JSON dict as dotted names."""
+    def walk(d, prefix):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    d = config if isinstance(config, dict) else json.loads(config.to_json())
+    return dict(walk(d, ""))
+
+
+def differences(old, new, sections: tuple[str, ...] | None = None) -> dict[str, tuple]:
+    """{dotted field: (old value, new value)} where two configs differ, ignoring where the data
+    lives (LOCATION_FIELDS); only fields under `sections` (e.g. ("model", "data")) if given.
+    A field missing on one side shows as "<absent>"."""
+    old, new = flat(old), flat(new)
+    keys = [k for k in sorted(set(old) | set(new)) if k not in LOCATION_FIELDS
+            and (sections is None or k.split(".")[0] in sections)]
+    return {k: (old.get(k, "<absent>"), new.get(k, "<absent>")) for k in keys
+            if old.get(k, "<absent>") != new.get(k, "<absent>")}
+
+
+def describe_differences(changed: dict[str, tuple], old_name: str = "in the checkpoint",
+                         new_name: str = "now") -> list[str]:
+    """Readable lines of `differences`: "model.stride: 16 in the checkpoint, 32 now"."""
+    return [f"{k}: {a!r} {old_name}, {b!r} {new_name}" for k, (a, b) in changed.items()]
+
+
+def write_record(workdir: str, config: ml_collections.ConfigDict) -> str:
+    """Writes `config` to WORKDIR/config.json (whole or not at all); returns the path."""
+    path = os.path.join(workdir, RECORD)
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json(indent=2))
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_record(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run in `workdir` trained with (lists become tuples, as in the config files)."""
+    with open(os.path.join(workdir, RECORD)) as f:
+        raw = json.load(f)
+    tuples = lambda d: {k: tuples(v) if isinstance(v, dict) else  # noqa: E731
+                        tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return ml_collections.ConfigDict(tuples(raw))

@@ -1,0 +1,144 @@
+"""The Flax NNX layers of a Sparse Transformer block: sparse self-attention and the residual block.
+
+Each layer has a full-sequence ``__call__`` and a ``decode_step`` that computes one position on
+a key/value cache (``SparseTransformer.decode_step`` calls them); the attention math itself is
+``sparse_jax.attention``. Initialization follows docs/design.md §4: weights ~ N(0, std²),
+biases 0, norm scales 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparse_jax.attention import decode_attention, multi_spec_attention
+from sparse_jax.patterns import PatternSpec
+
+
+def _dropout(x, rate: float, key):
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def linear(d_in: int, d_out: int, std: float, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """``nnx.Linear`` with weights ~ N(0, std²) and zero bias."""
+    return nnx.Linear(d_in, d_out, kernel_init=nnx.initializers.normal(std), dtype=dtype,
+                      param_dtype=param_dtype, rngs=rngs)
+
+
+class SparseSelfAttention(nnx.Module):
+    """Multi-head causal self-attention over a factorized pattern.
+
+    ``specs`` is one pattern per head group (see ``patterns.layer_specs``): one spec for merged
+    or interleaved layers, several for multi-head mode. ``qk_dim`` (default ``d_model``) sets the
+    total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
+    Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
+    N(0, out_std²) (default init_std), biases 0.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
+                 qk_dim: int | None = None, init_std: float | None = None,
+                 out_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        qk_dim = d_model if qk_dim is None else qk_dim
+        for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
+            if dim % num_heads:
+                raise ValueError(f"{name}={dim} must be divisible by num_heads={num_heads}")
+        specs = tuple(specs)
+        if not specs or num_heads % len(specs):
+            raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
+                             f"groups ({len(specs)})")
+        init_std = 0.125 / math.sqrt(d_model) if init_std is None else init_std
+        out_std = init_std if out_std is None else out_std
+        dense = functools.partial(linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.query = dense(d_model, qk_dim, init_std)
+        self.key = dense(d_model, qk_dim, init_std)
+        self.value = dense(d_model, d_model, init_std)
+        self.out = dense(d_model, d_model, out_std)
+        self.num_heads = num_heads
+        self.specs = specs
+
+    def __call__(self, x):
+        """x: [B, n, d_model] -> [B, n, d_model]."""
+        batch, seq_len, _ = x.shape
+        split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        out = multi_spec_attention(q, k, v, self.specs)
+        return self.out(out.reshape(batch, seq_len, -1))
+
+    def decode_step(self, x_B1D, cache, layer, i, tables):
+        """The layer at position ``i`` alone, on a key/value cache: x [B, 1, d_model] ->
+        ([B, 1, d_model], the cache with position i's key and value written).
+
+        cache: (k [L, B, F, H, qk_dim / H], v [L, B, F, H, d_model / H]) of every layer, this
+        layer's at index ``layer`` (an int, or traced inside a scan over layers), positions < i
+        filled. A dense head group attends the cached positions <= i, a sparse one the keys in
+        row i of ``tables[spec]`` (int32 [F, K], -1 padded: ``spec.indices(F)``).
+        """
+        batch = x_B1D.shape[0]
+        q_BHD, k_BHD, v_BHD = (proj(x_B1D).reshape(batch, self.num_heads, -1)
+                               for proj in (self.query, self.key, self.value))
+        k_cache, v_cache = cache
+        k_cache = k_cache.at[layer, :, i].set(k_BHD.astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, :, i].set(v_BHD.astype(v_cache.dtype))
+        k_BFHD, v_BFHD = k_cache[layer], v_cache[layer]
+        group, outs = self.num_heads // len(self.specs), []
+        for g, spec in enumerate(self.specs):  # head group g attends with pattern spec
+            heads = slice(g * group, (g + 1) * group)
+            if spec.kind == "dense":
+                keys, values = k_BFHD[:, :, heads], v_BFHD[:, :, heads]
+                valid = jnp.arange(k_BFHD.shape[1]) <= i
+            else:
+                row_K = tables[spec][i]
+                valid, safe = row_K >= 0, jnp.maximum(row_K, 0)
+                keys, values = k_BFHD[:, safe, heads], v_BFHD[:, safe, heads]
+            outs.append(decode_attention(q_BHD[:, heads], keys, values, valid))
+        out = self.out(jnp.concatenate(outs, axis=1).reshape(batch, 1, -1))
+        return out, (k_cache, v_cache)
+
+
+class Block(nnx.Module):
+    """Pre-activation residual block: H + a + b with a = dropout(attn(norm(H))),
+    b = dropout(ff(norm(H + a))). The output projections of both branches are initialized
+    with an extra factor 1/√(2 num_layers)."""
+
+    def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
+                 qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
+        norm = functools.partial(nnx.LayerNorm, d, dtype=dtype, param_dtype=param_dtype)
+        dense = functools.partial(linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = norm(rngs=rngs)
+        self.attn = SparseSelfAttention(
+            d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
+            out_std=0.125 / math.sqrt(d) * out_scale, dtype=dtype, param_dtype=param_dtype,
+            rngs=rngs)
+        self.ff_norm = norm(rngs=rngs)
+        self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))
+        self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)
+        self.dropout = dropout
+
+    def __call__(self, h_BND, dropout_key=None):
+        """h [B, n, d] (float32) -> [B, n, d]; dropout iff ``dropout_key`` is given."""
+        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        a_BND = _dropout(self.attn(self.attn_norm(h_BND)), self.dropout, keys[0])
+        return self._finish(h_BND, a_BND, keys[1])
+
+    def decode_step(self, h_B1D, cache, layer, i, tables):
+        """The block at position ``i`` alone, without dropout: h [B, 1, d] -> ([B, 1, d], cache);
+        the other arguments as in ``SparseSelfAttention.decode_step``."""
+        a_B1D, cache = self.attn.decode_step(self.attn_norm(h_B1D), cache, layer, i, tables)
+        return self._finish(h_B1D, a_B1D), cache
+
+    def _finish(self, h_BND, a_BND, dropout_key=None):
+        """H + a + b, given the attention branch a."""
+        x_BND = self.ff_norm(h_BND + a_BND)
+        b_BND = _dropout(self.ff_out(jax.nn.gelu(self.ff_in(x_BND))), self.dropout, dropout_key)
+        return h_BND + a_BND + b_BND  # float32 stream + compute-dtype branches -> float32

@@ -1,0 +1,129 @@
+"""This project's trainer against a PyTorch eager twin of the same model
+(scripts/benchmark_training.py).
+
+`benchmark_training` runs, for each context length, the twin (`sparse_jax.torch_reference`,
+dense attention) and then `sparse_jax.train.train` with each attention pattern, every run in a
+fresh process (`benchmarking.run_isolated`). A run's process is
+`python -m sparse_jax.torch_benchmark CASE_JSON`; it prints the run's result as one JSON line.
+Only the twin's runs import torch (`requirements-bench.txt`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from sparse_jax import benchmarking
+
+TRAINING_CONFIG = "bytes.py:size=tiny,pattern=dense"  # a spec for configs.load
+
+
+def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int
+                       ) -> dict:
+    """The flat config overrides of one benchmark model: configs/bytes.py's tiny size reshaped
+    to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
+    `data_path` for `steps` steps with one validation pass at the end."""
+    return {"data.path": data_path, "model.seq_len": seq_len, "model.num_layers": 4,
+            "model.d_model": 128, "model.num_heads": 4, "model.pattern": pattern,
+            "model.stride": stride, "model.c": max(1, stride // 4), "batch_size": 12,
+            "total_steps": steps, "optimizer.lr": 1e-3,
+            "optimizer.warmup_steps": min(100, steps // 10),
+            "optimizer.min_lr_ratio": 0.1, "log_every": max(1, steps // 10),
+            "eval_every": steps, "checkpoint_every": steps, "eval_batches": 20}
+
+
+def run_training_case(case: dict) -> dict:
+    """One benchmark run: {"impl": "jax"} trains with `sparse_jax.train.train` on
+    `case["cpu_devices"]` CPU devices, {"impl": "torch"} the PyTorch eager twin
+    (`sparse_jax.torch_reference`) on the same batches from the same initial parameters."""
+    from sparse_jax import sharding
+
+    if case["impl"] == "jax":
+        sharding.set_cpu_devices(case["cpu_devices"])
+    from flax import nnx
+
+    import configs
+    from sparse_jax import data as data_lib, model as model_lib, train as train_lib
+    from sparse_jax.config import check_config
+
+    config = configs.load(TRAINING_CONFIG, case["overrides"])
+    cfg = check_config(config)
+    if case["impl"] == "torch":
+        from sparse_jax import torch_reference
+
+        dataset = data_lib.make_dataset(config.data, cfg.seq_len)
+        init = nnx.to_pure_dict(nnx.state(model_lib.SparseTransformer(
+            cfg, rngs=nnx.Rngs(config.seed)), nnx.Param))
+        return torch_reference.train_and_evaluate(config, dataset, init)
+    import jax
+
+    start = time.perf_counter()
+    result = train_lib.train(config, case["workdir"])
+    with open(os.path.join(case["workdir"], "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    speeds = [r["steps_per_s"] for r in rows if r["split"] == "train"][1:]  # not the compile
+    return {"train_s": time.perf_counter() - start, "steps_per_s": statistics.median(speeds),
+            "train_bits": {r["step"]: r["bits"] for r in rows if r["split"] == "train"},
+            "valid_bits": result["valid_bits"], "devices": len(jax.devices()),
+            "jax": jax.__version__}
+
+
+def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
+                       patterns=("dense", "strided"), cpu_devices: int = -1,
+                       output_dir: str | None = None, command: str = "", log=print) -> dict:
+    """For each context length (and its number of steps): the PyTorch eager twin (dense
+    attention), then this project's trainer with each of `patterns` (stride ~ sqrt(n)), each in
+    a fresh process, one after another. Writes results.md and results.json to `output_dir`;
+    returns the JSON."""
+    import shutil
+    import tempfile
+
+    rows = []
+    for seq_len, num_steps in zip(seq_lens, steps, strict=True):
+        stride = 2 ** round(math.log2(math.sqrt(seq_len)))
+        cases = [("torch", "dense")] + [("jax", p) for p in patterns]
+        for impl, pattern in cases:
+            overrides = training_overrides(seq_len, pattern, steps=num_steps,
+                                           data_path=data_path, stride=stride)
+            workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
+            case = {"impl": impl, "overrides": overrides, "workdir": workdir,
+                    "cpu_devices": cpu_devices}
+            start = time.perf_counter()
+            out = benchmarking.run_isolated(["-m", "sparse_jax.torch_benchmark", json.dumps(case)],
+                                            timeout_s=None)
+            shutil.rmtree(workdir, ignore_errors=True)
+            row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
+                   "stride": None if pattern == "dense" else stride, "steps": num_steps,
+                   "wall_s": time.perf_counter() - start, **out}
+            if "error" not in out:
+                row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
+                torch_row = next((r for r in rows if r["seq_len"] == seq_len
+                                  and r["impl"] == "torch"), row)
+                if "steps_per_s" in torch_row:
+                    row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
+                row["final_train_bits"] = list(out["train_bits"].values())[-1]
+            log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
+                f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
+                f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
+            rows.append(row)
+    info = {"command": command, "machine": benchmarking.machine(), "data": data_path,
+            "rows": rows}
+    if output_dir:
+        table = benchmarking.markdown_table(rows, [
+            ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
+            ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"),
+            ("tokens_per_s", "tokens/s"),
+            ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
+            ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
+        benchmarking.write_results(output_dir, info, f"`{command}`\n\n{table}\n", indent=2)
+    return info
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m sparse_jax.torch_benchmark CASE_JSON")
+    print(json.dumps(run_training_case(json.loads(sys.argv[1]))), flush=True)
