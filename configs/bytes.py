@@ -7,8 +7,8 @@ plain or .gz):
       --config.data.path=/path/to/file
 Variants: pattern = strided (default) | fixed | dense; size = cpu (default) | paper | small |
 tiny. The file is split into contiguous train / valid / test parts by
---config.data.split_fractions (default 0.9 / 0.05 / 0.05); each needs more than seq_len + 1
-bytes for training windows (train) and at least one byte (valid).
+--config.data.split_fractions (default 0.9 / 0.05 / 0.05); train needs at least seq_len + 1
+bytes (one window) and valid at least 2 (checked before training starts).
 
 size=cpu: a model sized for a 2-core CPU and a 30-minute budget (6 layers, d=128,
   strided l=32, context 512, 1.26M parameters, 2,900 steps of 8 windows). Hardware: a 2-core
@@ -23,8 +23,10 @@ model scores the file's byte entropy, and on the shipped corpus's valid part gzi
 xz -9e 1.93 and bzip2 -9 1.86 bits/byte (data/README.md).
 """
 
-from configs import common
-from configs import enwik8  # the paper / small / tiny sizes
+from configs import (
+    common,
+    enwik8,  # the paper / small / tiny sizes
+)
 
 
 def get_config(arg=None):

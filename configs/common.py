@@ -42,6 +42,7 @@ def base() -> ml_collections.ConfigDict:
     c.eval_batches = 20  # at most this many global batches per validation pass (<= 0: all)
     c.checkpoint_every = 500  # steps between checkpoints (also one at every validation and the end)
     c.keep_checkpoints = 2  # most recent checkpoints kept, plus the best by validation bits
+    c.profile_steps = ()  # (first, last): profiler trace of these steps in WORKDIR/profile; (): off
 
     c.optimizer = ml_collections.ConfigDict()  # AdamW with warmup and cosine decay (paper §6)
     c.optimizer.lr = 3.5e-4  # peak learning rate of AdamW (paper: 3.5e-4 on CIFAR-10)
@@ -83,7 +84,8 @@ def base() -> ml_collections.ConfigDict:
     c.model.local_width = config_dict.placeholder(int)  # local window (None: stride + 1, paper)
     c.model.summary = "paper"  # fixed summary convention: paper | lra
     c.model.mode = "merged"  # merged | interleaved | multihead (paper §4.3)
-    c.model.schedule = ""  # parts cycled over layers, e.g. "local,local,local,strided" (mode merged)
+    # parts cycled over layers, e.g. "local,local,local,strided" (mode merged)
+    c.model.schedule = ""
     c.model.distinct_summaries = False  # fixed + multihead: each head group its own summary block
     c.model.pos_emb = "text"  # image (row, column, channel) | text (row, column of grid) | single
     c.model.image_shape = (32, 32, 3)  # (rows, columns, channels) for pos_emb "image"

@@ -25,7 +25,7 @@ one device. Writes results.json, results.md and time_vs_seq_len.png to ``--outpu
 
 from absl import app, flags
 
-from sparse_jax import benchmarks
+from sparse_jax import benchmarks, cli
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided:128", "fixed:128:32"], "Patterns.")
@@ -58,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

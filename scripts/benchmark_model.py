@@ -16,9 +16,9 @@ but not run.
 
 import json
 
-from absl import app, flags
+from absl import flags
 
-from sparse_jax import benchmarks
+from sparse_jax import benchmarks, cli
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 8192, "Sequence length.")
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

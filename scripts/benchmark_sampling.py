@@ -20,7 +20,7 @@ The measurements are `sparse_jax.benchmarks.benchmark_sampling`.
 
 from absl import app, flags
 
-from sparse_jax import benchmarks
+from sparse_jax import benchmarks, cli
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
@@ -46,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

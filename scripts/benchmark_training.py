@@ -17,7 +17,7 @@ import sys
 
 from absl import app, flags
 
-from sparse_jax import torch_benchmark
+from sparse_jax import cli, torch_benchmark
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
@@ -43,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

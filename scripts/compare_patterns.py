@@ -14,8 +14,10 @@ reuses finished patterns and resumes interrupted ones.
 
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from sparse_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py), "
                                           "optionally with arguments: FILE:key=value,...",
@@ -32,8 +34,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     from sparse_jax import study
 
     config_flag = flags.FLAGS["config"]
@@ -42,13 +42,13 @@ def main(argv):
             config_flags.get_config_filename(config_flag), _WORKDIR.value, _PATTERNS.value,
             steps=_STEPS.value, overrides=config_flags.get_override_values(config_flag),
             output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
-    except (ValueError, RuntimeError) as e:  # bad input (before anything trains); a failed run
-        sys.exit(f"error: {e}")
+    except RuntimeError as e:  # a pattern's run failed (its log says why)
+        cli.fail(str(e))
     except KeyboardInterrupt:  # the run in progress saves a checkpoint on the same Ctrl-C
-        sys.exit("interrupted; run the same command to resume")
+        cli.fail("interrupted; run the same command to resume", 130)
     print(study.markdown(result["patterns"]))
     print("Wrote " + ", ".join(result["outputs"].values()))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

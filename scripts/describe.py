@@ -13,11 +13,11 @@ over --devices devices (default: the devices this machine has), from the shardin
 
 import json
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from sparse_jax import cli, sizing
 from sparse_jax import model as model_lib
-from sparse_jax import sizing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.model.",
                                           lock_config=True)
@@ -38,11 +38,9 @@ def main(argv):
     if "optimizer" in config and "mesh" in config:  # a training config
         import jax
 
-        from sparse_jax import train
-
-        info["per_device"] = train.per_device_memory(config, _DEVICES.value or jax.device_count())
+        info["per_device"] = sizing.per_device_memory(config, _DEVICES.value or jax.device_count())
     print(json.dumps(info) if _JSON.value else sizing.describe_text(cfg, info))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -11,10 +11,9 @@ dim over every sub-pixel of the split. Prints a table and writes the result as J
 DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context).
 """
 
-import sys
+from absl import app, flags
 
-from absl import app, flags, logging
-
+from sparse_jax import cli
 from sparse_jax.sharding import define_distributed_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
@@ -24,6 +23,8 @@ _MIN_CONTEXT = flags.DEFINE_integer("min_context", None, "Bytes: score only posi
                                     "least this much context (overlapping windows).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per forward pass over all "
                                    "devices (default: the training batch size).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing result of the same "
+                                "split, checkpoint and min_context.")
 _JOIN_DISTRIBUTED = define_distributed_flags()  # many hosts: each runs the same command
 flags.mark_flags_as_required(["workdir"])
 
@@ -31,20 +32,15 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # Orbax logs at INFO
-        logging.set_verbosity(logging.WARNING)
     _JOIN_DISTRIBUTED()
     from sparse_jax import evaluate
 
-    try:
-        result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
-                                   _MIN_CONTEXT.value, _BATCH_SIZE.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
+                               _MIN_CONTEXT.value, _BATCH_SIZE.value, overwrite=_OVERWRITE.value)
     print(evaluate.format_table(result))
     if "path" in result:
         print(f"Wrote {result['path']}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -5,9 +5,9 @@
 """
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from sparse_jax import patterns
+from sparse_jax import cli, patterns
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
@@ -64,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,9 +13,9 @@ path. The same --seed gives the same samples. Decoding uses a pattern-aware key/
 new byte costs O(|S_i| d) per layer, not a forward pass over the context.
 """
 
-import sys
+from absl import app, flags
 
-from absl import app, flags, logging
+from sparse_jax import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
 _NUM = flags.DEFINE_integer("num_samples", 4, "Samples (text continuations or images).")
@@ -31,24 +31,21 @@ _OUTPUT = flags.DEFINE_string("output", None, "Where to write the samples (.txt 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a step number.")
 _COMPLETE = flags.DEFINE_integer("complete", 0, "Images: complete the top halves of N images.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Images for --complete.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing output file.")
 flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # Orbax logs at INFO
-        logging.set_verbosity(logging.WARNING)
     from sparse_jax import sample
 
-    try:
-        result = sample.sample(
-            _WORKDIR.value, _NUM.value, _LENGTH.value, temperature=_TEMPERATURE.value,
-            top_k=_TOP_K.value, top_p=_TOP_P.value, prompt=_PROMPT.value,
-            prompt_file=_PROMPT_FILE.value, seed=_SEED.value, output=_OUTPUT.value,
-            checkpoint=_CHECKPOINT.value, complete=_COMPLETE.value, split=_SPLIT.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    result = sample.sample(
+        _WORKDIR.value, _NUM.value, _LENGTH.value, temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value, top_p=_TOP_P.value, prompt=_PROMPT.value,
+        prompt_file=_PROMPT_FILE.value, seed=_SEED.value, output=_OUTPUT.value,
+        checkpoint=_CHECKPOINT.value, complete=_COMPLETE.value, split=_SPLIT.value,
+        overwrite=_OVERWRITE.value)
     if not result["image"]:
         for k, text in enumerate(result["samples"]):
             print(f"===== sample {k + 1} =====")
@@ -58,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

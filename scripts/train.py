@@ -18,9 +18,10 @@ TPU), or with --coordinator_address=HOST:PORT --num_processes=N --process_id=I. 
 import signal
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from sparse_jax import cli
 from sparse_jax.sharding import define_distributed_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py), "
@@ -34,8 +35,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO
-        logging.set_verbosity(logging.WARNING)
     _JOIN_DISTRIBUTED()
     from sparse_jax import train
 
@@ -45,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -18,6 +18,7 @@ twin (scripts/benchmark_training.py) is in `sparse_jax.torch_benchmark`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -25,13 +26,24 @@ import statistics
 import sys
 import time
 
+from tqdm import tqdm
+
 from sparse_jax import benchmarking
 
 GIB = 2**30
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)
+def log_line(text: str) -> None:
+    """A console line (stdout) that leaves a progress bar intact: tqdm clears and redraws it."""
+    with tqdm.external_write_mode():
+        print(text, flush=True)
+
+
+def case_bar(total: int, desc: str) -> tqdm:
+    """A progress bar with ETA over a benchmark's cases, on a terminal only (a log file gets the
+    result lines alone); the rate is the average over the cases done, whatever their size."""
+    return tqdm(total=total, desc=desc, unit="case", smoothing=0, leave=False,
+                dynamic_ncols=True, disable=not sys.stderr.isatty())
 
 
 def _isolated(kind: str, case: dict, **kwargs) -> dict:
@@ -64,7 +76,8 @@ def run_attention_case(case: dict) -> dict:
     or, for {"matmul": True}, the matmul ceiling in GFLOP/s."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from sparse_jax.attention import sparse_attention
 
@@ -109,7 +122,7 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                         head_dim: int = 64, batch: int = 1, dtype: str = "float32",
                         devices: int | None = None, repeats: int = 5, rounds: int = 1,
                         mem_limit_gb: float = 20.0, output_dir: str = "docs/benchmarks/attention",
-                        log=_print) -> dict:
+                        log=log_line) -> dict:
     """Every (pattern, seq_len, pass) `rounds` times, each in a fresh process killed past
     `mem_limit_gb`, with a `jnp.dot` ceiling at each round's start and at the end; reports each
     case's best round (`best_round`), its useful GFLOP/s (4·B·H·n·|S|·d forward, 2.5× that for
@@ -131,23 +144,26 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
              for pattern in patterns for seq_len in seq_lens for pass_ in passes]
     runs = [[] for _ in cases]  # each case's result in every round
     ceilings = []
-    for round_ in range(rounds):
-        ceilings.append(isolated({"matmul": True})["gflops"])
-        log(f"round {round_ + 1}: jnp.dot 4096x4096 float32: {ceilings[-1]:.0f} GFLOP/s")
-        for case, results in zip(cases, runs):
-            if results and "error" in results[-1]:
-                continue  # out of memory (or failed) once is enough
-            load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
-            results.append({**isolated(case), "load_avg_1min": load})
-            r = results[-1]
-            log(f"{case['pattern']:>14} n={case['seq_len']:>6} {case['pass']:>6}: " + (
-                f"{r['median_ms']:9.1f} ms  {r['peak_rss_gb']:5.2f} GB RSS  "
-                f"{r['xla_temp_gb']:5.2f} GB temp  load {load:.1f}"
-                if "median_ms" in r else r["error"]))
+    with case_bar(rounds * len(cases), "attention cases") as bar:
+        for round_ in range(rounds):
+            ceilings.append(isolated({"matmul": True})["gflops"])
+            log(f"round {round_ + 1}: jnp.dot 4096x4096 float32: {ceilings[-1]:.0f} GFLOP/s")
+            for case, results in zip(cases, runs, strict=True):
+                if results and "error" in results[-1]:
+                    bar.update()
+                    continue  # out of memory (or failed) once is enough
+                load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
+                results.append({**isolated(case), "load_avg_1min": load})
+                r = results[-1]
+                log(f"{case['pattern']:>14} n={case['seq_len']:>6} {case['pass']:>6}: " + (
+                    f"{r['median_ms']:9.1f} ms  {r['peak_rss_gb']:5.2f} GB RSS  "
+                    f"{r['xla_temp_gb']:5.2f} GB temp  load {load:.1f}"
+                    if "median_ms" in r else r["error"]))
+                bar.update()
     ceilings.append(isolated({"matmul": True})["gflops"])
     ceiling = max(ceilings)  # the best jnp.dot: a busy moment must not flatter the fractions
     log(f"jnp.dot 4096x4096 float32 at the end: {ceilings[-1]:.0f} GFLOP/s")
-    rows = [best_round(case, results) for case, results in zip(cases, runs)]
+    rows = [best_round(case, results) for case, results in zip(cases, runs, strict=True)]
     for row in rows:
         if "median_ms" in row:
             flops = 4 * batch * heads * row["seq_len"] * row["keys_per_query"] * head_dim \
@@ -294,7 +310,7 @@ def _model_case(case: dict) -> dict:
 
 def benchmark_model(cases, *, seq_len: int = 8192, num_layers: int = 4, d_model: int = 256,
                     num_heads: int = 4, stride: int = 128, batch_size: int = 1, steps: int = 3,
-                    log=_print) -> list[dict]:
+                    log=log_line) -> list[dict]:
     """A training step of one model for each "pattern:remat:layout" in `cases` (layout:
     unrolled or scan, i.e. scan_layers), float32; logs a markdown table row by row and returns
     every case's numbers."""
@@ -304,22 +320,24 @@ def benchmark_model(cases, *, seq_len: int = 8192, num_layers: int = 4, d_model:
         "| XLA temp GiB | estimated activations GiB |")
     log("|---|---|---|---|---|---|---|---|")
     results = []
-    for name in cases:
-        pattern, remat, layout = name.split(":")
-        model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
-                     num_heads=num_heads, pattern=pattern, stride=stride, remat=remat,
-                     scan_layers=layout == "scan")
-        r = _model_case(dict(kind="step", model=model, batch_size=batch_size, steps=steps))
-        results.append(r)
-        label = f"strided ({stride})" if pattern == "strided" else pattern
-        log(f"| {label} | {remat} | {layout} | {_fmt(r, 'median_step_s')} | "
-            f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} | "
-            f"{_fmt(r, 'xla_temp_gib')} | {_fmt(r, 'estimated_activation_gib')} |"
-            + (f" {r['error']}" if "error" in r else ""))
+    with case_bar(len(cases), "model cases") as bar:
+        for name in cases:
+            pattern, remat, layout = name.split(":")
+            model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
+                         num_heads=num_heads, pattern=pattern, stride=stride, remat=remat,
+                         scan_layers=layout == "scan")
+            r = _model_case(dict(kind="step", model=model, batch_size=batch_size, steps=steps))
+            results.append(r)
+            label = f"strided ({stride})" if pattern == "strided" else pattern
+            log(f"| {label} | {remat} | {layout} | {_fmt(r, 'median_step_s')} | "
+                f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} | "
+                f"{_fmt(r, 'xla_temp_gib')} | {_fmt(r, 'estimated_activation_gib')} |"
+                + (f" {r['error']}" if "error" in r else ""))
+            bar.update()
     return results
 
 
-def benchmark_compile(log=_print) -> list[dict]:
+def benchmark_compile(log=log_line) -> list[dict]:
     """Lower + compile seconds of the paper's 128-layer CIFAR-10 model (batch 1), merged strided
     or a local,local,local,strided schedule, with and without scan_layers and remat; logs a
     markdown table row by row and returns every case's numbers."""
@@ -328,16 +346,18 @@ def benchmark_compile(log=_print) -> list[dict]:
     log("| model | scan_layers | remat | lower s | compile s | peak RSS GiB |")
     log("|---|---|---|---|---|---|")
     results = []
-    for schedule in ("", "local,local,local,strided"):
-        for scan in (False, True):
-            for remat in ("none", "full"):
-                model = dict(cifar, schedule=schedule, scan_layers=scan, remat=remat)
-                r = _model_case(dict(kind="compile", model=model))
-                results.append(r)
-                name = f"CIFAR-10 128 layers, {schedule or 'strided merged'}"
-                log(f"| {name} | {scan} | {remat} | {_fmt(r, 'lower_s', '.1f')} | "
-                    f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} |"
-                    + (f" {r['error']}" if "error" in r else ""))
+    cases = list(itertools.product(("", "local,local,local,strided"), (False, True),
+                                   ("none", "full")))
+    with case_bar(len(cases), "compile cases") as bar:
+        for schedule, scan, remat in cases:
+            model = dict(cifar, schedule=schedule, scan_layers=scan, remat=remat)
+            r = _model_case(dict(kind="compile", model=model))
+            results.append(r)
+            name = f"CIFAR-10 128 layers, {schedule or 'strided merged'}"
+            log(f"| {name} | {scan} | {remat} | {_fmt(r, 'lower_s', '.1f')} | "
+                f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} |"
+                + (f" {r['error']}" if "error" in r else ""))
+            bar.update()
     return results
 
 
@@ -470,7 +490,7 @@ def evaluation_speed(workdir: str, eval_mib: int = 1) -> dict:
 
 
 def benchmark_sampling(*, evaluation: bool = True, eval_mib: int = 1, output: str | None = None,
-                       log=_print, **sampling) -> dict:
+                       log=log_line, **sampling) -> dict:
     """`sampling_speed(**sampling)`, then (if `evaluation`) `evaluation_speed` of a run in a
     temporary folder; logs markdown tables, writes {"machine", "sampling", "evaluation"} as
     JSON to `output` and returns it."""

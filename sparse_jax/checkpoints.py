@@ -9,13 +9,23 @@ CheckpointManager, save / restore of the training state, and restoring a model's
 Training opens the manager read-write (keeps the last `keep` checkpoints and the best by
 validation bits); evaluation and sampling open it read-only, which never creates, deletes or
 cleans anything in a workdir that may still be training.
+
+A checkpoint that cannot be read (a truncated or missing file) is never deleted: "latest" falls
+back to the newest readable checkpoint with a warning; training moves the damaged ones newer
+than it to WORKDIR/damaged_checkpoints/ (they would block its next saves). One training process
+at a time holds WORKDIR/.lock (an flock: a killed run does not leave it held).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import json
 import logging
 import os
+import shutil
+import sys
 
 import jax
 import numpy as np
@@ -23,10 +33,17 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sparse_jax import config as config_lib
+from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.model import SparseTransformer, model_config
 
 FOLDER = "checkpoints"
+DAMAGED = "damaged_checkpoints"
+LOCK = ".lock"
+# What this project writes into a workdir: anything else there is someone else's.
+OURS = {config_lib.RECORD, config_lib.HISTORY, FOLDER, DAMAGED, LOCK, "metrics.jsonl",
+        "tensorboard", "eval", "samples", "profile", "train.log", "study.json",
+        "data_fingerprint.json"}  # FINGERPRINT
 
 
 class _DropExpectedWarnings(logging.Filter):
@@ -49,9 +66,10 @@ def steps(workdir: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
 
 
-def prepare_workdir(workdir: str, config) -> bool:
-    """Creates `workdir` and checks that it is writable and holds no checkpoint of another
-    model or dataset; returns whether it holds checkpoints (the run resumes)."""
+def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
+    """Creates `workdir` and checks that it is writable and holds nothing but a run of this
+    project whose checkpoints `config` may resume. Returns None for a new run, else the config
+    changes (`config.resume_changes`: {} when none); ValueError / OSError otherwise."""
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write_test.{os.getpid()}")
@@ -60,20 +78,75 @@ def prepare_workdir(workdir: str, config) -> bool:
         os.remove(probe)
     except OSError as e:
         raise OSError(e.errno, f"cannot write to the workdir {workdir}: "
-                               f"{e.strerror or e}") from e
-    if not steps(workdir):
-        return False
+                               f"{e.strerror or e}; choose another --workdir") from e
+    entries = [n for n in os.listdir(workdir) if not n.startswith(".write_test.")]
+    foreign = sorted(n for n in entries if n not in OURS  # a temporary file being written:
+                     and not (n.endswith(".tmp") and n[:-4] in OURS))
     record = os.path.join(workdir, config_lib.RECORD)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(f"{workdir} holds files this project did not write ({shown}); "
+                         "refusing to train there: use an empty or new --workdir")
     if not os.path.exists(record):
-        raise ValueError(f"{workdir} holds checkpoints but no config.json, so they cannot be "
-                         "checked against this config; use another --workdir")
-    changed = config_lib.differences(config_lib.read_record(workdir), config, ("model", "data"))
-    if changed:
-        raise ValueError(f"{workdir} holds checkpoints of a different model or dataset; "
-                         "refusing to touch them. Use another --workdir or the saved config "
-                         f"({record}). Differences:\n  "
-                         + "\n  ".join(config_lib.describe_differences(changed)))
-    return True
+        if steps(workdir):
+            raise ValueError(f"{workdir} holds checkpoints but no config.json, so they cannot "
+                             "be checked against this config; use another --workdir")
+        return None
+    try:
+        saved = config_lib.read_record(workdir)
+        assert all(section in saved for section in config_lib.SECTIONS)
+    except Exception as e:  # noqa: BLE001  (any unreadable or foreign file)
+        raise ValueError(f"{record} was not written by this project (or is damaged: "
+                         f"{type(e).__name__}); refusing to train there: use another "
+                         "--workdir") from e
+    if not steps(workdir):
+        return None  # a run that never checkpointed starts again
+    return config_lib.resume_changes(saved, config, workdir)
+
+
+FINGERPRINT = "data_fingerprint.json"
+
+
+def check_data(workdir: str, config_data, dataset) -> None:
+    """Records what data a run trains on (`data.fingerprint`) in WORKDIR/data_fingerprint.json
+    when it starts, and checks on every resume that the data is still the same (ValueError
+    naming the file otherwise). Written by process 0 only."""
+    path = os.path.join(workdir, FINGERPRINT)
+    recorded = None
+    if os.path.exists(path) and steps(workdir):
+        with open(path) as f:
+            recorded = json.load(f)
+    current = data_lib.check_fingerprint(recorded, config_data, dataset)
+    if jax.process_index() == 0 and current != recorded:
+        with open(path + ".tmp", "w") as f:
+            json.dump(current, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def lock(workdir: str):
+    """Holds WORKDIR/.lock while a training process uses `workdir`; OSError if another one
+    holds it. The lock dies with its process (flock), so a killed run never leaves it held."""
+    path = os.path.join(workdir, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise OSError(errno.EBUSY, f"{workdir} is in use by another training process (pid "
+                                   f"{holder}); wait for it to end or use another --workdir"
+                      ) from e
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def check_workdir(workdir: str) -> None:
@@ -149,6 +222,45 @@ def restore(mgr, step: int, abstract_state):
     return state, restored["meta"]
 
 
+def _reason(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def warn(message: str) -> None:
+    """One `warning:` line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        sys.stderr.write(f"warning: {message}\n")
+        sys.stderr.flush()
+
+
+def restore_latest(mgr, abstract_state, workdir: str):
+    """(step, state, meta) of the newest checkpoint that can be read. Damaged newer ones are
+    moved to WORKDIR/damaged_checkpoints/<step> (never deleted) with a warning; OSError, moving
+    nothing, if none can be read."""
+    damaged = []
+    for step in sorted(mgr.all_steps(), reverse=True):
+        try:
+            state, meta = restore(mgr, step, abstract_state)
+        except Exception as e:  # noqa: BLE001  (Orbax and TensorStore fail in many types)
+            damaged.append((step, _reason(e)))
+            continue
+        for bad, reason in damaged:
+            aside = os.path.join(workdir, DAMAGED, f"{bad}")
+            while os.path.exists(aside):
+                aside += "_"
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            shutil.move(os.path.join(workdir, FOLDER, str(bad)), aside)
+            warn(f"checkpoint {bad} in {mgr.directory} cannot be read ({reason}); moved it to "
+                 f"{aside} and resumed from step {step}")
+        if damaged:
+            mgr.reload()
+        return step, state, meta
+    raise OSError(errno.EIO, f"no checkpoint in {mgr.directory} can be read (newest: "
+                             f"{damaged[0][1] if damaged else 'none'}); nothing was moved or "
+                             "deleted. Use another --workdir to start over")
+
+
 def parse_checkpoint(checkpoint) -> str | int:
     """"latest" | "best" | a step number (int or digits); ValueError otherwise."""
     if isinstance(checkpoint, str) and checkpoint in ("latest", "best"):
@@ -181,6 +293,32 @@ def resolve_step(mgr: ocp.CheckpointManager, checkpoint) -> int:
     return checkpoint
 
 
+def step_of(workdir: str, checkpoint="latest") -> int:
+    """The step `checkpoint` names in `workdir` (read-only; see `resolve_step`)."""
+    mgr = manager(workdir)
+    try:
+        return resolve_step(mgr, checkpoint)
+    finally:
+        mgr.close()
+
+
+def check_output(path: str, overwrite: bool, what: str = "") -> None:
+    """Before any work: FileExistsError if `path` exists and `overwrite` is not set; OSError if
+    its folder cannot be created or written."""
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(errno.EEXIST, f"{path} exists{what}; pass --overwrite to replace "
+                                            "it, or choose another output")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write_test.{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write to {folder}: {e.strerror or e}; choose another "
+                               "output") from e
+
+
 def restore_model(workdir: str, checkpoint="latest", mesh=None):
     """(model, config, step): the run's config and the parameters of one checkpoint.
 
@@ -205,8 +343,21 @@ def restore_model(workdir: str, checkpoint="latest", mesh=None):
             shardings = sharding_lib.state_shardings(pure, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               pure, shardings)
-        restored = mgr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(target)))
+        candidates = sorted(mgr.all_steps(), reverse=True) if checkpoint == "latest" else [step]
+        for k, step in enumerate(candidates):
+            try:
+                restored = mgr.restore(step, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target)))
+                break
+            except Exception as e:  # noqa: BLE001  (Orbax and TensorStore fail in many types)
+                if k + 1 == len(candidates):
+                    raise OSError(errno.EIO, f"checkpoint {step} in {mgr.directory} cannot be "
+                                  f"read ({_reason(e)}); "
+                                  + ("no older checkpoint can be read either" if k else
+                                     f"choose another with --checkpoint (steps: "
+                                     f"{sorted(mgr.all_steps())})")) from e
+                warn(f"checkpoint {step} in {mgr.directory} cannot be read ({_reason(e)}); "
+                     f"using step {candidates[k + 1]}")
     finally:
         mgr.close()
     nnx.replace_by_pure_dict(abstract, restored["params"])

@@ -1,5 +1,14 @@
-"""The run config: checks of the fields the trainer reads, differences between two configs, and
-the workdir's record of the config a run trained with (`WORKDIR/config.json`).
+"""The run config: checks of the fields the trainer reads, differences between two configs, the
+workdir's record of the config a run trains with (`WORKDIR/config.json`), and the rule for
+changing it when a run is resumed.
+
+Resuming a run (a workdir with checkpoints) with a different config: the fields in
+`RESUMABLE` may change (how long to train, how often to log, validate and checkpoint, how many
+checkpoints to keep, the device mesh, profiling, where the data lives; `sparse_jax.data` checks
+that the data itself is the same); any other difference is refused with the list of
+differences. An allowed change rewrites config.json (the config in effect, which evaluation and
+sampling read) and appends {"step", "time", "changes": {field: [old, new]}} to
+`WORKDIR/config_history.jsonl`, so how every checkpoint was trained stays on record.
 
 A run config is the `ml_collections.ConfigDict` of a file in `configs/` (see `configs.load`):
 trainer fields at the top level, and the sections `optimizer`, `mesh`, `data` (read by
@@ -10,16 +19,23 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import ml_collections
 
 from sparse_jax import data as data_lib
+from sparse_jax import logs
 from sparse_jax.model import ModelConfig, model_config
 
 RECORD = "config.json"  # in the workdir: the config the run trains with
+HISTORY = "config_history.jsonl"  # in the workdir: changes of config.json on resume
 # Fields that only say where the data lives: they may change when a run is resumed.
 LOCATION_FIELDS = ("data.download", "data.data_dir", "data.manual_dir")
+# Fields (or sections, ending in ".") that may change when a run is resumed.
+RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+             "keep_checkpoints", "profile_steps", "mesh.", "data.path", *LOCATION_FIELDS)
+SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -46,6 +62,7 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
     data_lib.data_config(config.data)  # ValueError for a missing file path or a bad data field
+    logs.check_profile_steps(config.profile_steps, config.total_steps)
     return cfg
 
 
@@ -95,3 +112,32 @@ def read_record(workdir: str) -> ml_collections.ConfigDict:
     tuples = lambda d: {k: tuples(v) if isinstance(v, dict) else  # noqa: E731
                         tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return ml_collections.ConfigDict(tuples(raw))
+
+
+def resume_changes(saved, config, workdir: str) -> dict[str, tuple]:
+    """The differences between the config a run trained with (`saved`) and `config` when they
+    are all allowed on resume (`RESUMABLE`); ValueError listing the others otherwise."""
+    old, new = flat(saved), flat(config)
+    changed = differences(old, new)  # and the data's location, which `differences` ignores:
+    changed.update({k: (old.get(k, "<absent>"), new.get(k, "<absent>")) for k in LOCATION_FIELDS
+                    if old.get(k, "<absent>") != new.get(k, "<absent>")})
+    refused = {k: v for k, v in changed.items()
+               if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)}
+    if refused:
+        raise ValueError(
+            f"{workdir} holds checkpoints trained with another config; refusing to touch them. "
+            f"Differences: {'; '.join(describe_differences(refused))}. On resume only "
+            f"{', '.join(RESUMABLE)} may change: use another --workdir, or the saved config "
+            f"({os.path.join(workdir, RECORD)}).")
+    return changed
+
+
+def record_changes(workdir: str, config, step: int, changed: dict[str, tuple]) -> None:
+    """Appends the allowed changes in effect from `step` to config_history.jsonl, then rewrites
+    config.json with `config` (the history line first: a crash between the two leaves the
+    change recorded, and the next run finds the same differences)."""
+    with open(os.path.join(workdir, HISTORY), "a") as f:
+        f.write(json.dumps({"step": step, "time": round(time.time(), 3),
+                            "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
+    write_record(workdir, config)
+

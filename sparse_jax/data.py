@@ -4,7 +4,11 @@
 `make_dataset` reads its splits (through `sparse_jax.sources`) into a `ByteDataset` (enwik8, any
 byte file, the generated "embedded" stream; bits per byte) or an `ImageDataset` (CIFAR-10; bits
 per dim). `DataConfig.is_image` is the one answer to "is this an image model". Everything here
-is NumPy on the host. Every batch is a dict of `[batch, seq_len]` arrays:
+is NumPy on the host. Data that cannot serve a run (a missing or damaged file, a split too small
+for its use, a token outside the vocabulary) fails in `prepare` / `make_dataset`, before anything
+is compiled, with a one-line error naming the file and the fix; `fingerprint` /
+`check_fingerprint` detect a data file that changed since a run started. Every batch is a dict
+of `[batch, seq_len]` arrays:
 
 - `inputs` int32, `targets` int32: the model reads `inputs` and predicts `targets` position by
   position. Byte streams: a window starting at s has inputs x[s:s+L] and targets x[s+1:s+L+1].
@@ -274,7 +278,11 @@ class Dataset:
     seed: int = 0
     process_index: int = 0
     process_count: int = 1
+    source: str = "the data"  # what errors name: the file, the generated stream, the TFDS folder
+    fractions: tuple[float, ...] | None = None  # bytes: the stream's train/valid/test fractions
     unit: ClassVar[str]  # "byte" (bits per byte) or "dim" (bits per dim)
+    items: ClassVar[str]  # what a split holds: "bytes" or "images"
+    min_eval: ClassVar[int]  # the fewest items of a split that can be scored
 
     def train_batches(self, batch_size: int, state: dict | None = None) -> StepIterator:
         """Endless per-process batches; `.get_state()` / `.set_state()` checkpoint the position."""
@@ -301,6 +309,23 @@ class Dataset:
             valid = rows < count
             yield read(np.where(valid, rows, 0), valid)
 
+    def require(self, split: str, need: int, purpose: str, fix: str = "") -> None:
+        """A one-line ValueError naming the data, the split, its size, `need` and what to do
+        (`_FIXES`, then `fix`) unless `split` holds at least `need` items (bytes or images)."""
+        have = len(self.splits[split])
+        if have < need:
+            raise ValueError(f"{self.source}: {self._describe(split)} has {have:,} {self.items}; "
+                             f"{purpose} needs at least {need:,}; {_FIXES.get(self.name, '')}{fix}")
+
+    def check_split(self, split: str, min_context: int | None = None) -> int:
+        """`num_sequences(split, min_context)`, or a one-line ValueError (`require`) if the split
+        has nothing to score."""
+        self.require(split, self.min_eval, f"scoring the {split} split")
+        return self.num_sequences(split, min_context)
+
+    def _describe(self, split: str) -> str:
+        return f"the {split} split"
+
     def _train_iterator(self, batch_size: int) -> StepIterator:
         raise NotImplementedError
 
@@ -312,7 +337,14 @@ class Dataset:
 class ByteDataset(Dataset):
     """Splits of one byte stream: random training windows, evaluation windows (`eval_windows`)."""
 
-    unit = "byte"
+    unit, items, min_eval = "byte", "bytes", 2  # one byte of context and one to score
+
+    def _describe(self, split):
+        if self.fractions is None:
+            return f"the {split} split"
+        i, total = SPLITS.index(split), sum(len(x) for x in self.splits.values())
+        field = "split_fractions" if self.name != "enwik8" else "fractions"
+        return f"the {split} split ({field}[{i}]={self.fractions[i]:g} of {total:,} bytes)"
 
     def _train_iterator(self, batch_size):
         return ByteWindows(self.splits["train"], self.seq_len, batch_size, self.seed,
@@ -335,9 +367,12 @@ class ByteDataset(Dataset):
 class ImageDataset(Dataset):
     """Splits of images: shuffled training epochs, every sub-pixel of every image scored."""
 
-    unit = "dim"
+    unit, items, min_eval = "dim", "images", 1
 
     def _train_iterator(self, batch_size):
+        need = batch_size * self.process_count
+        self.require("train", need, f"a global batch of {batch_size} x {self.process_count} "
+                     "processes", ", or lower --config.batch_size")
         return ImageBatches(self.splits["train"], batch_size, self.seed, self.process_index,
                             self.process_count)
 
@@ -362,29 +397,113 @@ def prepare(config) -> None:
         sources.prepare_cifar10(cfg.data_dir, cfg.manual_dir, cfg.download)
 
 
-def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1,
-                 ) -> Dataset:
+_FIXES = {  # what to do about a split too small for its use
+    "enwik8": "use the complete enwik8",
+    "bytes": "raise its share in --config.data.split_fractions or use a larger file",
+    "embedded": "raise --config.data.embedded_bytes or its share in --config.data.split_fractions",
+    "cifar10": "prepare the complete CIFAR-10 (sources.prepare_cifar10)"}
+
+
+def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
+    """(what errors name: the file or the generated stream, its bytes) of byte data `cfg`."""
+    if cfg.name == "enwik8":
+        return cfg.path, sources.load_enwik8(cfg.path, download=cfg.download)
+    if cfg.name == "bytes":
+        return cfg.path, sources.load_bytes(cfg.path)
+    return (f"the generated 'embedded' stream ({cfg.embedded_bytes:,} bytes)",
+            sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed))
+
+
+def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1, *,
+                 vocab_size: int | None = None) -> Dataset:
     """The dataset of `config` (a DataConfig, or a ConfigDict / mapping for `data_config`).
 
     enwik8: `path` names the raw file or the .zip (`download` fetches a missing archive), split
     90M/5M/5M. bytes: any file at `path` (plain or .gz), split by `split_fractions`. embedded:
     `embedded_bytes` bytes generated with `embedded_seed`, split by `split_fractions`. cifar10:
     the prepared TFDS builder in `data_dir` (see `prepare`); seq_len must be 3,072.
+
+    Before anything is compiled, it refuses (one-line errors naming the file and the split)
+    data that cannot serve a run: a byte train split shorter than one window (seq_len + 1
+    bytes), a valid split with nothing to score (< 2 bytes), an empty image split, and with
+    `vocab_size`, data with a token >= vocab_size (`check_vocabulary`). The test split is
+    checked when it is scored (`Dataset.check_split`).
     """
     cfg = data_config(config)
-    args = (cfg.name, seq_len)
     kwargs = dict(seed=cfg.seed, process_index=process_index, process_count=process_count)
     if cfg.is_image:
         size = math.prod(cfg.image_shape)
         if seq_len != size:
             raise ValueError(f"{cfg.name} images are {size} sub-pixels long "
                              f"({' x '.join(map(str, cfg.image_shape))}), got seq_len {seq_len}")
-        return ImageDataset(*args, {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS},
-                            **kwargs)
-    if cfg.name == "enwik8":
-        data = sources.load_enwik8(cfg.path, download=cfg.download)
-    elif cfg.name == "bytes":
-        data = sources.load_bytes(cfg.path)
+        splits = {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS}
+        where = cfg.data_dir or "the TFDS default data dir"
+        ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}")
+        for split in SPLITS:
+            ds.require(split, 1, "training" if split == "train" else "evaluation")
     else:
-        data = sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed)
-    return ByteDataset(*args, split_bytes(data, cfg.fractions), **kwargs)
+        source, data = _byte_source(cfg)
+        ds = ByteDataset(cfg.name, seq_len, split_bytes(data, cfg.fractions), **kwargs,
+                         source=source, fractions=cfg.fractions)
+        ds.require("train", seq_len + 1, "training (one window of seq_len + 1 bytes)",
+                   ", or lower --config.model.seq_len")
+        ds.require("valid", ds.min_eval, "validation")
+    if vocab_size is not None:
+        check_vocabulary(ds, vocab_size)
+    return ds
+
+
+def check_vocabulary(dataset: Dataset, vocab_size: int) -> None:
+    """A one-line ValueError naming the data, the offending value and its offset if a token of
+    `dataset` is >= `vocab_size`. Bytes and sub-pixels are 0..255, so vocab_size >= 256 passes
+    without reading anything; a smaller one scans each byte split once (np.max over the memory
+    map: a few hundredths of a second per 100 MB in the page cache); images need 256."""
+    if vocab_size >= 256:
+        return
+    fix = "set --config.model.vocab_size=256 (covers every byte)"
+    if dataset.unit == "dim":
+        raise ValueError(f"{dataset.source}: sub-pixels take values 0..255, outside "
+                         f"model.vocab_size={vocab_size}; {fix}")
+    offset = 0
+    for split in SPLITS:
+        data = dataset.splits[split]
+        if len(data) and (top := int(np.max(data))) >= vocab_size:
+            at = int(np.argmax(np.asarray(data) >= vocab_size))
+            raise ValueError(f"{dataset.source}: byte value {int(data[at])} at offset "
+                             f"{offset + at:,} ({split} split; largest {top}) is outside "
+                             f"model.vocab_size={vocab_size}; {fix}")
+        offset += len(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# The data a run started with.
+
+
+def fingerprint(config, dataset: Dataset | None = None) -> dict:
+    """What identifies the data of `config`: record it when a run starts, compare on resume
+    (`check_fingerprint`). Byte data: {"name", "path", "size", "sha256"} of the whole stream the
+    model reads (of a .gz file: the decompressed bytes), hashed in full (~0.06 s per 100 MB);
+    `dataset` (from `make_dataset`) spares loading it again. enwik8: the size and MD5 that
+    `load_enwik8` verifies, not hashed again. cifar10: `sources.cifar10_fingerprint`."""
+    cfg = data_config(config)
+    if cfg.is_image:
+        return sources.cifar10_fingerprint(cfg.data_dir)
+    if cfg.name == "enwik8":
+        if dataset is None:
+            sources.load_enwik8(cfg.path, download=cfg.download)  # verifies size and MD5
+        return {"name": "enwik8", "path": cfg.path, "size": sources.ENWIK8_SIZE,
+                "md5": sources.ENWIK8_MD5}
+    parts = [dataset.splits[s] for s in SPLITS] if dataset is not None else [_byte_source(cfg)[1]]
+    return sources.stream_fingerprint(cfg.name, cfg.path, parts)
+
+
+def check_fingerprint(recorded: dict | None, config, dataset: Dataset | None = None) -> dict:
+    """The current `fingerprint(config, dataset)`, after a one-line ValueError naming the data
+    and the first field that differs from `recorded` ("path" is not compared: a moved file is
+    the same data). `recorded` None checks nothing."""
+    current, cfg = fingerprint(config, dataset), data_config(config)
+    what = {"embedded": "the generated 'embedded' stream", "cifar10": "CIFAR-10 in "
+            f"{cfg.data_dir or 'the TFDS default data dir'}"}.get(cfg.name, cfg.path)
+    if recorded is not None:
+        sources.check_unchanged(recorded, current, what)
+    return current

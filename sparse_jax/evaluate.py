@@ -33,7 +33,8 @@ import time
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
@@ -102,11 +103,12 @@ def result_path(workdir: str, split: str, step: int, min_context: int | None) ->
 
 def evaluate(workdir: str, split: str = "test", checkpoint="latest",
              min_context: int | None = None, batch_size: int | None = None, *,
-             progress: bool = True, write: bool = True) -> dict:
+             progress: bool = True, write: bool = True, overwrite: bool = False) -> dict:
     """Bits per byte / dim of one checkpoint over the whole `split`; see the module docstring.
 
     batch_size: sequences per forward pass over all devices (default: the training batch).
-    Returns the result dict (also written to `result_path(...)` if `write`).
+    Returns the result dict (also written to `result_path(...)` if `write`; an existing result
+    is replaced only with `overwrite`).
     """
     # Everything cheap is checked before restoring parameters or reading data.
     checkpoints.check_workdir(workdir)
@@ -126,17 +128,21 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         raise ValueError("min_context applies to byte data only" if image else
                          f"min_context must be in [0, seq_len={cfg.seq_len}), got {min_context}")
 
+    def check_output(step):
+        if write and jax.process_index() == 0:
+            checkpoints.check_output(result_path(workdir, split, step, min_context), overwrite)
+
+    check_output(checkpoints.step_of(workdir, checkpoint))
+    dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
+                                    vocab_size=cfg.vocab_size)
+    split_data = dataset.splits[split]
+    count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
     mesh = eval_mesh(config, devices)
     batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh)
-    dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes)
+    check_output(step)  # again: a damaged checkpoint may have fallen back to another step
     graphdef, params = nnx.split(model)
     eval_step = _eval_step(graphdef, batch_sharding)
-
-    split_data = dataset.splits[split]
-    count = dataset.num_sequences(split, min_context)
-    if count == 0:
-        raise ValueError(f"the {split} split has nothing to score ({len(split_data)} items)")
     num_batches = -(-count // batch_size)
     bar = Progress(num_batches, f"{split} step {step}", progress and jax.process_index() == 0)
     start, first_done = time.time(), None  # first_done: the first batch (with compilation)

@@ -1,8 +1,12 @@
-"""What a run shows and records: console lines, a progress line, metrics.jsonl and TensorBoard.
+"""What a run shows and records: console lines, progress bars (tqdm), metrics.jsonl, TensorBoard
+and, if asked for, a profiler trace of chosen steps.
 
   WORKDIR/metrics.jsonl  one JSON object per logged step: step, split (train | valid), time
                          (Unix seconds when written), bits, ...
   WORKDIR/tensorboard/   TensorBoard events (train/valid bits, lr, gradient norm, tokens/s)
+  WORKDIR/profile/       the trace of config.profile_steps (`Profiler`), one folder per trace
+                         under plugins/profile/: HOST.xplane.pb (TensorBoard's profile plugin,
+                         xprof) and perfetto_trace.json.gz (https://ui.perfetto.dev)
 
 Only the process with index 0 writes; the others stay silent.
 """
@@ -16,6 +20,7 @@ import sys
 import time
 
 import jax
+from tqdm import tqdm
 
 
 def duration(seconds: float) -> str:
@@ -28,13 +33,13 @@ def duration(seconds: float) -> str:
 
 
 class Logger:
-    """Console lines, a progress bar (on a terminal), metrics.jsonl and TensorBoard of a run
-    that starts (or resumes) at `start_step`."""
+    """Console lines, a progress bar (on a terminal only), metrics.jsonl and TensorBoard of a
+    run that starts (or resumes) at `start_step`."""
 
     def __init__(self, workdir: str, start_step: int, total_steps: int):
         self.active = jax.process_index() == 0
-        self.total, self.bar_time, self.since = total_steps, 0.0, None
-        self.bar = self.active and sys.stderr.isatty()
+        self.total, self.since, self.bar = total_steps, None, None
+        self.show_bar = self.active and sys.stderr.isatty()
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb = None
         if not self.active:
@@ -52,10 +57,10 @@ class Logger:
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
 
     def print(self, text: str) -> None:
+        """One console line (stdout); the progress bar is cleared first and redrawn after."""
         if self.active:
-            if self.bar:
-                sys.stderr.write("\r\033[K")
-            print(text, flush=True)
+            with tqdm.external_write_mode():
+                print(text, flush=True)
 
     def write(self, step: int, split: str, metrics: dict) -> None:
         """One row of metrics.jsonl and one TensorBoard scalar per metric ("split/name")."""
@@ -69,55 +74,123 @@ class Logger:
         self.tb.flush()
 
     def progress(self, step: int, tokens_per_step: int) -> None:
-        """Step `step` is done: redraws the progress bar (on a terminal, at most five times a
-        second) with the average speed since the first call (so compiling does not count)."""
-        now = time.time()
-        if self.since is None:
-            self.since = (now, step)
-        if not self.bar or now - self.bar_time < 0.2 or step <= self.since[1] + 1:
+        """Step `step` is done: moves the progress bar (on a terminal; tqdm redraws it at most
+        five times a second). Rates are averages from the first call on, so compiling the step
+        does not count."""
+        if not self.show_bar:
             return
-        steps_per_s = (step - self.since[1]) / (now - self.since[0])
-        tokens_per_s = steps_per_s * tokens_per_step
-        self.bar_time, done = now, step / self.total
-        eta = (self.total - step) / steps_per_s
-        sys.stderr.write(f"\r[{'#' * int(30 * done):<30}] {step}/{self.total} "
-                         f"{steps_per_s:.2f} steps/s {tokens_per_s:,.0f} tok/s "
-                         f"ETA {duration(eta)}\033[K")
-        sys.stderr.flush()
+        if self.bar is None:
+            self.since = (time.time(), step)
+            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step", smoothing=0,
+                            mininterval=0.2, dynamic_ncols=True)
+            return
+        steps_per_s = (step - self.since[1]) / max(time.time() - self.since[0], 1e-9)
+        self.bar.set_postfix_str(f"{steps_per_s * tokens_per_step:,.0f} tok/s", refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
-        if self.bar:
-            sys.stderr.write("\n")
+        if self.bar is not None:
+            self.bar.close()
         if self.tb is not None:
             self.tb.close()
 
 
+class _Lines(tqdm):
+    """tqdm for a log file: a line of its own for each new count, no carriage returns."""
+
+    shown = None  # the count of the last line written
+
+    def display(self, msg=None, pos=None):
+        if msg is None and self.n != self.shown:  # msg="": clearing a terminal line
+            self.fp.write(self.__str__() + "\n")
+            self.fp.flush()
+            self.shown = self.n
+        return msg is None
+
+    def clear(self, nolock=False):  # a line written is never taken back
+        pass
+
+
 class Progress:
-    """A progress line with rate and ETA on stderr: redrawn on a terminal, else every 10%.
-    Rates are measured from the first update on (so compilation does not count)."""
+    """Progress with rate and ETA on stderr (tqdm): a bar redrawn on a terminal, else a line
+    every 10%. Rates are measured from the first update on (so compilation does not count)."""
 
     def __init__(self, total: int, label: str, enabled: bool = True):
         self.total, self.label, self.enabled = total, label, enabled
-        self.tty, self.last, self.next_percent, self.first = sys.stderr.isatty(), 0.0, 10, None
+        self.bar, self.first = None, None
 
     def update(self, done: int, amount: float, unit: str) -> None:
         """`done` of `total` items finished, `amount` units (e.g. tokens) processed so far."""
-        if not self.enabled:
+        if not self.enabled or self.bar is not None and self.bar.disable:  # disable: closed
             return
         now = time.time()
-        if self.first is None:
-            self.first = (now, done, amount)
-        percent = 100 * done // max(self.total, 1)
-        final = done >= self.total
-        t0, done0, amount0 = self.first
-        if (done == done0 or self.tty and now - self.last < 0.2
-                or not self.tty and percent < self.next_percent) and not final:
-            return
-        self.last, self.next_percent = now, percent // 10 * 10 + 10
-        elapsed = max(now - t0, 1e-9)
-        rate = f"{(amount - amount0) / elapsed:,.0f} {unit}/s" if done > done0 else "?"
-        eta = elapsed / (done - done0) * (self.total - done) if done > done0 else float("nan")
-        line = f"{self.label}: {done}/{self.total} ({percent}%)  {rate}  ETA {duration(eta)}"
-        sys.stderr.write(("\r" + line + "\033[K" + ("\n" if final else "")) if self.tty
-                         else line + "\n")
-        sys.stderr.flush()
+        if self.bar is None:
+            self.first = (now, amount)
+            tty = sys.stderr.isatty()
+            options = dict(mininterval=0.2, dynamic_ncols=True) if tty else dict(
+                mininterval=0, miniters=max(1, -(-self.total // 10)), maxinterval=math.inf,
+                leave=False,  # the last line stays anyway: no blank line after it
+                bar_format="{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) "
+                           "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+            self.bar = (tqdm if tty else _Lines)(
+                total=self.total, initial=done, desc=self.label, unit="batch", smoothing=0,
+                delay=0 if tty else 1e-6, **options)  # a log file skips the 0% line
+        else:
+            t0, amount0 = self.first
+            self.bar.set_postfix_str(f"{(amount - amount0) / max(now - t0, 1e-9):,.0f} {unit}/s",
+                                     refresh=False)
+            self.bar.update(done - self.bar.n)
+        if done >= self.total:
+            self.bar.refresh()  # the final line, whatever the interval
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling (config.profile_steps).
+
+
+def check_profile_steps(steps, total_steps: int | None = None) -> tuple[int, ...]:
+    """config.profile_steps as a tuple: () (off) or (first, last) with 1 <= first <= last
+    (<= total_steps if given); ValueError otherwise."""
+    steps = tuple(steps) if isinstance(steps, (tuple, list)) else steps
+    ok = steps == () or (isinstance(steps, tuple) and len(steps) == 2 and all(
+        isinstance(s, int) and not isinstance(s, bool) for s in steps)
+        and 1 <= steps[0] <= steps[1] and (total_steps is None or steps[1] <= total_steps))
+    if not ok:
+        limit = "" if total_steps is None else f" <= total_steps={total_steps}"
+        raise ValueError(f"config.profile_steps must be () (off) or (first, last) with "
+                         f"1 <= first <= last{limit}, got {steps!r}")
+    return steps
+
+
+class Profiler:
+    """A `jax.profiler` trace of the training steps first..last (counted from 1, inclusive)
+    into WORKDIR/profile, on process 0; does nothing for steps=().
+
+    Call `step(step, outputs)` after dispatching step `step` with that step's outputs (e.g. the
+    new state): the trace starts before step `first` runs and stops after step `last` has
+    finished on the device (both wait for the outputs, so the trace holds exactly those steps'
+    work). A run resumed inside the range traces the rest of it. `close()` stops a trace that
+    is still running (a run that ended early)."""
+
+    def __init__(self, workdir: str, steps, start_step: int = 0):
+        steps = check_profile_steps(steps)
+        self.dir = os.path.join(workdir, "profile")
+        self.first, self.last = steps if steps and jax.process_index() == 0 else (0, -1)
+        self.tracing = self.done = False
+        self.step(start_step)
+
+    def step(self, step: int, outputs=None) -> None:
+        """Steps 1..`step` are dispatched; `outputs` are step `step`'s results."""
+        if self.tracing and step >= self.last:
+            jax.block_until_ready(outputs)
+            self.close()
+        elif not (self.tracing or self.done) and self.first <= step + 1 <= self.last:
+            jax.block_until_ready(outputs)
+            jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.tracing = True
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing, self.done = False, True

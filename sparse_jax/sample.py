@@ -43,7 +43,7 @@ def prompt_bytes(prompt: str | bytes | None = None, prompt_file: str | None = No
         raise ValueError("give a prompt or a prompt_file, not both")
     if prompt_file is not None:
         if not os.path.isfile(prompt_file):
-            raise FileNotFoundError(f"prompt file {prompt_file} does not exist")
+            raise FileNotFoundError(f"prompt file {prompt_file} does not exist or is not a file")
         with open(prompt_file, "rb") as f:
             return f.read()
     if isinstance(prompt, bytes) or prompt is None:
@@ -88,8 +88,9 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            prompt: str | bytes | None = None, prompt_file: str | None = None, seed: int = 0,
            output: str | None = None, checkpoint="latest", complete: int = 0,
-           split: str = "test") -> dict:
-    """Samples from a checkpoint of the run in ``workdir`` and writes them (module docstring).
+           split: str = "test", overwrite: bool = False) -> dict:
+    """Samples from a checkpoint of the run in ``workdir`` and writes them (module docstring);
+    an existing output file is replaced only with ``overwrite``.
 
     Text: ``num_samples`` continuations of the prompt by ``length`` bytes (default 256 or as many
     as fit). Images: ``num_samples`` whole images, or with ``complete=N`` the bottom halves of the
@@ -125,20 +126,28 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
             length = max(1, min(DEFAULT_TEXT_LENGTH, cfg.seq_len + 1 - len(text)))
         check_length(len(text), length, cfg.seq_len)
 
+    def output_path(step):
+        name = (f"{step}_complete_{split}_seed{seed}.png" if image and complete else
+                f"{step}_seed{seed}.png" if image else f"{step}_seed{seed}.txt")
+        return output or os.path.join(workdir, "samples", name)
+
+    checkpoints.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite)
     model, config, step = checkpoints.restore_model(workdir, checkpoint)
+    path = output_path(step)
+    checkpoints.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
     settings = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
     rows, columns, channels = data_cfg.image_shape or (0, 0, 0)
-    folder, shape = os.path.join(workdir, "samples"), (-1, rows, columns, channels)
+    shape = (-1, rows, columns, channels)
     start = time.time()
     if not image:  # the same prompt for every sample
         prompt_BP = np.tile(np.frombuffer(text, np.uint8), (num_samples, 1))
         tokens = generate(model, prompt_BP, length, **settings)
         samples = [bytes(row.astype(np.uint8)) for row in tokens]
-        path = output or os.path.join(folder, f"{step}_seed{seed}.txt")
         _write_text(path, samples, f"step {step}, seed {seed}, prompt {len(text)} bytes + "
                                    f"{length} new")
     elif complete:  # [0] + the top half of each image, then the bottom half sampled
-        source = data_lib.make_dataset(config.data, cfg.seq_len).splits[split]
+        source = data_lib.make_dataset(config.data, cfg.seq_len,
+                                       vocab_size=cfg.vocab_size).splits[split]
         if complete > len(source):
             raise ValueError(f"complete={complete} exceeds the {len(source)} {split} images")
         originals = source.images(np.arange(complete)).astype(np.int32)
@@ -148,13 +157,11 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         samples = tokens[:, 1:].reshape(shape).astype(np.uint8)
         gap = np.full((complete, rows, 2, channels), 255, np.uint8)
         pairs = np.concatenate([originals.reshape(shape).astype(np.uint8), gap, samples], axis=2)
-        path = output or os.path.join(folder, f"{step}_complete_{split}_seed{seed}.png")
         save_png(image_grid(pairs, columns=max(1, int(math.sqrt(complete / 2)))), path)
     else:  # whole images after the constant 0 that position 0 reads
         prompt_BP = np.zeros((num_samples, 1), np.int32)
         tokens = generate(model, prompt_BP, cfg.seq_len, **settings)
         samples = tokens[:, 1:].reshape(shape).astype(np.uint8)
-        path = output or os.path.join(folder, f"{step}_seed{seed}.png")
         save_png(image_grid(samples), path)
     seconds = time.time() - start
     new_tokens = tokens.shape[0] * (tokens.shape[1] - prompt_BP.shape[1])

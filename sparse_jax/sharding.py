@@ -29,7 +29,8 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp")
 
@@ -120,7 +121,8 @@ def _checked_specs(abstract_state, mesh_shape: Mapping[str, int], rules: Mapping
             if axis is not None and dim % mesh_shape[axis]:
                 raise ValueError(
                     f"{'/'.join(map(str, _names(path)))} of shape {tuple(x.shape)} cannot be split "
-                    f"over mesh axis {axis!r} of size {mesh_shape[axis]} ({dim} is not a multiple); "
+                    f"over mesh axis {axis!r} of size {mesh_shape[axis]} "
+                    f"({dim} is not a multiple); "
                     f"choose mesh.fsdp dividing the model width")
     return specs
 

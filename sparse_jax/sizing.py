@@ -1,6 +1,7 @@
 """The size and cost of a model config, without allocating it: parameters (counted by formula
 and from abstract shapes), the attention schedule, mean keys per query, FLOPs and activation
-memory (`describe`), and the same as text for `scripts/describe.py` (`describe_text`)."""
+memory (`describe`), and the same as text for `scripts/describe.py` (`describe_text`); what
+each device stores of a run's training state (`per_device_memory`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparse_jax import sharding as sharding_lib
+from sparse_jax import train
 from sparse_jax.model import DTYPES, ModelConfig, SparseTransformer, position_tables
 from sparse_jax.patterns import PatternSpec
 
@@ -124,3 +127,12 @@ def describe_text(cfg: ModelConfig, info: dict) -> str:
                      f"data={mem['mesh']['data']} x fsdp={mem['mesh']['fsdp']}")
     return "\n".join(lines + ["attention schedule"] + _schedule_lines(info["schedule"]))
 
+
+def per_device_memory(config, devices: int) -> dict:
+    """What each device stores of the training state on config.mesh over `devices` devices:
+    {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
+    device or allocation needed, so it can size a run for a machine you do not have)."""
+    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
+    state = train.abstract_train_state(config)
+    return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
+            "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}

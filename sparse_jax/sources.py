@@ -1,7 +1,9 @@
 """Where the bytes and images come from: enwik8, any byte file, TFDS CIFAR-10, a generated stream.
 
 Everything here is NumPy on the host and returns whole splits or random access to them;
-`sparse_jax.data` turns them into batches. Facts about the formats: docs/design.md §6.
+`sparse_jax.data` turns them into batches. Facts about the formats: docs/design.md §6. A file
+that cannot be read (missing, a folder, unreadable, empty, truncated or damaged) raises a
+one-line error naming it and the fix; no file of the user's is ever replaced or deleted.
 
 - Byte files (`load_bytes`) are memory-mapped; a `.gz` file is decompressed once next to it. A
   file listed in its folder's SHA256SUMS (as the corpus shipped in `data/` is) is checked
@@ -160,22 +162,37 @@ def _gunzip_cached(path: str) -> str:
     return raw
 
 
-def load_bytes(path: str) -> np.ndarray:
-    """Any file as a read-only uint8 memory map; a `.gz` file is decompressed once next to it
-    (`_gunzip_cached`). A file listed in its folder's SHA256SUMS is checked against it."""
-    path = os.path.expanduser(os.fspath(path))
+def _require_file(path: str) -> None:
+    """One-line FileNotFoundError / IsADirectoryError / OSError unless `path` is a readable file."""
     if not os.path.exists(path):
         where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
         raise FileNotFoundError(f"data file {path} not found{where}: set --config.data.path to "
                                 "an existing file, or run from the repository root")
     if os.path.isdir(path):
         raise IsADirectoryError(f"data path {path} is a folder; set --config.data.path to a file")
-    if path.endswith(".gz"):
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read data file {path} ({e.strerror or e}); make it "
+                               "readable (chmod u+r) or set --config.data.path to another "
+                               "file") from e
+
+
+def load_bytes(path: str) -> np.ndarray:
+    """Any file as a read-only uint8 memory map; a `.gz` file is decompressed once next to it
+    (`_gunzip_cached`). A file listed in its folder's SHA256SUMS is checked against it. A
+    missing, unreadable, empty or damaged file raises a one-line error naming it."""
+    path = given = os.path.expanduser(os.fspath(path))
+    _require_file(path)
+    if path.endswith(".gz") and os.path.getsize(path):
         path = _gunzip_cached(path)
     else:
         _check_listed(path)
     if os.path.getsize(path) == 0:
-        raise ValueError(f"{path} is empty")
+        how = "" if path == given else " when decompressed"
+        raise ValueError(f"data file {given} is empty{how}; set --config.data.path to a file "
+                         "with data")
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
@@ -184,12 +201,16 @@ def load_bytes(path: str) -> np.ndarray:
 
 
 def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) -> None:
-    """Unzips `member` to `dest` via a checked temporary file; never replaces an existing file."""
+    """Unzips `member` to `dest` via a checked temporary file; never replaces an existing file
+    and never touches the archive. A damaged or wrong archive (or an unwritable folder) raises
+    a one-line ValueError (OSError) that names it."""
     tmp = f"{dest}.part{os.getpid()}"
+    fix = f"fetch {ENWIK8_URL} again (or unzip it yourself and set --config.data.path={dest})"
     try:
         with zipfile.ZipFile(zip_path) as z:
             if member not in z.namelist():
-                raise ValueError(f"{zip_path} has no member {member!r} (has {z.namelist()[:5]})")
+                raise ValueError(f"{zip_path} has no member {member!r} (it has "
+                                 f"{z.namelist()[:5]}); {fix}")
             digest, n = hashlib.md5(), 0
             with z.open(member) as src, open(tmp, "wb") as out:
                 while chunk := src.read(1 << 22):
@@ -198,11 +219,18 @@ def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) 
                     out.write(chunk)
         if n != size or digest.hexdigest() != md5:
             raise ValueError(f"{zip_path}: member {member!r} has {n:,} bytes and MD5 "
-                             f"{digest.hexdigest()}, expected {size:,} and {md5}; fetch "
-                             f"{ENWIK8_URL} again")
+                             f"{digest.hexdigest()}, expected {size:,} and {md5}; {fix}")
         if os.path.exists(dest):
             raise FileExistsError(f"{dest} appeared while extracting; not replacing it")
         os.replace(tmp, dest)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise ValueError(f"{zip_path} is damaged or not a zip archive ({e}); {fix}") from e
+    except OSError as e:
+        if isinstance(e, FileExistsError):
+            raise
+        raise OSError(e.errno, f"cannot unzip {zip_path} to {dest} ({e.strerror or e}); free "
+                               "space or make the folder writable, or unzip it elsewhere and set "
+                               "--config.data.path to the raw file") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -224,10 +252,14 @@ def load_enwik8(path: str, *, download: bool = False, expected_size: int | None 
     md5 = ENWIK8_MD5 if expected_md5 is None else expected_md5
     path = os.path.expanduser(os.fspath(path))
     raw, zip_path = (path[:-4], path) if path.endswith(".zip") else (path, path + ".zip")
+    if os.path.isdir(raw) or os.path.isdir(zip_path):
+        folder = raw if os.path.isdir(raw) else zip_path
+        raise IsADirectoryError(f"enwik8 path {folder} is a folder; set --config.data.path to "
+                                "the raw enwik8 file or to enwik8.zip")
     if not os.path.exists(raw):
         if not os.path.exists(zip_path):
             how = (f"Download {ENWIK8_URL} and put it at {zip_path} (it is unpacked to {raw} on "
-                   f"first use), or set download=True when online.")
+                   f"first use), or set --config.data.download=True when online.")
             if not download:
                 raise FileNotFoundError(f"enwik8 not found at {raw} or {zip_path}. {how}")
             try:
@@ -235,7 +267,9 @@ def load_enwik8(path: str, *, download: bool = False, expected_size: int | None 
                 _download(ENWIK8_URL, zip_path)
             except OSError as e:
                 raise FileNotFoundError(f"could not download {ENWIK8_URL} ({e}). {how}") from e
+        _require_file(zip_path)
         _extract_member(zip_path, os.path.basename(raw), raw, size, md5)
+    _require_file(raw)
     actual = os.stat(raw).st_size
     if actual != size:
         raise ValueError(f"{raw} has {actual:,} bytes, expected {size:,}: wrong or truncated "
@@ -269,9 +303,11 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
     Offline it reads the official archive from `manual_dir` (default `<data_dir>/downloads/
     manual`), which TFDS checks against its recorded size and SHA-256. A missing archive fails at
     once with what to fetch and where to put it (or is fetched first, with `download`), instead of
-    TFDS's minutes of download retries. Preparation needs TensorFlow; reading does not.
+    TFDS's minutes of download retries; one of the wrong size or SHA-256 fails in one line too.
+    Preparation needs TensorFlow; reading does not.
     """
     import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
     builder = _cifar10_builder(data_dir)
     if builder.is_prepared():
@@ -288,8 +324,25 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
             _download(CIFAR10_URL, archive)
         except OSError as e:
             raise FileNotFoundError(f"could not download {CIFAR10_URL} ({e}). {how}") from e
+    if os.path.isdir(archive):
+        raise IsADirectoryError(f"CIFAR-10 archive {archive} is a folder; put the file "
+                                f"{CIFAR10_URL} there instead")
+    expected = builder.url_infos[CIFAR10_URL].size
+    if os.path.getsize(archive) != expected:
+        raise ValueError(f"CIFAR-10 archive {archive} has {os.path.getsize(archive):,} bytes, "
+                         f"expected {expected:,}: truncated or not the official file; download "
+                         f"{CIFAR10_URL} again")
     config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
-    builder.download_and_prepare(download_config=config, file_format="array_record")
+    try:
+        builder.download_and_prepare(download_config=config, file_format="array_record")
+    except NonMatchingChecksumError as e:  # TFDS's message spans lines: the one fact it states
+        raise ValueError(f"CIFAR-10 archive {archive} is not the official file (its SHA-256 "
+                         f"differs from the one TFDS records); download {CIFAR10_URL} "
+                         "again") from e
+    except OSError as e:
+        raise OSError(e.errno, f"cannot prepare CIFAR-10 from {archive} into "
+                               f"{builder.data_dir_root} ({e.strerror or e}); free space or set "
+                               "--config.data.data_dir to a writable folder") from e
     return os.fspath(builder.data_dir)
 
 
@@ -339,6 +392,47 @@ def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | No
     perm = np.random.default_rng(CIFAR10_SPLIT_SEED).permutation(len(records))
     part = perm[:-valid_size] if split == "train" else perm[-valid_size:]
     return Cifar10Source(records, np.sort(part))
+
+
+def cifar10_fingerprint(data_dir: str | None = None) -> dict:
+    """What identifies the prepared CIFAR-10 in `data_dir`: the TFDS version and split sizes,
+    and the fixed train/valid split (`cifar10_source`); reads TFDS metadata, not images."""
+    builder = _cifar10_builder(data_dir)
+    splits = builder.info.splits
+    return {"name": "cifar10", "tfds_version": str(builder.version),
+            "num_examples": {s: int(splits[s].num_examples) for s in ("train", "test")},
+            "valid_size": CIFAR10_VALID_SIZE, "split_seed": CIFAR10_SPLIT_SEED}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints: what identifies the data a run started with (`sparse_jax.data.fingerprint`).
+
+
+def stream_fingerprint(name: str, path: str | None, parts) -> dict:
+    """{"name", "path", "size", "sha256"} of a byte stream given as its contiguous parts (its
+    splits), hashed in full: about 0.06 s per 100 MB."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(np.ascontiguousarray(part))
+    return {"name": name, "path": path, "size": sum(len(p) for p in parts),
+            "sha256": digest.hexdigest()}
+
+
+def check_unchanged(recorded: dict, current: dict, what: str) -> None:
+    """A one-line ValueError naming `what` and the first field of two fingerprints that differs.
+    "path" is not compared (a moved file holds the same data), only named when it differs."""
+    rest = sorted((set(recorded) | set(current)) - {"name", "size", "path"})
+    for key in ("name", "size", *rest):
+        old, new = recorded.get(key), current.get(key)
+        if old != new:
+            old, new = (f"{x[:12]}..." if isinstance(x, str) and len(x) > 16 else x
+                        for x in (old, new))
+            if recorded.get("path") == current.get("path"):
+                raise ValueError(f"{what} changed since this run started ({key} {old} -> "
+                                 f"{new}); restore it or train in a new --workdir")
+            raise ValueError(f"{what} is not the data this run started with, "
+                             f"{recorded.get('path')} ({key} {old} -> {new}); use that data or "
+                             "train in a new --workdir")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ What is measured, per pattern:
   (`evaluate.evaluate`); the curve is the trainer's validation passes (config.eval_every,
   config.eval_batches);
 - wall time: seconds since the process was launched (Python start-up, compilation, validation
-  passes and checkpoints included); the time between an interrupted session and its resumption is left out.
+  passes and checkpoints included); the time between an interrupted session and its resumption
+  is left out.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def check_patterns(patterns, steps: int | None = None) -> tuple[str, ...]:
                                           else patterns))
     unknown = [p for p in patterns if p not in PATTERNS]
     if unknown or not patterns:
-        raise ValueError(f"unknown pattern(s) {unknown or patterns!r}; choose from {list(PATTERNS)}")
+        raise ValueError(
+            f"unknown pattern(s) {unknown or patterns!r}; choose from {list(PATTERNS)}")
     if len(set(patterns)) != len(patterns):
         raise ValueError(f"a pattern is listed twice in {list(patterns)}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -171,7 +173,7 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
         result = train_lib.train(config, run_dir)
         final = None
         if not result["interrupted"]:
-            final = evaluate.evaluate(run_dir, "valid", progress=False)
+            final = evaluate.evaluate(run_dir, "valid", progress=False, overwrite=True)
     session.update(end=time.time(), step=result["step"], peak_rss_gb=benchmarking.peak_rss_gb())
     if final is not None:
         study["final"] = {k: final[k] for k in ("split", "step", "bits", "unit", "num_scored")}

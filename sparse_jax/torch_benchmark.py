@@ -18,6 +18,7 @@ import sys
 import time
 
 from sparse_jax import benchmarking
+from sparse_jax.benchmarks import case_bar, log_line
 
 TRAINING_CONFIG = "bytes.py:size=tiny,pattern=dense"  # a spec for configs.load
 
@@ -47,7 +48,9 @@ def run_training_case(case: dict) -> dict:
     from flax import nnx
 
     import configs
-    from sparse_jax import data as data_lib, model as model_lib, train as train_lib
+    from sparse_jax import data as data_lib
+    from sparse_jax import model as model_lib
+    from sparse_jax import train as train_lib
     from sparse_jax.config import check_config
 
     config = configs.load(TRAINING_CONFIG, case["overrides"])
@@ -74,7 +77,7 @@ def run_training_case(case: dict) -> dict:
 
 def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                        patterns=("dense", "strided"), cpu_devices: int = -1,
-                       output_dir: str | None = None, command: str = "", log=print) -> dict:
+                       output_dir: str | None = None, command: str = "", log=log_line) -> dict:
     """For each context length (and its number of steps): the PyTorch eager twin (dense
     attention), then this project's trainer with each of `patterns` (stride ~ sqrt(n)), each in
     a fresh process, one after another. Writes results.md and results.json to `output_dir`;
@@ -83,33 +86,35 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
     import tempfile
 
     rows = []
-    for seq_len, num_steps in zip(seq_lens, steps, strict=True):
-        stride = 2 ** round(math.log2(math.sqrt(seq_len)))
-        cases = [("torch", "dense")] + [("jax", p) for p in patterns]
-        for impl, pattern in cases:
-            overrides = training_overrides(seq_len, pattern, steps=num_steps,
-                                           data_path=data_path, stride=stride)
-            workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
-            case = {"impl": impl, "overrides": overrides, "workdir": workdir,
-                    "cpu_devices": cpu_devices}
-            start = time.perf_counter()
-            out = benchmarking.run_isolated(["-m", "sparse_jax.torch_benchmark", json.dumps(case)],
-                                            timeout_s=None)
-            shutil.rmtree(workdir, ignore_errors=True)
-            row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
-                   "stride": None if pattern == "dense" else stride, "steps": num_steps,
-                   "wall_s": time.perf_counter() - start, **out}
-            if "error" not in out:
-                row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
-                torch_row = next((r for r in rows if r["seq_len"] == seq_len
-                                  and r["impl"] == "torch"), row)
-                if "steps_per_s" in torch_row:
-                    row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
-                row["final_train_bits"] = list(out["train_bits"].values())[-1]
-            log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
-                f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
-                f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
-            rows.append(row)
+    cases = [("torch", "dense")] + [("jax", p) for p in patterns]
+    with case_bar(len(seq_lens) * len(cases), "training runs") as bar:
+        for seq_len, num_steps in zip(seq_lens, steps, strict=True):
+            stride = 2 ** round(math.log2(math.sqrt(seq_len)))
+            for impl, pattern in cases:
+                overrides = training_overrides(seq_len, pattern, steps=num_steps,
+                                               data_path=data_path, stride=stride)
+                workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
+                case = {"impl": impl, "overrides": overrides, "workdir": workdir,
+                        "cpu_devices": cpu_devices}
+                start = time.perf_counter()
+                out = benchmarking.run_isolated(
+                    ["-m", "sparse_jax.torch_benchmark", json.dumps(case)], timeout_s=None)
+                shutil.rmtree(workdir, ignore_errors=True)
+                row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
+                       "stride": None if pattern == "dense" else stride, "steps": num_steps,
+                       "wall_s": time.perf_counter() - start, **out}
+                if "error" not in out:
+                    row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
+                    torch_row = next((r for r in rows if r["seq_len"] == seq_len
+                                      and r["impl"] == "torch"), row)
+                    if "steps_per_s" in torch_row:
+                        row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
+                    row["final_train_bits"] = list(out["train_bits"].values())[-1]
+                log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
+                    f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
+                    f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
+                rows.append(row)
+                bar.update()
     info = {"command": command, "machine": benchmarking.machine(), "data": data_path,
             "rows": rows}
     if output_dir:

@@ -5,11 +5,10 @@ checkpoints with exact resume.
 writes there: config.json (`sparse_jax.config`), checkpoints/ (`sparse_jax.checkpoints`),
 metrics.jsonl and tensorboard/ (`sparse_jax.logs`).
 
-A workdir that holds checkpoints is resumed from its latest one and continues exactly as the
-uninterrupted run would have (same batches, same dropout, same losses); a checkpoint of another
-model or dataset is refused. SIGTERM / SIGINT save a checkpoint and stop; a NaN/Inf loss stops
-the run with an error and keeps the last good checkpoint. The last k checkpoints are kept, plus
-the best by validation bits.
+A workdir that holds checkpoints is resumed from its latest readable one and continues exactly
+as the uninterrupted run would have (same batches, dropout and losses); which config changes a
+resume accepts: `sparse_jax.config`. SIGTERM / SIGINT save a checkpoint and stop; a NaN/Inf
+loss stops the run with an error and keeps the last good checkpoint.
 
 The training step is one jitted function of (state, batch, rng): the state (parameters and
 optimizer state) is donated and sharded by `sparse_jax.sharding` (replicated over "data", split
@@ -21,6 +20,7 @@ so the host never waits on the device inside the loop.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -33,14 +33,15 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.logs import Logger, duration
+from sparse_jax.logs import Logger, Profiler, duration
 from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
 
 BATCH_AXES = sharding_lib.MESH_AXES  # a batch is split over every device
@@ -150,16 +151,6 @@ def abstract_train_state(config):
     return jax.eval_shape(_state_builders(config, model_config(config.model))[1])
 
 
-def per_device_memory(config, devices: int) -> dict:
-    """What each device stores of the training state on config.mesh over `devices` devices:
-    {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
-    device or allocation needed, so it can size a run for a machine you do not have)."""
-    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
-    state = abstract_train_state(config)
-    return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
-            "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}
-
-
 def make_jitted(config, cfg: ModelConfig, mesh: Mesh) -> Jitted:
     """Builds the state layout (shapes only, under eval_shape) and jits init, train and eval
     steps with in/out shardings: parameters and optimizer state by `sparse_jax.sharding`'s
@@ -209,15 +200,25 @@ class _Signals:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains (or resumes) the run of `config` in `workdir`; returns the final metrics."""
+    """Trains (or resumes) the run of `config` in `workdir`; returns the final metrics. Every
+    check that can fail (config, mesh, workdir, data) runs before anything compiles."""
     cfg = config_lib.check_config(config)
     mesh = make_mesh(config)
-    resuming = checkpoints.prepare_workdir(workdir, config)
-    data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
-    dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
-                                    jax.process_count())  # before any compile
-    if jax.process_index() == 0:
-        config_lib.write_record(workdir, config)
+    changes = checkpoints.prepare_workdir(workdir, config)  # None: a new run
+    primary = jax.process_index() == 0
+    with checkpoints.lock(workdir) if primary else contextlib.nullcontext():
+        data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
+        dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
+                                        jax.process_count(), vocab_size=cfg.vocab_size)
+        checkpoints.check_data(workdir, config.data, dataset)  # the same data on resume
+        iterator = dataset.train_batches(config.batch_size // jax.process_count())
+        if primary and changes is None:
+            config_lib.write_record(workdir, config)
+        return _run(config, cfg, mesh, dataset, iterator, workdir, changes)
+
+
+def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, Any]:
+    resuming = changes is not None
 
     jitted = make_jitted(config, cfg, mesh)
     abstract, batch_sharding = jitted.abstract_state, jitted.batch_sharding
@@ -228,20 +229,21 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     per_process = config.batch_size // jax.process_count()  # rows this process reads per step
     window = {"bits": 0.0, "grad_norm": 0.0, "count": 0}  # train metrics since the last log
     if resuming:
-        step = manager.latest_step()
-        state, meta = checkpoints.restore(manager, step, abstract)
+        step, state, meta = checkpoints.restore_latest(manager, abstract, workdir)
+        if changes and jax.process_index() == 0:
+            config_lib.record_changes(workdir, config, step, changes)
         key_data = np.asarray(meta["rng"], np.uint32)
-        iterator = dataset.train_batches(per_process, meta["data"])
+        iterator.set_state(meta["data"])
         window, best = meta["window"], meta["best_valid_bits"]
     else:
         step, best = 0, None
         state = jitted.init()
         key_data = np.asarray(jax.random.key_data(jax.random.key(config.seed)))
-        iterator = dataset.train_batches(per_process)
     # On every device of every process (a device_put cannot reach other processes' devices).
     rng = jax.random.wrap_key_data(jax.make_array_from_process_local_data(replicated, key_data))
 
     log = Logger(workdir, step, config.total_steps)
+    profiler = Profiler(workdir, config.profile_steps, step)  # traces of chosen steps, if any
     params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     log.print(f"{'Resuming from step ' + str(step) if resuming else 'Starting'} in {workdir}: "
               f"{config.data.name} ({dataset.unit}s), {params / 1e6:.2f}M parameters, "
@@ -259,11 +261,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         metrics = jax.device_get(metrics)
         if not (math.isfinite(metrics["bits"]) and math.isfinite(metrics["grad_norm"])):
             checkpoints.wait(manager, manager.latest_step())
+            what = ("training loss" if not math.isfinite(metrics["bits"]) else "gradient norm")
+            good = checkpoints.steps(workdir)
             raise FloatingPointError(
-                f"non-finite training loss {metrics['bits']} (gradient norm "
-                f"{metrics['grad_norm']}) at step {s}; stopping. The last good checkpoint is step "
-                f"{manager.latest_step()} in {manager.directory}; lower optimizer.lr or raise "
-                "warmup_steps, and resume or restart.")
+                f"non-finite {what} at step {s} (loss {metrics['bits']}, gradient norm "
+                f"{metrics['grad_norm']}); stopping. "
+                + (f"The last good checkpoint is step {good[-1]} in {manager.directory}"
+                   if good else "No checkpoint was saved yet")
+                + "; lower optimizer.lr or raise warmup_steps, and resume or restart.")
         window["bits"] += float(metrics["bits"])
         window["grad_norm"] += float(metrics["grad_norm"])
         window["count"] += 1
@@ -284,9 +289,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 if pending is not None:
                     fetch(pending)  # step n - 1, while step n runs
                 step, pending = step + 1, (step + 1, metrics)
+                profiler.step(step, state)
                 clock["steps"] += 1
-                now = time.time()
-                speed = clock["steps"] / max(now - clock["time"], 1e-9)
+                speed = clock["steps"] / max(time.time() - clock["time"], 1e-9)
                 log.progress(step, tokens_per_step)
                 last = step == config.total_steps
                 do_eval = step % config.eval_every == 0 or last
@@ -330,11 +335,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 save()
             checkpoints.wait(manager, step)
     finally:
+        profiler.close()
         log.close()
-        try:
+        with contextlib.suppress(Exception):  # a failed save: reported by the code that raised
             manager.wait_until_finished()
-        except Exception:  # noqa: BLE001  (already reported by the code that raised)
-            pass
         manager.close()
     result["step"] = step
     if signals.received:

@@ -1,5 +1,6 @@
 """Shared fixtures: small files in the real dataset formats, and a session compilation cache."""
 
+import gzip
 import hashlib
 import os
 import shutil
@@ -40,13 +41,49 @@ def byte_file(tmp_path_factory):
     return str(path)
 
 
-def fake_enwik8(folder, size=5000, seed=0):
-    """A tiny enwik8.zip (single member `enwik8`); returns (zip path, bytes, md5)."""
+def fake_enwik8(folder, size=5000, seed=0, member="enwik8"):
+    """A tiny enwik8.zip (single member `member`); returns (zip path, bytes, md5)."""
     raw = np.random.default_rng(seed).integers(32, 127, size=size, dtype=np.uint8).tobytes()
     path = os.path.join(folder, "enwik8.zip")
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("enwik8", raw)
+        z.writestr(member, raw)
     return path, raw, hashlib.md5(raw).hexdigest()
+
+
+def gz_with_sums(folder, raw: bytes, name="text.txt", listed=True):
+    """folder/name.gz holding `raw`, and a SHA256SUMS listing both names (as shipped data)."""
+    gz = os.path.join(folder, name + ".gz")
+    with gzip.open(gz, "wb") as f:
+        f.write(raw)
+    if listed:
+        with open(os.path.join(folder, "SHA256SUMS"), "w") as f:
+            for digest, n in [(hashlib.sha256(open(gz, "rb").read()).hexdigest(), name + ".gz"),
+                              (hashlib.sha256(raw).hexdigest(), name)]:
+                f.write(f"{digest}  {n}\n")
+    return gz
+
+
+def corrupt_middle(path):
+    """Overwrites 64 bytes in the middle of a file (inside a zip's or gzip's deflated data)."""
+    content = bytearray(open(path, "rb").read())
+    content[len(content) // 2:len(content) // 2 + 64] = bytes(64)
+    with open(path, "wb") as f:
+        f.write(content)
+
+
+def one_line_error(exc, fn, *needles):
+    """Runs fn expecting `exc` whose message is one line holding every needle; returns it."""
+    with pytest.raises(exc) as e:
+        fn()
+    message = str(e.value)
+    assert "\n" not in message and all(str(n) in message for n in needles), message
+    return message
+
+
+def files_in(folder):
+    """{name: bytes} of the files in `folder` (a pathlib.Path): to show nothing was lost."""
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))
+            if (folder / name).is_file()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ def test_sub_rows_of_sliding_windows():
 def test_under_shard_map_over_heads():
     """Heads split over a mesh axis (how several devices share the work): the scan's gradient
     accumulators must have the inputs' per-device type."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     heads = P(None, None, "heads", None)
     mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
@@ -116,12 +117,14 @@ def test_under_shard_map_over_heads():
         assert_matches_dense(spec, *qkv((1, 37, 2, 8)), attend=sharded)
 
 
-@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=16), PatternSpec("fixed", stride=16, c=4)], ids=str)
+@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=16),
+                                  PatternSpec("fixed", stride=16, c=4)], ids=str)
 def test_long_sequence_and_gather_reference(spec):
     """n=1000 (not a multiple of the stride), many summary chunks; three implementations agree."""
     q, k, v = qkv((1, 1000, 2, 16), seed=3)
     out = jax.jit(A.sparse_attention, static_argnums=3)(q, k, v, spec)
-    np.testing.assert_allclose(out, jax.jit(dense_ref, static_argnums=3)(q, k, v, spec), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out, jax.jit(dense_ref, static_argnums=3)(q, k, v, spec),
+                               atol=1e-5, rtol=0)
     gathered = jax.jit(A.gather_attention)(q, k, v, spec.indices(1000))
     np.testing.assert_allclose(gathered, out, atol=1e-5, rtol=0)
 
@@ -145,7 +148,8 @@ def test_low_precision_within_tolerance(spec, dtype):
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
     np.testing.assert_allclose(out.astype(jnp.float32), dense_ref(*f32, spec), atol=tol)
-    grads = jax.jit(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).astype(jnp.float32).sum()))(q)
+    grads = jax.jit(jax.grad(
+        lambda q: A.sparse_attention(q, k, v, spec).astype(jnp.float32).sum()))(q)
     assert grads.dtype == dtype and bool(jnp.isfinite(grads.astype(jnp.float32)).all())
 
 
@@ -215,7 +219,9 @@ def test_never_materializes_seq_by_seq():
     n = 2048
     q, k, v = qkv((1, n, 1, 8))
     for spec in [PatternSpec("strided", stride=32), PatternSpec("fixed", stride=32, c=8)]:
-        fn = jax.value_and_grad(lambda q, k, v: A.sparse_attention(q, k, v, spec).sum(), argnums=(0, 1, 2))
+        fn = jax.value_and_grad(
+            lambda q, k, v: A.sparse_attention(q, k, v, spec).sum(),  # noqa: B023 (traced below)
+            argnums=(0, 1, 2))
         assert max(_jaxpr_sizes(jax.make_jaxpr(fn)(q, k, v).jaxpr)) < n * n / 4, spec
     dense = jax.grad(lambda q: dense_ref(q, k, v, PatternSpec("dense")).sum())
     assert max(_jaxpr_sizes(jax.make_jaxpr(dense)(q).jaxpr)) >= n * n
@@ -230,7 +236,8 @@ def test_no_recompilation_for_equal_shapes():
 
     fn = jax.jit(attend, static_argnums=3)
     for seed in range(3):
-        fn(*qkv((1, 64, 2, 8), seed=seed), PatternSpec("strided", stride=8))  # equal specs hash equal
+        # equal specs hash equal
+        fn(*qkv((1, 64, 2, 8), seed=seed), PatternSpec("strided", stride=8))
     assert len(traces) == 1
     fn(*qkv((1, 64, 2, 8)), PatternSpec("strided", stride=16))
     assert len(traces) == 2
@@ -252,7 +259,8 @@ def dense_layer(layer, x, specs):
     return layer.out(jnp.concatenate(outs, axis=2).reshape(b, n, -1))
 
 
-@pytest.mark.parametrize("base", [PatternSpec("strided", stride=8), PatternSpec("fixed", stride=8, c=2)], ids=str)
+@pytest.mark.parametrize("base", [PatternSpec("strided", stride=8),
+                                  PatternSpec("fixed", stride=8, c=2)], ids=str)
 @pytest.mark.parametrize("mode", P.MODES)
 @pytest.mark.parametrize("qk_dim", [32, 16])
 def test_layer_modes_match_dense_masked(base, mode, qk_dim):
@@ -261,7 +269,8 @@ def test_layer_modes_match_dense_masked(base, mode, qk_dim):
         specs = P.layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
         layer = SparseSelfAttention(32, 4, specs, qk_dim=qk_dim, rngs=nnx.Rngs(0))
         got = nnx.jit(lambda layer, x: layer(x))(layer, x)
-        np.testing.assert_allclose(got, nnx.jit(dense_layer, static_argnums=2)(layer, x, specs), atol=1e-5)
+        np.testing.assert_allclose(got, nnx.jit(dense_layer, static_argnums=2)(layer, x, specs),
+                                   atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +291,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="PatternSpec"):
         A.sparse_attention(q, k, v, "strided")
     with pytest.raises(ValueError, match="evenly"):
-        A.multi_spec_attention(q, k, v, P.layer_specs(PatternSpec("fixed", stride=8, c=2), "multihead",
-                                                      distinct_summaries=True)[:3])
+        A.multi_spec_attention(q, k, v, P.layer_specs(PatternSpec("fixed", stride=8, c=2),
+                                                      "multihead", distinct_summaries=True)[:3])
     with pytest.raises(ValueError, match="divisible"):
         SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))

@@ -3,14 +3,23 @@
 import json
 import os
 import time
+from unittest import mock
 
 import ml_collections
 import numpy as np
 import pytest
 
-from conftest import NUM_TEST, TRAIN_PER_FILE, fake_enwik8  # shared with test_train.py
-from sparse_jax import data as D, sources
-
+from conftest import (
+    NUM_TEST,
+    TRAIN_PER_FILE,
+    corrupt_middle,
+    fake_enwik8,
+    files_in,
+    gz_with_sums,
+    one_line_error,
+)
+from sparse_jax import data as D
+from sparse_jax import sources
 
 # ---------------------------------------------------------------------------------------------
 # enwik8 and byte files.
@@ -96,6 +105,9 @@ def test_make_dataset_enwik8_and_bytes(tmp_path, monkeypatch):
     ds = D.make_dataset({"name": "enwik8", "path": zip_path}, seq_len=16)
     assert ds.unit == "byte" and [len(ds.splits[s]) for s in D.SPLITS] == [1800, 100, 100]
     assert ds.splits["test"].tobytes() == raw[1900:]
+    recorded = D.fingerprint({"name": "enwik8", "path": zip_path}, ds)  # verified: no hashing
+    assert recorded == {"name": "enwik8", "path": zip_path, "size": 2000, "md5": md5}
+    D.check_fingerprint(recorded, {"name": "enwik8", "path": str(tmp_path / "enwik8")})
     (tmp_path / "notes.png").write_bytes(raw)  # any file type
     config = ml_collections.ConfigDict(
         {"name": "bytes", "path": str(tmp_path / "notes.png"), "split_fractions": (0.5, 0.3, 0.2)})
@@ -133,29 +145,9 @@ def test_data_config_is_typed_validated_and_says_what_is_an_image():
         assert "\n" not in str(e.value)
 
 
-# ---------------------------------------------------------------------------------------------
-# Training windows and evaluation windows.
-
-
-def _gz_with_sums(folder, raw: bytes, name="text.txt", listed=True):
-    """folder/name.gz holding `raw`, and a SHA256SUMS listing both names (as shipped data)."""
-    import gzip
-    import hashlib
-
-    gz = os.path.join(folder, name + ".gz")
-    with gzip.open(gz, "wb") as f:
-        f.write(raw)
-    if listed:
-        with open(os.path.join(folder, "SHA256SUMS"), "w") as f:
-            for digest, n in [(hashlib.sha256(open(gz, "rb").read()).hexdigest(), name + ".gz"),
-                              (hashlib.sha256(raw).hexdigest(), name)]:
-                f.write(f"{digest}  {n}\n")
-    return gz
-
-
 def test_gz_byte_file_is_decompressed_once_checked_and_mapped(tmp_path, monkeypatch):
     raw = bytes(range(256)) * 40
-    gz = _gz_with_sums(tmp_path, raw)
+    gz = gz_with_sums(tmp_path, raw)
     data = sources.load_bytes(gz)
     assert isinstance(data, np.memmap) and data.tobytes() == raw
     assert (tmp_path / "text.txt").read_bytes() == raw  # the cache, next to the .gz
@@ -172,9 +164,9 @@ def test_gz_byte_file_is_decompressed_once_checked_and_mapped(tmp_path, monkeypa
         sources.load_bytes(gz)
 
 
-def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
+def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
     raw = b"In the beginning God created the heaven and the earth.\n" * 200
-    gz = _gz_with_sums(tmp_path, raw)
+    gz = gz_with_sums(tmp_path, raw)
     good = open(gz, "rb").read()
     with open(gz, "wb") as f:  # truncated copy: its sha256 no longer matches SHA256SUMS
         f.write(good[:len(good) // 2])
@@ -182,13 +174,18 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
         sources.load_bytes(gz)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "text.txt")
-    # Not listed: the truncated stream itself is reported, and nothing is left behind.
+    # Not listed: the truncated or corrupt stream itself is reported, and nothing is left behind.
     os.remove(tmp_path / "SHA256SUMS")
-    with pytest.raises(ValueError, match="not a complete gzip file"):
-        sources.load_bytes(gz)
-    assert sorted(os.listdir(tmp_path)) == ["text.txt.gz"]
+    for damage in ["truncated", "corrupt"]:
+        if damage == "corrupt":
+            gz_with_sums(tmp_path, raw, listed=False)
+            corrupt_middle(gz)
+        before = files_in(tmp_path)
+        one_line_error(ValueError, lambda: D.make_dataset({"name": "bytes", "path": gz}, 8),
+                       gz, "not a complete gzip file", "git checkout")
+        assert files_in(tmp_path) == before and list(before) == ["text.txt.gz"]
     # Listed content differs from what the stream decompresses to.
-    gz = _gz_with_sums(tmp_path, raw)
+    gz = gz_with_sums(tmp_path, raw)
     with open(tmp_path / "SHA256SUMS") as f:
         lines = f.read().splitlines()
     with open(tmp_path / "SHA256SUMS", "w") as f:
@@ -205,11 +202,101 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keeps_files(tmp_path):
         sources.load_bytes(tmp_path / "text.txt")
 
 
-def test_missing_or_folder_data_path_says_what_to_set(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.path"):
-        sources.load_bytes(tmp_path / "nope.txt")
-    with pytest.raises(IsADirectoryError, match="is a folder"):
-        sources.load_bytes(tmp_path)
+# ---------------------------------------------------------------------------------------------
+# Data errors: one line naming the file and the fix, before compiling; nothing of the user's lost.
+
+
+def test_missing_folder_unreadable_or_empty_data_file(tmp_path, monkeypatch):
+    make = lambda path, name="bytes": D.make_dataset({"name": name, "path": path}, 8)  # noqa: E731
+    nope, empty, text = tmp_path / "nope.txt", tmp_path / "empty.txt", tmp_path / "x.txt"
+    one_line_error(FileNotFoundError, lambda: make(nope), nope, "--config.data.path")
+    one_line_error(IsADirectoryError, lambda: make(tmp_path), tmp_path, "is a folder")
+    one_line_error(IsADirectoryError, lambda: make(tmp_path, "enwik8"), tmp_path, "is a folder")
+    empty.write_bytes(b"")
+    one_line_error(ValueError, lambda: make(empty), empty, "is empty")
+    text.write_bytes(b"abc" * 100)
+    denied = mock.Mock(side_effect=PermissionError(13, "Permission denied"))  # tests run as root
+    monkeypatch.setattr(sources, "open", denied, raising=False)
+    one_line_error(OSError, lambda: make(text), text, "Permission denied", "chmod")
+    assert files_in(tmp_path) == {"empty.txt": b"", "x.txt": b"abc" * 100}
+
+
+@pytest.mark.parametrize("damage", ["not_zip", "truncated", "corrupt", "no_member"])
+def test_damaged_enwik8_zip_one_line_error_keeps_it(tmp_path, monkeypatch, damage):
+    zip_path, raw, md5 = fake_enwik8(tmp_path, size=20_000)
+    monkeypatch.setattr(sources, "ENWIK8_SIZE", len(raw))
+    monkeypatch.setattr(sources, "ENWIK8_MD5", md5)
+    if damage == "not_zip":
+        (tmp_path / "enwik8.zip").write_bytes(b"<html>404 Not Found</html>")
+    elif damage == "truncated":
+        (tmp_path / "enwik8.zip").write_bytes(open(zip_path, "rb").read()[:5000])
+    elif damage == "corrupt":
+        corrupt_middle(zip_path)
+    else:
+        fake_enwik8(tmp_path, size=20_000, member="enwik9")
+    before = files_in(tmp_path)
+    why = "no member 'enwik8'" if damage == "no_member" else "damaged or not a zip archive"
+    one_line_error(ValueError, lambda: D.make_dataset({"name": "enwik8", "path": zip_path}, 8),
+                   zip_path, why, sources.ENWIK8_URL)
+    assert files_in(tmp_path) == before  # nothing extracted, the archive untouched
+
+
+def test_splits_too_small_for_their_use_are_refused_at_start(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(bytes(range(100)) * 9)
+    make = lambda f, n=64: D.make_dataset(  # noqa: E731
+        {"name": "bytes", "path": str(path), "split_fractions": f}, n)
+    one_line_error(ValueError, lambda: make((0.999, 0.001, 0)), path,
+                   "the valid split (split_fractions[1]=0.001 of 900 bytes) has 1 bytes",
+                   "validation needs at least 2", "--config.data.split_fractions")
+    one_line_error(ValueError, lambda: make((0.07, 0.9, 0.03)), path, "needs at least 65",
+                   "the train split (split_fractions[0]=0.07 of 900 bytes) has 63 bytes", "seq_len")
+    ds = make((0.08, 0.92, 0), 71)  # 72 train bytes: exactly one window
+    assert len(ds.train_batches(2).starts_at(0)) == 2
+    one_line_error(ValueError, lambda: ds.check_split("test"), path, "test split", "has 0 bytes")
+    assert ds.check_split("valid") == ds.num_sequences("valid") > 0
+    one_line_error(ValueError, lambda: D.make_dataset({"name": "embedded", "embedded_bytes": 50},
+                                                      64), "'embedded' stream (50 bytes)",
+                   "--config.data.embedded_bytes")
+    assert files_in(tmp_path) == {"x.txt": bytes(range(100)) * 9}
+
+
+def test_vocabulary_must_cover_the_data(tmp_path, byte_file, monkeypatch):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"a" * 500 + b"\xc8" + b"b" * 499)
+    config = {"name": "bytes", "path": str(path), "split_fractions": (0.8, 0.1, 0.1)}
+    one_line_error(ValueError, lambda: D.make_dataset(config, 8, vocab_size=128), path,
+                   "byte value 200 at offset 500", "outside model.vocab_size=128",
+                   "--config.model.vocab_size=256")
+    D.make_dataset({"name": "bytes", "path": byte_file}, 8, vocab_size=127)  # printable bytes
+    monkeypatch.setattr(D.np, "max", None)  # 256 covers every byte: nothing is read
+    D.make_dataset(config, 8, vocab_size=256)
+    assert path.read_bytes()[500] == 200
+
+
+def test_fingerprint_detects_a_changed_data_file(tmp_path):
+    path, moved = tmp_path / "x.txt", tmp_path / "moved.txt"
+    content = sources.embedded_bytes(3000, seed=1).tobytes()
+    path.write_bytes(content)
+    config = {"name": "bytes", "path": str(path)}
+    recorded = json.loads(json.dumps(D.fingerprint(config, D.make_dataset(config, 16))))
+    assert recorded == D.fingerprint(config) and recorded["size"] == 3000
+    os.utime(path, ns=(1, 1))  # touched, same bytes: unchanged
+    assert D.check_fingerprint(recorded, config) == recorded
+    os.rename(path, moved)  # a moved file is the same data ("path" is not compared)
+    D.check_fingerprint(recorded, {**config, "path": str(moved)})
+    moved.write_bytes(content[::-1])
+    one_line_error(ValueError, lambda: D.check_fingerprint(recorded, {**config, "path": moved}),
+                   moved, f"is not the data this run started with, {path} (sha256 ")
+    path.write_bytes(content + b"more")
+    one_line_error(ValueError, lambda: D.check_fingerprint(recorded, config), path,
+                   "changed since this run started (size 3000 -> 3004)", "--workdir")
+    assert path.read_bytes() == content + b"more" and moved.read_bytes() == content[::-1]
+    assert D.check_fingerprint(None, config)["size"] == 3004  # nothing recorded: no check
+    embedded = {"name": "embedded", "embedded_bytes": 5000}
+    assert D.fingerprint(embedded) == D.fingerprint(embedded, D.make_dataset(embedded, 16))
+    one_line_error(ValueError, lambda: D.check_fingerprint(
+        D.fingerprint(embedded), {**embedded, "embedded_seed": 1}), "'embedded' stream")
 
 
 def test_shipped_corpus_matches_its_published_checksums():
@@ -220,6 +307,10 @@ def test_shipped_corpus_matches_its_published_checksums():
     assert bytes(data[:15]) == b"<!DOCTYPE HTML "
     splits = D.split_bytes(data)
     assert 4.7 < sources.unigram_entropy_bits(splits["train"]) < 4.9
+
+
+# ---------------------------------------------------------------------------------------------
+# Training windows and evaluation windows.
 
 
 def test_byte_windows_are_shifted_slices_in_bounds():
@@ -365,18 +456,38 @@ def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
         next(ds.eval_batches("test", batch_size=4, min_context=8))
     with pytest.raises(ValueError, match="3072"):
         D.make_dataset(config, 1024)
+    one_line_error(ValueError, lambda: ds.train_batches(batch_size=9), f"CIFAR-10 in {data_dir}",
+                   "train split has 16 images", "global batch of 9 x 2", "--config.batch_size")
+    one_line_error(ValueError, lambda: D.check_vocabulary(ds, 255), "sub-pixels", "size=256")
+    recorded = D.fingerprint(config)
+    assert recorded["num_examples"] == {"train": 5 * TRAIN_PER_FILE, "test": NUM_TEST}
+    assert D.check_fingerprint(recorded, config) == recorded
+    old = {**recorded, "tfds_version": "3.0.1"}
+    one_line_error(ValueError, lambda: D.check_fingerprint(old, config),
+                   f"CIFAR-10 in {data_dir} changed", "tfds_version 3.0.1 -> 3.0.2")
 
 
-def test_cifar10_missing_archive_or_data_fails_fast_and_says_where(tmp_path):
-    start = time.perf_counter()
-    with pytest.raises(FileNotFoundError) as e:
-        sources.prepare_cifar10(str(tmp_path / "tfds"), str(tmp_path / "manual"))
-    message = str(e.value)
-    assert sources.CIFAR10_URL in message and str(tmp_path / "manual") in message
-    assert "cifar-10-binary.tar.gz" in message
-    with pytest.raises(FileNotFoundError, match="prepare_cifar10"):
-        sources.cifar10_source("train", str(tmp_path / "tfds"))
+def test_cifar10_missing_or_wrong_archive_fails_fast_in_one_line(tmp_path, monkeypatch):
+    start, tfds_dir, manual = time.perf_counter(), str(tmp_path / "tfds"), tmp_path / "manual"
+    config = {"name": "cifar10", "data_dir": tfds_dir, "manual_dir": str(manual)}
+    one_line_error(FileNotFoundError, lambda: D.prepare(config), sources.CIFAR10_URL,
+                   manual / "cifar-10-binary.tar.gz")
+    one_line_error(FileNotFoundError, lambda: sources.cifar10_source("train", tfds_dir),
+                   "prepare_cifar10")
     assert time.perf_counter() - start < 5
+    archive = manual / "cifar-10-binary.tar.gz"
+    manual.mkdir()
+    archive.write_bytes(b"\x1f\x8b truncated")  # an interrupted download
+    one_line_error(ValueError, lambda: D.prepare(config), archive,
+                   "has 12 bytes, expected 170,052,171", sources.CIFAR10_URL)
+    assert archive.read_bytes() == b"\x1f\x8b truncated"
+    from tensorflow_datasets.core.download import checksums
+    from tensorflow_datasets.image_classification import cifar as tfds_cifar
+
+    wrong = checksums.UrlInfo(size=12, checksum="0" * 64, filename=archive.name)  # right size
+    monkeypatch.setattr(tfds_cifar.Cifar10, "url_infos", {sources.CIFAR10_URL: wrong})
+    one_line_error(ValueError, lambda: D.prepare(config), archive, "SHA-256", sources.CIFAR10_URL)
+    assert archive.read_bytes() == b"\x1f\x8b truncated"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ and without min_context, checkpoint choice, bits/dim of images, the script, and 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,12 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparse_jax import checkpoints
+from sparse_jax import checkpoints, sources, train
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
-from sparse_jax import sources
 from sparse_jax import evaluate as E
-from sparse_jax import train
 from sparse_jax.model import SparseTransformer, model_config
 from test_train import ROOT, TINY_TEXT, get_config  # noqa: F401  (also used by test_sample)
 
@@ -48,7 +47,8 @@ def hand_bits(workdir, split, step, min_context):
 @pytest.mark.parametrize("min_context, batch_size", [(None, None), (None, 3), (48, 5), (1, 16)])
 def test_bits_per_byte_equal_hand_computed_nll_and_score_every_byte_once(
         text_run, min_context, batch_size):
-    result = E.evaluate(text_run, "test", "latest", min_context, batch_size, progress=False)
+    result = E.evaluate(text_run, "test", "latest", min_context, batch_size, progress=False,
+                        overwrite=True)  # the cases with the same min_context share a file
     expected, scored, size = hand_bits(text_run, "test", 4, min_context)
     assert result["num_scored"] == scored == size - 1  # every byte but the first, exactly once
     assert result["bits"] == pytest.approx(expected, rel=1e-5)
@@ -102,6 +102,26 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
 
 
 @pytest.mark.slow  # starts other processes
+def test_damaged_newest_checkpoint_falls_back_and_is_never_touched(text_run, tmp_path, capsys):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(text_run, workdir)
+    shutil.rmtree(os.path.join(workdir, "eval"), ignore_errors=True)
+    params = os.path.join(workdir, "checkpoints", "4", "params")
+    victims = [os.path.join(d, n) for d, _, names in os.walk(params) for n in names]
+    for path in victims:  # every file of the newest parameters cut short
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    before = {p: open(p, "rb").read() for p in victims}
+    result = E.evaluate(workdir, "valid", progress=False)
+    assert result["step"] == 2 and "warning: checkpoint 4" in capsys.readouterr().err
+    with pytest.raises(OSError, match=r"checkpoint 4 in .* cannot be read .*--checkpoint") as e:
+        E.evaluate(workdir, "valid", checkpoint=4, progress=False)
+    assert "\n" not in str(e.value)
+    assert {p: open(p, "rb").read() for p in victims} == before  # read-only: nothing moved
+    with pytest.raises(FileExistsError, match="valid_2.json exists"):  # results are kept
+        E.evaluate(workdir, "valid", progress=False)
+
+
 def test_script_prints_a_table_and_writes_json(text_run):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(ROOT, "scripts", "evaluate.py")

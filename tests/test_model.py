@@ -52,7 +52,7 @@ def layer_params(model):
         return [params["blocks"][k] for k in range(model.cfg.num_layers)]
     groups = params["block_groups"]["blocks"]
     period = model.cfg.period
-    return [jax.tree.map(lambda x: x[k // period], groups[k % period])
+    return [jax.tree.map(lambda x: x[k // period], groups[k % period])  # noqa: B023
             for k in range(model.cfg.num_layers)]
 
 
@@ -309,7 +309,7 @@ def test_paper_parameter_counts():
     cifar10 = ModelConfig(seq_len=3072, num_layers=128, d_model=256, num_heads=2, ff_mult=2.0,
                           qk_ratio=0.5, stride=96, pos_emb="image", scan_layers=True)
     for cfg, paper in [(enwik8, 95e6), (cifar10, 59e6)]:
-        abstract = nnx.eval_shape(lambda: make(cfg))
+        abstract = nnx.eval_shape(lambda: make(cfg))  # noqa: B023
         count = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
         assert count == param_count(cfg)
         assert abs(count / paper - 1) < 0.02, (cfg, count)

@@ -7,10 +7,10 @@ import time
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparse_jax import patterns as P
-
 
 # ---------------------------------------------------------------------------------------------
 # Brute force: loop over every (i, j <= i) and test the formula.
@@ -47,7 +47,8 @@ def check_format(indices, seq_len):
     valid = indices >= 0
     counts = valid.sum(1)
     assert counts.max() == indices.shape[1], "K is not the smallest width that fits every row"
-    assert np.all(valid == (np.arange(indices.shape[1])[None] < counts[:, None])), "padding not at end"
+    assert np.all(valid == (np.arange(indices.shape[1])[None] < counts[:, None])), \
+        "padding not at end"
     diffs = np.diff(np.where(valid, indices, np.iinfo(np.int32).max), axis=1)
     assert np.all(diffs[valid[:, 1:]] > 0), "rows not strictly ascending"
     assert np.all(indices <= np.arange(seq_len)[:, None]), "a key after its query"
@@ -84,7 +85,7 @@ def test_dense_and_local(n):
     for w in [1, 2, 5, 40]:
         got = P.local_indices(n, w)
         check_format(got, n)
-        assert rows(got) == brute(n, lambda i, j: i - j < w)
+        assert rows(got) == brute(n, lambda i, j: i - j < w)  # noqa: B023
         assert got.shape[1] == min(w, n)
 
 
@@ -127,7 +128,8 @@ def test_row_sizes_and_bounds(n, l):
             counts = (P.fixed_indices(n, l, c, summary=summary) >= 0).sum(1)
             assert np.array_equal(counts, i % l + 1 + (i // l) * s)
             assert counts.max() <= l + s * (-(-n // l) - 1)
-            assert P.fixed_indices(n, l, c, part="summary", summary=summary).shape[1] <= s * -(-n // l)
+            summary_width = P.fixed_indices(n, l, c, part="summary", summary=summary).shape[1]
+            assert summary_width <= s * -(-n // l)
             assert P.fixed_indices(n, l, c, part="block").shape[1] == min(l, n)
 
 
@@ -206,7 +208,8 @@ def test_strided_property(n, l, w, part):
     got = P.strided_indices(n, l, part=part, local_width=w)
     check_format(got, n)
     assert rows(got) == brute_strided(n, l, part, w)
-    assert rows(P.terms_to_indices(P.pattern_terms("strided", stride=l, part=part, local_width=w), n)) == rows(got)
+    terms = P.pattern_terms("strided", stride=l, part=part, local_width=w)
+    assert rows(P.terms_to_indices(terms, n)) == rows(got)
 
 
 @settings(max_examples=60, deadline=None)
@@ -253,7 +256,8 @@ def test_bad_input(call, match):
 def test_error_names_value_and_range():
     with pytest.raises(ValueError) as err:
         P.fixed_indices(64, 8, 4, summary_block=2)
-    assert "summary_block" in str(err.value) and "2" in str(err.value) and "[0, 1]" in str(err.value)
+    message = str(err.value)
+    assert "summary_block" in message and "2" in message and "[0, 1]" in message
 
 
 def test_huge_input_fails_before_allocating():
@@ -280,10 +284,12 @@ def test_long_sequences_are_fast():
 def test_layer_specs():
     strided = P.PatternSpec("strided", stride=8)
     assert P.layer_specs(strided, "merged") == (strided,)
-    assert [s.part for s in (P.layer_specs(strided, "interleaved", i)[0] for i in range(3))] == ["local", "strided", "local"]
+    interleaved = (P.layer_specs(strided, "interleaved", i)[0] for i in range(3))
+    assert [s.part for s in interleaved] == ["local", "strided", "local"]
     assert [s.part for s in P.layer_specs(strided, "multihead")] == ["local", "strided"]
     fixed = P.PatternSpec("fixed", stride=8, c=2)
-    assert [s.summary_block for s in P.layer_specs(fixed, "multihead", distinct_summaries=True)] == [0, 1, 2, 3]
+    distinct = P.layer_specs(fixed, "multihead", distinct_summaries=True)
+    assert [s.summary_block for s in distinct] == [0, 1, 2, 3]
     assert P.layer_specs(P.PatternSpec("dense"), "interleaved", 1) == (P.PatternSpec("dense"),)
     with pytest.raises(ValueError, match="mode"):
         P.layer_specs(strided, "mixed")
@@ -308,7 +314,8 @@ def test_spec_is_hashable_ordered_and_describes_itself():
     spec = P.PatternSpec("fixed", stride=128, c=32)
     assert hash(spec) == hash(dataclasses.replace(spec))
     assert str(spec) == "fixed(stride=128, c=32)"
-    assert str(dataclasses.replace(spec, summary_block=1)) == "fixed(stride=128, c=32, summary_block=1)"
+    assert str(dataclasses.replace(spec, summary_block=1)) == \
+        "fixed(stride=128, c=32, summary_block=1)"
     assert spec.block == 128
     assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
     # Ordered by name, so specs can key a dict that jax.jit takes (the decoder's index tables).

@@ -13,10 +13,8 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from sparse_jax import decode
-from sparse_jax import checkpoints
+from sparse_jax import checkpoints, decode, sources
 from sparse_jax import sample as S
-from sparse_jax import sources
 from sparse_jax.model import ModelConfig, SparseTransformer
 from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
 
@@ -118,7 +116,10 @@ def test_text_samples_from_a_workdir(text_run, tmp_path):
     assert result["path"] == os.path.join(text_run, "samples", "3_seed1.txt")
     written = open(result["path"], "rb").read()
     assert all(s in written for s in result["samples"]) and written.count(b"===== sample") == 2
-    again = S.sample(text_run, 2, 10, prompt="ab", seed=1, top_p=0.9)
+    with pytest.raises(FileExistsError, match="3_seed1.txt exists.*--overwrite"):
+        S.sample(text_run, 2, 10, prompt="cd", seed=1, top_p=0.9)  # never replaced unasked
+    assert open(result["path"], "rb").read() == written
+    again = S.sample(text_run, 2, 10, prompt="ab", seed=1, top_p=0.9, overwrite=True)
     assert again["samples"] == result["samples"]
     raw = tmp_path / "prompt.bin"
     raw.write_bytes(b"\xff\xfe\x00")  # not UTF-8: a prompt file is read as bytes

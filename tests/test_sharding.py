@@ -172,7 +172,8 @@ def _eight_device_child(byte_file, workdir):
     batch = {"inputs": jnp.zeros((16, cfg.seq_len), jnp.int32)}
     batch["targets"] = batch["inputs"]
     batch = jax.device_put(batch, jitted.batch_sharding)
-    rng = jax.device_put(jax.random.key(0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    rng = jax.device_put(jax.random.key(0),
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     state, _ = jitted.train_step(state, batch, rng)
     kernel = state["params"]["blocks"][0]["ff_in"]["kernel"][...]
     assert kernel.addressable_shards[0].data.shape == (kernel.shape[0] // 4, kernel.shape[1])

@@ -50,7 +50,8 @@ def test_every_pattern_is_an_ordinary_run_measured_consistently(study_run):
     by_pattern = study.pattern_configs(QUICKSTART, PATTERNS, steps=4, overrides=SMALL)
     for r in rows:
         run_dir = os.path.join(workdir, r["pattern"])
-        config = config_lib.read_record(run_dir)  # a run evaluate/sample/train can open as any other
+        # a run evaluate/sample/train can open as any other
+        config = config_lib.read_record(run_dir)
         assert config.to_dict() == by_pattern[r["pattern"]].to_dict()
         assert sorted(int(s) for s in os.listdir(os.path.join(run_dir, "checkpoints"))) == [2, 4]
         with open(os.path.join(run_dir, "eval", "valid_4.json")) as f:

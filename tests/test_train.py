@@ -18,8 +18,7 @@ import configs
 from conftest import fake_enwik8
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
-from sparse_jax import sources
-from sparse_jax import train
+from sparse_jax import sources, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,7 +176,8 @@ def test_nan_loss_stops_with_error_and_keeps_the_last_good_checkpoint(tmp_path, 
     monkeypatch.setattr(D.ByteWindows, "batch_at", corrupt)
     config = get_config("bytes", data__path=byte_file, checkpoint_every=5)
     workdir = str(tmp_path / "run")
-    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan .* at step 7") as e:
+    with pytest.raises(FloatingPointError,
+                       match=r"non-finite training loss at step 7 \(loss nan") as e:
         train.train(config, workdir)
     assert "last good checkpoint is step 5" in str(e.value)
     assert checkpoint_steps(workdir) == [5]
@@ -222,12 +222,83 @@ def test_workdir_with_a_checkpoint_of_another_config_is_refused(tmp_path, byte_f
 
     before = files()
     for change, field in [({"model__d_model": 32}, "model.d_model"),
-                          ({"data__seed": 1}, "data.seed")]:
+                          ({"data__seed": 1}, "data.seed"), ({"seed": 3}, "seed"),
+                          ({"optimizer__lr": 1e-2}, "optimizer.lr"),
+                          ({"batch_size": 8}, "batch_size")]:
         other = get_config("bytes", data__path=byte_file, **change)
-        with pytest.raises(ValueError, match="different model or dataset") as e:
+        with pytest.raises(ValueError, match="trained with another config; refusing") as e:
             train.train(other, workdir)
-        assert field in str(e.value)
+        assert f"{field}: " in str(e.value) and "\n" not in str(e.value)
     assert files() == before  # nothing written, nothing overwritten
+
+
+def test_allowed_changes_on_resume_are_recorded(tmp_path, byte_file, capsys):
+    workdir = str(tmp_path / "run")
+    config = get_config("bytes", data__path=byte_file)
+    train.train(config, workdir)
+    record = open(os.path.join(workdir, "config.json")).read()
+    assert train.train(config, workdir)["step"] == 20  # nothing to do, nothing rewritten
+    assert open(os.path.join(workdir, "config.json")).read() == record
+    assert not os.path.exists(os.path.join(workdir, "config_history.jsonl"))
+    longer = get_config("bytes", data__path=byte_file, total_steps=24, eval_every=12)
+    assert train.train(longer, workdir)["step"] == 24
+    assert config_lib.read_record(workdir).to_dict() == longer.to_dict()
+    (row,) = [json.loads(line) for line in open(os.path.join(workdir, "config_history.jsonl"))]
+    assert row["step"] == 20 and row["changes"] == {"eval_every": [10, 12], "total_steps": [20, 24]}
+
+
+def test_workdir_of_someone_else_is_refused(tmp_path, byte_file):
+    config = get_config("bytes", data__path=byte_file)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"files this project did not write \(notes.txt\)"):
+        train.train(config, str(tmp_path / "theirs"))
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "config.json").write_text('{"learning_rate": 1}')
+    with pytest.raises(ValueError, match="config.json was not written by this project"):
+        train.train(config, str(tmp_path / "json"))
+    assert (tmp_path / "theirs" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "json" / "config.json").read_text() == '{"learning_rate": 1}'
+
+
+def test_damaged_newest_checkpoint_falls_back_and_is_kept(tmp_path, byte_file, capsys):
+    config = get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10)
+    reference = str(tmp_path / "reference")
+    train.train(config, reference)
+    workdir = str(tmp_path / "run")
+    train.train(get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10,
+                           keep_checkpoints=3), workdir)
+    assert checkpoint_steps(workdir) == [5, 10]
+    victim = max(glob.glob(os.path.join(workdir, "checkpoints", "10", "params", "**", "*"),
+                           recursive=True), key=lambda p: os.path.isfile(p) and os.path.getsize(p))
+    with open(victim, "r+b") as f:  # a torn write: the file cut short
+        f.truncate(os.path.getsize(victim) // 2)
+    damaged = open(victim, "rb").read()
+    capsys.readouterr()
+    train.train(get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10,
+                           keep_checkpoints=3), workdir)
+    err = capsys.readouterr().err
+    assert "warning: checkpoint 10" in err and "resumed from step 5" in err
+    aside = victim.replace(os.path.join("checkpoints", "10"),
+                           os.path.join("damaged_checkpoints", "10"))
+    assert open(aside, "rb").read() == damaged  # kept, never deleted
+    assert checkpoint_steps(workdir) == [5, 10]
+    got = {r["step"]: r["bits"] for r in read_metrics(workdir) if r["split"] == "train"}
+    want = {r["step"]: r["bits"] for r in read_metrics(reference) if r["split"] == "train"}
+    assert got == pytest.approx(want, abs=1e-6)  # steps 6-10 trained again, the same way
+
+
+def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path, byte_file):
+    from sparse_jax import checkpoints
+
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    with checkpoints.lock(workdir):
+        with pytest.raises(OSError,
+                           match=f"in use by another training process \\(pid {os.getpid()}"):
+            train.train(get_config("bytes", data__path=byte_file), workdir)
+    assert train.train(get_config("bytes", data__path=byte_file, total_steps=2, eval_every=2,
+                                  optimizer__warmup_steps=1), workdir)["step"] == 2  # released
 
 
 def test_unwritable_workdir_is_a_clear_error(tmp_path, byte_file):

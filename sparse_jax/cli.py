@@ -1,0 +1,103 @@
+"""What every entry point (`scripts/*.py`) shares: one error path.
+
+`run(main)` parses the flags and calls `main(argv)` like `absl.app.run`, except that a user
+error ends the command with ONE line on stderr and exit status 1:
+
+  error: <what is wrong, the path or field, what to do>
+
+User errors are bad flags and `--config.FIELD` overrides, bad config arguments and values
+(ValueError), missing or damaged files, unusable workdirs and full disks (OSError), and a
+training run stopped by a non-finite loss (FloatingPointError). Ctrl-C outside the training loop
+(which saves a checkpoint itself) ends with "interrupted" and status 130. Anything else is a bug
+and keeps its traceback. Set the environment variable SPARSE_JAX_TRACEBACK=1, or pass
+`--verbosity=1`, to see the traceback of a user error too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from absl import app, flags, logging
+
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
+
+
+def one_line(text: str) -> str:
+    """`text` as one line: an embedded traceback is reduced to its last line (the exception's
+    message), the exception's class name is dropped, and whitespace runs become one space."""
+    if "Traceback (most recent call last)" in text:
+        head = text.split("Traceback (most recent call last)")[0]
+        head = re.sub(r"Error whilst parsing config file:\s*$", "", head.strip())
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = f"{head.strip()} {re.sub(r'^[A-Za-z_.]*(Error|Exception): ', '', last.strip())}"
+    return " ".join(text.split())
+
+
+def _tracebacks_wanted() -> bool:
+    verbose = "verbosity" in flags.FLAGS and flags.FLAGS.is_parsed() \
+        and flags.FLAGS["verbosity"].value >= 1
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0") or verbose
+
+
+def fail(message: str, status: int = 1):
+    """Prints `error: <message>` as one line on stderr and exits with `status`."""
+    sys.stderr.write(f"error: {one_line(message)}\n")
+    sys.stderr.flush()
+    sys.exit(status)
+
+
+def _unknown_config_field(error: Exception, argv: list[str]) -> str:
+    """The message for a `--config.FIELD=...` naming no field (ml_collections raises a
+    KeyError/AttributeError whose text is the field name plus a suggestion)."""
+    text = str(error).strip("'\"").replace("\\n", "\n").replace("\\'", "'")
+    name, _, hint = text.partition("\n")
+    name = name.strip("'\"")
+    arg = next((a.split("=")[0] for a in argv if a.startswith("--config.")
+                and name in a.split("=")[0].split(".")), f"--config.{name}")
+    return f"{arg}: the config has no field {name!r}" + (f" ({hint.strip()})" if hint else "") \
+        + "; the fields are listed in configs/common.py"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with every parsing error as one `error:` line (status 2)."""
+    for arg in argv[1:]:  # a missing config file, before ml_collections' long report of it
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1].split(":")[0]
+            if not os.path.isfile(path):
+                fail(f"--config: config file {path} not found; give the path of one, e.g. "
+                     "configs/quickstart.py", 2)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", 2)
+    except (KeyError, AttributeError) as e:  # a --config.FIELD override that does not exist
+        fail(_unknown_config_field(e, argv), 2)
+    except ValueError as e:
+        fail(str(e), 2)
+
+
+def run(main) -> None:
+    """`absl.app.run(main)` with the one error path of the module docstring."""
+
+    def guarded(argv):
+        if not flags.FLAGS["verbosity"].present:  # Orbax and TFDS log at INFO
+            logging.set_verbosity(logging.WARNING)
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            fail(str(e), 2)
+        except USER_ERRORS as e:
+            if _tracebacks_wanted():
+                raise
+            if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
+                fail(e.strerror + (f": {e.filename}" if e.filename else ""))
+            fail(str(e))
+        except KeyboardInterrupt:
+            if _tracebacks_wanted():
+                raise
+            fail("interrupted", 130)
+
+    app.run(guarded, flags_parser=parse_flags)

@@ -1,0 +1,72 @@
+"""Console progress and the profiler trace (`sparse_jax.logs`): the evaluation progress writes a
+line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
+steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
+ranges."""
+
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sparse_jax import logs
+
+
+def test_progress_writes_a_line_every_tenth_to_a_log_file(capsys):
+    bar = logs.Progress(20, "valid step 5")
+    for done in range(1, 21):
+        bar.update(done, done * 1024, "tokens")
+    bar.update(20, 20 * 1024, "tokens")  # after the end: nothing more
+    lines = capsys.readouterr().err.splitlines()
+    assert 8 <= len(lines) <= 11 and "\r" not in "".join(lines)
+    assert lines[-1].startswith("valid step 5: 20/20 (100%)") and "tokens/s" in lines[-1]
+
+    logs.Progress(3, "off", enabled=False).update(3, 10, "tokens")
+    single = logs.Progress(1, "test step 1")
+    single.update(1, 10, "tokens")
+    assert capsys.readouterr().err.splitlines() == ["test step 1: 1/1 (100%) [00:00<?, ?batch/s]"]
+
+
+def run_steps(profiler, num_steps):
+    """A loop as the trainer's: dispatch step n, then tell the profiler step n is dispatched."""
+    f = jax.jit(lambda x: jnp.tanh(x @ x) + 1.0)
+    x = jnp.ones((32, 32))
+    for step in range(1, num_steps + 1):
+        x = f(x)
+        profiler.step(step, x)
+    profiler.close()
+    return x
+
+
+def test_profiler_traces_the_chosen_steps_and_nothing_when_off(tmp_path):
+    run_steps(logs.Profiler(str(tmp_path / "off"), ()), 4)
+    assert not os.path.exists(tmp_path / "off" / "profile")
+
+    profiler = logs.Profiler(str(tmp_path / "on"), (2, 3))
+    assert not profiler.tracing  # starts only before step 2
+    run_steps(profiler, 5)
+    assert profiler.done and not profiler.tracing
+    runs = glob.glob(str(tmp_path / "on" / "profile" / "plugins" / "profile" / "*"))
+    assert len(runs) == 1  # one trace
+    names = os.listdir(runs[0])
+    assert "perfetto_trace.json.gz" in names and any(n.endswith(".xplane.pb") for n in names)
+
+    # From step 1 on, and a run that ends inside the range: close() stops the trace.
+    profiler = logs.Profiler(str(tmp_path / "early"), (1, 10))
+    assert profiler.tracing
+    run_steps(profiler, 3)
+    assert glob.glob(str(tmp_path / "early" / "profile" / "plugins" / "profile" / "*" / "*.pb"))
+
+
+@pytest.mark.parametrize("steps", [(0, 3), (3, 2), (1,), (1, 2, 3), (1.0, 2), (True, 2), "1,2",
+                                   (5, 11)])
+def test_bad_profile_steps_are_rejected(steps):
+    with pytest.raises(ValueError, match="profile_steps"):
+        logs.check_profile_steps(steps, total_steps=10)
+
+
+def test_good_profile_steps_pass():
+    assert logs.check_profile_steps(()) == ()
+    assert logs.check_profile_steps([2, 2], total_steps=2) == (2, 2)
+    assert logs.check_profile_steps((5, 100)) == (5, 100)
