@@ -22,10 +22,10 @@ from sparse_jax import model as model_lib
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.model.",
                                           lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
-                                   "Sequences per step (default: config.batch_size, else 1).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per step (default: "
+                                   "config.batch_size, else 1).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices to lay the mesh over (default: "
-                                "jax.device_count()).")
+                                "jax.device_count()).", lower_bound=1)
 flags.mark_flags_as_required(["config"])
 
 

@@ -7,7 +7,7 @@
 import numpy as np
 from absl import flags
 
-from sparse_jax import cli, patterns
+from sparse_jax import checkpoints, cli, patterns
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
@@ -19,6 +19,7 @@ _SUMMARY = flags.DEFINE_enum("summary", "paper", list(patterns.SUMMARY_CONVENTIO
 _SUMMARY_BLOCK = flags.DEFINE_integer("summary_block", 0, "Summary sub-block of the fixed pattern.")
 _QUERY = flags.DEFINE_integer("query", None, "Outline this query's row.")
 _OUTPUT = flags.DEFINE_string("output", "pattern.png", "PNG to write.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 
 
 def draw(parts: dict[str, np.ndarray], path: str, title: str, query: int | None) -> None:
@@ -51,6 +52,9 @@ def draw(parts: dict[str, np.ndarray], path: str, title: str, query: int | None)
 
 def main(argv):
     del argv
+    if _QUERY.value is not None and not 0 <= _QUERY.value < _SEQ_LEN.value:
+        raise ValueError(f"--query={_QUERY.value} is outside the sequence [0, {_SEQ_LEN.value})")
+    checkpoints.check_output(_OUTPUT.value, _OVERWRITE.value)
     spec = dict(stride=_STRIDE.value, local_width=_LOCAL_WIDTH.value)
     if _KIND.value == "fixed":
         spec.update(c=_C.value, summary=_SUMMARY.value, summary_block=_SUMMARY_BLOCK.value)

@@ -48,14 +48,37 @@ OURS = {config_lib.RECORD, config_lib.HISTORY, FOLDER, DAMAGED, LOCK, "metrics.j
 
 class _DropExpectedWarnings(logging.Filter):
     """Orbax warns at every checkpoint saved without validation metrics, and that a read-only
-    manager's directory is read only: both are expected here."""
+    manager's directory is read only: both are expected here. Its background threads also log
+    every failed write with a traceback; the failure reaches `save`/`wait`, which report it in
+    one line (set SPARSE_JAX_TRACEBACK=1 to keep Orbax's logs)."""
 
     def filter(self, record):
         message = record.getMessage()
+        if record.levelno >= logging.ERROR and ("orbax" in record.pathname or "orbax" in message):
+            return os.environ.get("SPARSE_JAX_TRACEBACK", "") not in ("", "0")
         return "tracked_metric" not in message and "is read only" not in message
 
 
 logging.getLogger("absl").addFilter(_DropExpectedWarnings())
+logging.getLogger("asyncio").addFilter(_DropExpectedWarnings())  # Orbax's unretrieved tasks
+
+
+def _closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _quiet_hook(hook):
+    """After a failed write, TensorStore's callbacks into Orbax's finished event loop raise
+    "Event loop is closed" from C++ threads; the failure itself is reported by `save`/`wait`."""
+    def quiet(*args):
+        exc = args[0].exc_value if len(args) == 1 else args[1]
+        if not _closed_loop(exc) or os.environ.get("SPARSE_JAX_TRACEBACK", "") not in ("", "0"):
+            hook(*args)
+    return quiet
+
+
+sys.unraisablehook = _quiet_hook(sys.unraisablehook)
+sys.excepthook = _quiet_hook(sys.excepthook)
 
 
 def steps(workdir: str) -> list[int]:
@@ -107,17 +130,17 @@ def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
 FINGERPRINT = "data_fingerprint.json"
 
 
-def check_data(workdir: str, config_data, dataset) -> None:
+def check_data(workdir: str, config_data, dataset, record: bool = True) -> None:
     """Records what data a run trains on (`data.fingerprint`) in WORKDIR/data_fingerprint.json
-    when it starts, and checks on every resume that the data is still the same (ValueError
-    naming the file otherwise). Written by process 0 only."""
+    when it starts (`record`, process 0), and checks on every resume, evaluation or sampling
+    that the data is still the same (ValueError naming the file otherwise)."""
     path = os.path.join(workdir, FINGERPRINT)
     recorded = None
     if os.path.exists(path) and steps(workdir):
         with open(path) as f:
             recorded = json.load(f)
     current = data_lib.check_fingerprint(recorded, config_data, dataset)
-    if jax.process_index() == 0 and current != recorded:
+    if record and jax.process_index() == 0 and current != recorded:
         with open(path + ".tmp", "w") as f:
             json.dump(current, f, indent=1)
         os.replace(path + ".tmp", path)
@@ -149,10 +172,19 @@ def lock(workdir: str):
         f.close()
 
 
+def last_good(workdir: str) -> str:
+    """What a run stopped by a non-finite loss tells the user about its checkpoints."""
+    good = steps(workdir)
+    where = (f"The last good checkpoint is step {good[-1]} in {os.path.join(workdir, FOLDER)}"
+             if good else "No checkpoint was saved yet")
+    return f"{where}; lower optimizer.lr or raise warmup_steps, and resume or restart."
+
+
 def check_workdir(workdir: str) -> None:
     """FileNotFoundError unless `workdir` holds a config.json and at least one checkpoint."""
     if not os.path.isdir(workdir):
-        raise FileNotFoundError(f"workdir {workdir} does not exist")
+        raise FileNotFoundError(f"workdir {workdir} " + ("is a file, not a folder" if
+                                os.path.exists(workdir) else "does not exist"))
     if not os.path.exists(os.path.join(workdir, config_lib.RECORD)):
         raise FileNotFoundError(f"{workdir} has no config.json: not a training workdir "
                                 "(scripts/train.py writes one)")
@@ -302,9 +334,17 @@ def step_of(workdir: str, checkpoint="latest") -> int:
         mgr.close()
 
 
+def write_error(path: str, error: OSError) -> OSError:
+    """A failed write of `path` as one line that names it."""
+    return OSError(error.errno, f"could not write {path}: {error.strerror or error}; free some "
+                                "space or choose another output")
+
+
 def check_output(path: str, overwrite: bool, what: str = "") -> None:
     """Before any work: FileExistsError if `path` exists and `overwrite` is not set; OSError if
     its folder cannot be created or written."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, f"{path} is a folder; give the path of a file")
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(errno.EEXIST, f"{path} exists{what}; pass --overwrite to replace "
                                             "it, or choose another output")

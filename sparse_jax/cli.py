@@ -21,6 +21,8 @@ import sys
 
 from absl import app, flags, logging
 
+import configs
+
 USER_ERRORS = (ValueError, OSError, FloatingPointError)
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
 
@@ -69,6 +71,13 @@ def parse_flags(argv: list[str]) -> list[str]:
             if not os.path.isfile(path):
                 fail(f"--config: config file {path} not found; give the path of one, e.g. "
                      "configs/quickstart.py", 2)
+            try:
+                module = configs.module(path)
+            except Exception as e:  # noqa: BLE001  (a config file can fail in any way)
+                fail(f"--config: {path} cannot be loaded ({type(e).__name__}: {e})", 2)
+            if not callable(getattr(module, "get_config", None)):
+                fail(f"--config: {path} defines no get_config(arg) function; see "
+                     "configs/quickstart.py for one", 2)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -107,8 +107,14 @@ def write_record(workdir: str, config: ml_collections.ConfigDict) -> str:
 
 def read_record(workdir: str) -> ml_collections.ConfigDict:
     """The config a run in `workdir` trained with (lists become tuples, as in the config files)."""
-    with open(os.path.join(workdir, RECORD)) as f:
-        raw = json.load(f)
+    path = os.path.join(workdir, RECORD)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        assert isinstance(raw, dict)
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"{path} is damaged or not a config written by this project "
+                         f"({type(e).__name__}: {e}); restore it or use another --workdir") from e
     tuples = lambda d: {k: tuples(v) if isinstance(v, dict) else  # noqa: E731
                         tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return ml_collections.ConfigDict(tuples(raw))

@@ -137,6 +137,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
                                     vocab_size=cfg.vocab_size)
     split_data = dataset.splits[split]
     count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
+    checkpoints.check_data(workdir, config.data, dataset, record=False)  # the data trained on
     mesh = eval_mesh(config, devices)
     batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh)
@@ -173,10 +174,15 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     }
     if write and jax.process_index() == 0:
         path = result_path(workdir, split, step, min_context)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(path + ".tmp", path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+            raise checkpoints.write_error(path, e) from e
         result["path"] = path
     return result
 

@@ -72,16 +72,31 @@ def save_png(image_HWC: np.ndarray, path: str) -> None:
 
     if image_HWC.shape[-1] not in (1, 3):
         raise ValueError(f"a PNG needs 1 or 3 channels, got {image_HWC.shape[-1]}")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Image.fromarray(image_HWC[..., 0] if image_HWC.shape[-1] == 1 else image_HWC).save(path)
+    image = Image.fromarray(image_HWC[..., 0] if image_HWC.shape[-1] == 1 else image_HWC)
+    _write(path, lambda f: image.save(f, format="PNG"))
 
 
 def _write_text(path: str, samples: list[bytes], header: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
+    def write(f):
         for k, text in enumerate(samples):
             f.write(f"===== sample {k + 1}/{len(samples)}: {header} =====\n".encode())
             f.write(text + b"\n")
+
+    _write(path, write)
+
+
+def _write(path: str, write) -> None:
+    """`write(file)` into path + ".tmp", then renamed to `path`: a failed write (a full disk)
+    leaves no torn file and whatever was at `path` before; one-line OSError naming `path`."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise checkpoints.write_error(path, e) from e
 
 
 def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,

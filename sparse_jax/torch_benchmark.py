@@ -85,6 +85,9 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
     import shutil
     import tempfile
 
+    if not os.path.isfile(data_path):
+        raise FileNotFoundError(f"--data: {data_path} is not a file; the shipped corpus is "
+                                "data/kjv.html.gz")
     rows = []
     cases = [("torch", "dense")] + [("jax", p) for p in patterns]
     with case_bar(len(seq_lens) * len(cases), "training runs") as bar:

@@ -262,13 +262,9 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
         if not (math.isfinite(metrics["bits"]) and math.isfinite(metrics["grad_norm"])):
             checkpoints.wait(manager, manager.latest_step())
             what = ("training loss" if not math.isfinite(metrics["bits"]) else "gradient norm")
-            good = checkpoints.steps(workdir)
             raise FloatingPointError(
                 f"non-finite {what} at step {s} (loss {metrics['bits']}, gradient norm "
-                f"{metrics['grad_norm']}); stopping. "
-                + (f"The last good checkpoint is step {good[-1]} in {manager.directory}"
-                   if good else "No checkpoint was saved yet")
-                + "; lower optimizer.lr or raise warmup_steps, and resume or restart.")
+                f"{metrics['grad_norm']}); stopping. {checkpoints.last_good(workdir)}")
         window["bits"] += float(metrics["bits"])
         window["grad_norm"] += float(metrics["grad_norm"])
         window["count"] += 1
@@ -320,7 +316,8 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                         batch_sharding, max_batches=config.eval_batches)
                     valid_bits = total / max(count, 1)
                     if not math.isfinite(valid_bits):
-                        raise FloatingPointError(f"non-finite validation bits at step {step}")
+                        raise FloatingPointError(f"non-finite validation bits at step {step}; "
+                                                 f"stopping. {checkpoints.last_good(workdir)}")
                     best = valid_bits if best is None else min(best, valid_bits)
                     log.write(step, "valid", {"bits": valid_bits})
                     log.print(f"step {step}/{config.total_steps}  valid {valid_bits:.4f} bits "
