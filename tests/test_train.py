@@ -234,17 +234,18 @@ def test_workdir_with_a_checkpoint_of_another_config_is_refused(tmp_path, byte_f
 
 def test_allowed_changes_on_resume_are_recorded(tmp_path, byte_file, capsys):
     workdir = str(tmp_path / "run")
-    config = get_config("bytes", data__path=byte_file)
+    config = get_config("quickstart", "data=embedded", **TINY_TEXT)
     train.train(config, workdir)
     record = open(os.path.join(workdir, "config.json")).read()
-    assert train.train(config, workdir)["step"] == 20  # nothing to do, nothing rewritten
+    assert train.train(config, workdir)["step"] == 4  # nothing to do, nothing rewritten
     assert open(os.path.join(workdir, "config.json")).read() == record
     assert not os.path.exists(os.path.join(workdir, "config_history.jsonl"))
-    longer = get_config("bytes", data__path=byte_file, total_steps=24, eval_every=12)
-    assert train.train(longer, workdir)["step"] == 24
+    longer = get_config("quickstart", "data=embedded", **{**TINY_TEXT, "total_steps": 6,
+                                                          "eval_every": 3})
+    assert train.train(longer, workdir)["step"] == 6
     assert config_lib.read_record(workdir).to_dict() == longer.to_dict()
     (row,) = [json.loads(line) for line in open(os.path.join(workdir, "config_history.jsonl"))]
-    assert row["step"] == 20 and row["changes"] == {"eval_every": [10, 12], "total_steps": [20, 24]}
+    assert row["step"] == 4 and row["changes"] == {"eval_every": [2, 3], "total_steps": [4, 6]}
 
 
 def test_workdir_of_someone_else_is_refused(tmp_path, byte_file):
@@ -261,44 +262,42 @@ def test_workdir_of_someone_else_is_refused(tmp_path, byte_file):
     assert (tmp_path / "json" / "config.json").read_text() == '{"learning_rate": 1}'
 
 
-def test_damaged_newest_checkpoint_falls_back_and_is_kept(tmp_path, byte_file, capsys):
-    config = get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10)
+def test_damaged_newest_checkpoint_falls_back_and_is_kept(tmp_path, capsys):
+    config = get_config("quickstart", "data=embedded", **{**TINY_TEXT, "log_every": 1})
     reference = str(tmp_path / "reference")
     train.train(config, reference)
     workdir = str(tmp_path / "run")
-    train.train(get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10,
-                           keep_checkpoints=3), workdir)
-    assert checkpoint_steps(workdir) == [5, 10]
-    victim = max(glob.glob(os.path.join(workdir, "checkpoints", "10", "params", "**", "*"),
+    train.train(config, workdir)
+    assert checkpoint_steps(workdir) == [2, 4]
+    victim = max(glob.glob(os.path.join(workdir, "checkpoints", "4", "params", "**", "*"),
                            recursive=True), key=lambda p: os.path.isfile(p) and os.path.getsize(p))
     with open(victim, "r+b") as f:  # a torn write: the file cut short
         f.truncate(os.path.getsize(victim) // 2)
     damaged = open(victim, "rb").read()
     capsys.readouterr()
-    train.train(get_config("bytes", data__path=byte_file, checkpoint_every=5, total_steps=10,
-                           keep_checkpoints=3), workdir)
+    train.train(config, workdir)
     err = capsys.readouterr().err
-    assert "warning: checkpoint 10" in err and "resumed from step 5" in err
-    aside = victim.replace(os.path.join("checkpoints", "10"),
-                           os.path.join("damaged_checkpoints", "10"))
+    assert "warning: checkpoint 4" in err and "resumed from step 2" in err
+    aside = victim.replace(os.path.join("checkpoints", "4"),
+                           os.path.join("damaged_checkpoints", "4"))
     assert open(aside, "rb").read() == damaged  # kept, never deleted
-    assert checkpoint_steps(workdir) == [5, 10]
+    assert checkpoint_steps(workdir) == [2, 4]
     got = {r["step"]: r["bits"] for r in read_metrics(workdir) if r["split"] == "train"}
     want = {r["step"]: r["bits"] for r in read_metrics(reference) if r["split"] == "train"}
-    assert got == pytest.approx(want, abs=1e-6)  # steps 6-10 trained again, the same way
+    assert got == pytest.approx(want, abs=1e-6)  # steps 3-4 trained again, the same way
 
 
-def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path, byte_file):
+def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path):
     from sparse_jax import checkpoints
 
     workdir = str(tmp_path / "run")
     os.makedirs(workdir)
+    config = get_config("quickstart", "data=embedded", **TINY_TEXT)
     with checkpoints.lock(workdir):
         with pytest.raises(OSError,
                            match=f"in use by another training process \\(pid {os.getpid()}"):
-            train.train(get_config("bytes", data__path=byte_file), workdir)
-    assert train.train(get_config("bytes", data__path=byte_file, total_steps=2, eval_every=2,
-                                  optimizer__warmup_steps=1), workdir)["step"] == 2  # released
+            train.train(config, workdir)
+    assert train.train(config, workdir)["step"] == 4  # released
 
 
 def test_unwritable_workdir_is_a_clear_error(tmp_path, byte_file):
