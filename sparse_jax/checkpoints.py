@@ -117,11 +117,13 @@ def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
         return None
     try:
         saved = config_lib.read_record(workdir)
-        assert all(section in saved for section in config_lib.SECTIONS)
-    except Exception as e:  # noqa: BLE001  (any unreadable or foreign file)
-        raise ValueError(f"{record} was not written by this project (or is damaged: "
-                         f"{type(e).__name__}); refusing to train there: use another "
-                         "--workdir") from e
+    except ValueError as e:
+        raise ValueError(f"{record} was not written by this project (or is damaged); "
+                         "refusing to train there: use another --workdir") from e
+    missing = [s for s in config_lib.SECTIONS if s not in saved]
+    if missing:
+        raise ValueError(f"{record} was not written by this project (no {', '.join(missing)} "
+                         "section); refusing to train there: use another --workdir")
     if not steps(workdir):
         return None  # a run that never checkpointed starts again
     return config_lib.resume_changes(saved, config, workdir)
@@ -137,8 +139,12 @@ def check_data(workdir: str, config_data, dataset, record: bool = True) -> None:
     path = os.path.join(workdir, FINGERPRINT)
     recorded = None
     if os.path.exists(path) and steps(workdir):
-        with open(path) as f:
-            recorded = json.load(f)
+        try:
+            with open(path) as f:
+                recorded = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is damaged ({e}); restore it, or delete it to record the "
+                             "data as it is now") from e
     current = data_lib.check_fingerprint(recorded, config_data, dataset)
     if record and jax.process_index() == 0 and current != recorded:
         with open(path + ".tmp", "w") as f:

@@ -111,10 +111,12 @@ def read_record(workdir: str) -> ml_collections.ConfigDict:
     try:
         with open(path) as f:
             raw = json.load(f)
-        assert isinstance(raw, dict)
-    except (ValueError, AssertionError) as e:
+    except ValueError as e:  # not JSON (also UnicodeDecodeError)
+        raw = e
+    if not isinstance(raw, dict):
         raise ValueError(f"{path} is damaged or not a config written by this project "
-                         f"({type(e).__name__}: {e}); restore it or use another --workdir") from e
+                         f"({raw if isinstance(raw, ValueError) else 'not a JSON object'}); "
+                         "restore it or use another --workdir")
     tuples = lambda d: {k: tuples(v) if isinstance(v, dict) else  # noqa: E731
                         tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return ml_collections.ConfigDict(tuples(raw))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 r"""Bad inputs and faults through the command line: every failure is one short, true error line,
-and nothing a user has is lost (issue 15).
+and nothing a user has is lost.
 
   python tests/bad_inputs.py                          # every case (~10 min on 2 CPU cores)
   python tests/bad_inputs.py --jobs=2 --output=bad_inputs.json
@@ -24,8 +24,9 @@ allows it (`may_change`), or move into a `damaged*` folder with its bytes intact
 are always allowed; so are files whose name contains "lock" (the trainer's lock).
 
 Prints a table (case, expected, got, verdict) and "N cases: X ok, Y failed, Z skipped",
-writes the results as JSON to --output, and exits with status 1 if any case failed. Cases
-marked `planned` test behaviours of issue 15 that may not have landed yet. Running as root
+writes the results as JSON to --output, and exits with status 1 if any case failed. A case's
+`rule` names the documented behaviour it checks (README, "Reruns on an existing workdir" and
+"Errors"), listed by --list. Running as root
 skips the cases that need file permissions to be enforced (chmod). A full disk is simulated
 with a file-size limit (`ulimit -f`: writes fail with EFBIG, "File too large").
 
@@ -93,7 +94,7 @@ class Case:
     check: Callable | None = None  # ok: fn(Run) -> list of problems
     setup: Callable | None = None  # fn(Ctx): prepares files in the case's folder
     may_change: tuple = ()  # globs (relative to the case folder) of files that may change/go
-    planned: str = ""  # a behaviour of issue 15 this case depends on (may not be there yet)
+    rule: str = ""  # the documented behaviour this case checks, when not obvious
     nonroot: bool = False  # needs permissions enforced (skipped when running as root)
     timeout: float = 180.0
     fsize_limit: int | None = None  # bytes: RLIMIT_FSIZE of the command (a "full disk")
@@ -424,11 +425,11 @@ def build_cases() -> list[Case]:
     err("config/empty", tiny(config=""), r"config")
     err("config/file with a syntax error", tiny(config="{tmp}/broken.py"), r"broken\.py",
         setup=write("broken.py", "def get_config(:\n    return None\n"),
-        planned="a user's config file that fails to load is a one-line error")
+        rule="a user's config file that fails to load is a one-line error")
     err("config/file without get_config", tiny(config="{tmp}/empty_config.py"),
         r"empty_config\.py.*get_config|get_config.*empty_config\.py",
         setup=write("empty_config.py", "x = 1\n"),
-        planned="a user's config file that fails to load is a one-line error")
+        rule="a user's config file that fails to load is a one-line error")
     err("config/bytes.py bad size", tiny(config="{root}/configs/bytes.py:size=huge"), r"size")
 
     # -- values caught by the config checks ---------------------------------------------------
@@ -456,7 +457,7 @@ def build_cases() -> list[Case]:
     err("check/split fractions do not sum to 1",
         tiny("--config.data.split_fractions=(0.5,0.2,0.2)"), r"split_fractions")
     err("check/vocab smaller than the bytes", tiny("--config.model.vocab_size=64"), r"vocab",
-        planned="vocabulary smaller than the data's bytes is refused")
+        rule="vocabulary smaller than the data's bytes is refused")
 
     # -- data ---------------------------------------------------------------------------------
     err("data/missing file", tiny(*on_bytes("{tmp}/nope.txt")), r"nope\.txt")
@@ -466,20 +467,20 @@ def build_cases() -> list[Case]:
     err("data/empty file", tiny(*on_bytes()), r"data\.txt|empty", setup=write("data.txt", b""))
     err("data/tiny file", tiny(*on_bytes()), r"data\.txt|small|bytes",
         setup=write("data.txt", DATA[:50]),
-        planned="empty/too-small splits are refused at start")
+        rule="empty/too-small splits are refused at start")
     err("data/empty valid split",
         tiny(*on_bytes(), "--config.data.split_fractions=(0.95,0.0,0.05)"), r"valid",
         setup=write("data.txt", DATA),
-        planned="empty/too-small splits are refused at start")
+        rule="empty/too-small splits are refused at start")
     err("data/train split smaller than a window",
         tiny(*on_bytes(), "--config.data.split_fractions=(0.002,0.499,0.499)"), r"train",
-        setup=write("data.txt", DATA), planned="empty/too-small splits are refused at start")
+        setup=write("data.txt", DATA), rule="empty/too-small splits are refused at start")
     err("data/empty valid split (embedded)", tiny("--config.data.split_fractions=(0.95,0.0,0.05)"),
-        r"valid", planned="empty/too-small splits are refused at start")
+        r"valid", rule="empty/too-small splits are refused at start")
     err("data/vocab smaller than the file's bytes",
         tiny(*on_bytes(), "--config.model.vocab_size=100"), r"vocab",
         setup=write("data.txt", DATA + bytes([200, 255]) * 50),
-        planned="vocabulary smaller than the data's bytes is refused")
+        rule="vocabulary smaller than the data's bytes is refused")
     err("data/truncated .gz", tiny(*on_bytes("{tmp}/data.txt.gz")), r"data\.txt\.gz",
         setup=write("data.txt.gz", gz(DATA)[:3000]))
     err("data/not gzip .gz", tiny(*on_bytes("{tmp}/data.txt.gz")), r"data\.txt\.gz",
@@ -514,17 +515,17 @@ def build_cases() -> list[Case]:
     err("data/file changed since the run started", tiny(*on_bytes(), "--config.total_steps=6"),
         r"data\.txt|changed|differ",
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()), modify_byte("data.txt")),
-        planned="a data file changed since the run started is detected on resume")
+        rule="a data file changed since the run started is detected on resume")
     err("data/file grew since the run started", tiny(*on_bytes(), "--config.total_steps=6"),
         r"data\.txt|changed|differ",
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()),
                   write("data.txt", DATA + DATA[:5000])),
-        planned="a data file changed since the run started is detected on resume")
+        rule="a data file changed since the run started is detected on resume")
     err("data/path moved to another file on resume",
         tiny(*on_bytes("{tmp}/other.txt"), "--config.total_steps=6"), r"other\.txt|differ|changed",
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()),
                   write("other.txt", text_bytes(20_000, seed=1))),
-        planned="data location may change on resume only if the content is the same")
+        rule="data location may change on resume only if the content is the same")
     ok("data/path moved, same content (resumes)",
        tiny(*on_bytes("{tmp}/moved/data.txt"), "--config.total_steps=6"),
        all_of(exists("work/checkpoints/6"), output_matches(r"Resuming")),
@@ -532,7 +533,7 @@ def build_cases() -> list[Case]:
                  write("moved/data.txt", DATA), remove("data.txt")),
        may_change=("work/checkpoints/*", "work/config.json", "work/data_fingerprint*",
                    *RUN_FILES),
-       planned="data.path may change on resume when the content is the same")
+       rule="data.path may change on resume when the content is the same")
 
     # -- the workdir --------------------------------------------------------------------------
     err("workdir/is a file", tiny(), r"work", setup=write("work", "my notes\n"))
@@ -542,15 +543,15 @@ def build_cases() -> list[Case]:
         setup=seq(mkdir("work"), chmod("work", 0o500)), nonroot=True)
     err("workdir/foreign files", tiny(), r"work",
         setup=seq(write("work/notes.txt", "my notes\n"), write("work/src/main.c", "int main;\n")),
-        planned="a non-empty folder without config.json is refused")
+        rule="a non-empty folder without config.json is refused")
     err("workdir/foreign config.json", tiny(), r"config\.json",
         setup=write("work/config.json", json.dumps({"name": "my web app", "port": 8080})),
-        planned="a config.json not written by sparse_jax is refused")
+        rule="a config.json not written by sparse_jax is refused")
     err("workdir/config.json garbage", tiny(), r"config\.json",
         setup=write("work/config.json", "{ this is not json"),
-        planned="a config.json not written by sparse_jax is refused")
+        rule="a config.json not written by sparse_jax is refused")
     err("workdir/config.json empty", tiny(), r"config\.json", setup=write("work/config.json", ""),
-        planned="a config.json not written by sparse_jax is refused")
+        rule="a config.json not written by sparse_jax is refused")
     err("workdir/checkpoints without config.json", tiny(), r"config\.json",
         setup=seq(trained_run, remove("work/config.json")))
     err("workdir/checkpoints without config.json (only config_history)", tiny(), r"config\.json",
@@ -572,7 +573,7 @@ def build_cases() -> list[Case]:
               output_matches(r"Resuming from step 4"),
               file_matches("work/config_history.jsonl", r"total_steps")),
        setup=trained_run, may_change=("work/checkpoints/*", "work/config.json", *RUN_FILES),
-       planned="allowed changes on resume are recorded in WORKDIR/config_history.jsonl")
+       rule="allowed changes on resume are recorded in WORKDIR/config_history.jsonl")
     ok("rerun/log, eval and checkpoint intervals changed",
        tiny("--config.total_steps=8", "--config.log_every=1", "--config.eval_every=4",
             "--config.checkpoint_every=4", "--config.eval_batches=1",
@@ -580,11 +581,11 @@ def build_cases() -> list[Case]:
        all_of(exists("work/checkpoints/8", "work/config_history.jsonl"),
               file_matches("work/config_history.jsonl", r"log_every")),
        setup=trained_run, may_change=("work/checkpoints/*", "work/config.json", *RUN_FILES),
-       planned="allowed changes on resume are recorded in WORKDIR/config_history.jsonl")
+       rule="allowed changes on resume are recorded in WORKDIR/config_history.jsonl")
     ok("rerun/mesh changed", tiny("--config.mesh.data=1", "--config.total_steps=6"),
        exists("work/checkpoints/6"), setup=trained_run,
        may_change=("work/checkpoints/*", "work/config.json", *RUN_FILES),
-       planned="mesh.* may change on resume")
+       rule="mesh.* may change on resume")
     ok("rerun/interrupted run resumes", tiny(),
        all_of(exists("work/checkpoints/4"), output_matches(r"Resuming from step 2")),
        setup=seq(trained_run, remove("work/checkpoints/4")),
@@ -601,7 +602,7 @@ def build_cases() -> list[Case]:
                  ("data.seed", "--config.data.seed=3", r"data\.seed")]
     for field, flag, match in forbidden:
         err(f"rerun/forbidden change: {field}", tiny(flag), match, setup=trained_run,
-            planned="only the listed fields may change on resume (the rest is refused)")
+            rule="only the listed fields may change on resume (the rest is refused)")
     err("rerun/forbidden change: data.name", tiny(*on_bytes()), r"data\.name|name",
         setup=seq(trained_run, write("data.txt", DATA)))
     err("rerun/forbidden change: another pattern variant",
@@ -609,7 +610,7 @@ def build_cases() -> list[Case]:
         setup=trained_run)
     err("rerun/forbidden changes: several at once (all listed)",
         tiny("--config.seed=1", "--config.model.d_model=32"), r"seed.*d_model|d_model.*seed",
-        setup=trained_run, planned="the refusal lists every difference")
+        setup=trained_run, rule="the refusal lists every difference")
 
     # -- checkpoints --------------------------------------------------------------------------
     fallback_train = ("work/checkpoints/2/*", "work/checkpoints/4/*", "work/config.json",
@@ -621,17 +622,17 @@ def build_cases() -> list[Case]:
            setup=seq(trained_run, damage(4, how)),
            # checkpoint 4's damaged files must be moved (same bytes), not overwritten in place
            may_change=tuple(g for g in fallback_train if "/4/" not in g),
-           planned="a damaged newest checkpoint is moved to WORKDIR/damaged_checkpoints/<step> "
+           rule="a damaged newest checkpoint is moved to WORKDIR/damaged_checkpoints/<step> "
                    "and training goes on from the previous one")
     err("checkpoint/train: all damaged", tiny(), r"checkpoint|damaged",
         setup=seq(trained_run, damage(2), damage(4)),
-        planned="all checkpoints damaged: an error, nothing deleted")
+        rule="all checkpoints damaged: an error, nothing deleted")
     ok("checkpoint/evaluate: newest damaged -> falls back",
        ["evaluate", "--workdir={work}", "--cpu_devices=1"],
        all_of(exists("work/eval/test_2.json"),
               output_matches(r"damaged|corrupt|cannot|could not|unreadable")),
        setup=seq(trained_run, damage(4)),
-       planned="evaluate falls back from a damaged newest checkpoint with a warning")
+       rule="evaluate falls back from a damaged newest checkpoint with a warning")
     err("checkpoint/evaluate: all damaged", ["evaluate", "--workdir={work}", "--cpu_devices=1"],
         r"checkpoint|damaged", setup=seq(trained_run, damage(2), damage(4)))
     err("checkpoint/evaluate: the named step damaged",
@@ -642,7 +643,7 @@ def build_cases() -> list[Case]:
        all_of(exists("work/samples/2_seed0.txt"),
               output_matches(r"damaged|corrupt|cannot|could not|unreadable")),
        setup=seq(trained_run, damage(4, "truncate")),
-       planned="sample falls back from a damaged newest checkpoint with a warning")
+       rule="sample falls back from a damaged newest checkpoint with a warning")
     err("checkpoint/sample: all damaged", ["sample", "--workdir={work}", "--length=8"],
         r"checkpoint|damaged", setup=seq(trained_run, damage(2), damage(4)))
     err("checkpoint/evaluate: missing step", ["evaluate", "--workdir={work}", "--cpu_devices=1",
@@ -692,11 +693,11 @@ def build_cases() -> list[Case]:
         setup=seq(trained_run, remove("work/checkpoints")))
     err("evaluate/result exists", ev, r"test_4\.json|exists|overwrite",
         setup=seq(trained_run, write("work/eval/test_4.json", '{"mine": "an earlier result"}\n')),
-        planned="outputs that exist are refused unless --overwrite")
+        rule="outputs that exist are refused unless --overwrite")
     ok("evaluate/result exists, --overwrite", [*ev, "--overwrite"],
        changed("work/eval/test_4.json"),
        setup=seq(trained_run, write("work/eval/test_4.json", '{"mine": "an earlier result"}\n')),
-       may_change=("work/eval/test_4.json",), planned="--overwrite replaces an existing output")
+       may_change=("work/eval/test_4.json",), rule="--overwrite replaces an existing output")
     err("evaluate/eval folder is a file", ev, r"eval",
         setup=seq(trained_run, write("work/eval", "not a folder\n")))
     err("evaluate/eval folder unwritable (chmod 500)", ev, r"eval",
@@ -705,7 +706,7 @@ def build_cases() -> list[Case]:
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()), remove("data.txt")))
     err("evaluate/data file changed", [*ev], r"data\.txt|changed|differ",
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()), modify_byte("data.txt")),
-        planned="a data file changed since training is detected")
+        rule="a data file changed since training is detected")
 
     # -- scripts/sample.py --------------------------------------------------------------------
     sa = ["sample", "--workdir={work}", "--num_samples=1", "--length=8"]
@@ -746,19 +747,19 @@ def build_cases() -> list[Case]:
     err("sample/bad split", [*sa, "--split=dev"], r"split|dev", setup=trained_run)
     err("sample/output exists (default path)", sa, r"4_seed0\.txt|exists|overwrite",
         setup=seq(trained_run, write("work/samples/4_seed0.txt", "my favourite sample\n")),
-        planned="outputs that exist are refused unless --overwrite")
+        rule="outputs that exist are refused unless --overwrite")
     err("sample/--output exists", [*sa, "--output={tmp}/mine.txt"], r"mine\.txt|exists",
         setup=seq(trained_run, write("mine.txt", "my own file\n")),
-        planned="outputs that exist are refused unless --overwrite")
+        rule="outputs that exist are refused unless --overwrite")
     ok("sample/--output exists, --overwrite", [*sa, "--output={tmp}/mine.txt", "--overwrite"],
        changed("mine.txt"), setup=seq(trained_run, write("mine.txt", "my own file\n")),
-       may_change=("mine.txt",), planned="--overwrite replaces an existing output")
+       may_change=("mine.txt",), rule="--overwrite replaces an existing output")
     user_folder = seq(trained_run, write("out/mine.txt", "my file\n"))
     err("sample/--output is a folder", [*sa, "--output={tmp}/out"],
         r"out.*(folder|directory)|(folder|directory).*out", setup=user_folder)
     err("sample/--output is a folder, --overwrite", [*sa, "--output={tmp}/out", "--overwrite"],
         r"out.*(folder|directory)|(folder|directory).*out", setup=user_folder,
-        planned="--overwrite replaces a file, never a folder")
+        rule="--overwrite replaces a file, never a folder")
     err("sample/--output inside a file", [*sa, "--output={tmp}/notes/s.txt"], r"notes",
         setup=seq(trained_run, write("notes", "my notes\n")))
     err("sample/samples folder is a file", sa, r"samples",
@@ -770,11 +771,11 @@ def build_cases() -> list[Case]:
     err("lock/second trainer refused", tiny(), r"work|use|running|lock|another",
         setup=background_trainer(),
         may_change=("work/tensorboard/*", "work/metrics.jsonl", "work/checkpoints/*"),
-        planned="a second training process on a workdir in use is refused")
+        rule="a second training process on a workdir in use is refused")
     ok("lock/not stuck after SIGKILL", tiny(), exists("work/checkpoints/4"),
        setup=background_trainer(kill=True),
        may_change=("work/config.json", "work/checkpoints/*", *RUN_FILES),
-       planned="the lock of a killed trainer does not block the next run")
+       rule="the lock of a killed trainer does not block the next run")
 
     # -- faults while training ----------------------------------------------------------------
     # Warmup from lr 0: step 1 is good and checkpointed, then the loss explodes.
@@ -782,12 +783,12 @@ def build_cases() -> list[Case]:
         tiny("--config.optimizer.lr=1e30", "--config.checkpoint_every=1",
              "--config.optimizer.warmup_steps=2"),
         r"(non-finite|nan|inf).*checkpoint", may_change=("work/checkpoints/*",),
-        planned="NaN: one line naming the last good checkpoint")
+        rule="NaN: one line naming the last good checkpoint")
     err("nan/huge learning rate (caught by the training loss)",
         tiny("--config.optimizer.lr=1e30", "--config.checkpoint_every=1",
              "--config.optimizer.warmup_steps=2", "--config.eval_every=100"),
         r"(non-finite|nan|inf).*checkpoint", may_change=("work/checkpoints/*",),
-        planned="NaN: one line naming the last good checkpoint")
+        rule="NaN: one line naming the last good checkpoint")
     err("disk/full while checkpointing (ulimit -f 12 KiB)", tiny(),
         r"checkpoint|disk|space|too large|write", fsize_limit=12 * 1024,
         env={"JAX_ENABLE_COMPILATION_CACHE": "false"})
@@ -829,11 +830,11 @@ def build_cases() -> list[Case]:
     err("plot/c 0 (fixed)", [*pp, "--kind=fixed", "--c=0"], r"\bc\b")
     err("plot/local_width 0", [*pp, "--local_width=0"], r"local_width")
     err("plot/query outside the sequence", [*pp, "--query=100"], r"query",
-        planned="plot_pattern checks --query")
+        rule="plot_pattern checks --query")
     err("plot/output inside a file", ["plot_pattern", "--output={tmp}/notes/p.png"], r"notes",
         setup=write("notes", "my notes\n"))
     err("plot/output exists", [*pp], r"p\.png|exists|overwrite", setup=write("p.png", b"mine"),
-        planned="outputs that exist are refused unless --overwrite (plot_pattern too?)")
+        rule="outputs that exist are refused unless --overwrite (plot_pattern too?)")
 
     # -- scripts/compare_patterns.py ----------------------------------------------------------
     cp_flags = ["--workdir={work}", "--steps=2", "--patterns=dense,strided",
@@ -956,7 +957,7 @@ def summary_of(rc, stderr: str, timed_out: bool, tmp: str = "") -> str:
 
 def run_case(case: Case, fixtures: Fixtures, env: dict, scratch: str, keep: bool) -> dict:
     result = {"name": case.name, "expected": case.expect, "match": case.match,
-              "planned": case.planned, "argv": None, "rc": None, "got": "", "verdict": "",
+              "rule": case.rule, "argv": None, "rc": None, "got": "", "verdict": "",
               "problems": [], "seconds": 0.0, "folder": None}
     if case.nonroot and os.geteuid() == 0:
         result.update(verdict="skip", got="running as root: permissions are not enforced")
@@ -1098,7 +1099,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         expected = "error" + (f" /{r['match']}/" if r["match"] else "") \
             if r["expected"] == "error" else "ok"
-        rows.append((r["name"] + (" *" if r["planned"] else ""), expected, r["got"],
+        rows.append((r["name"], expected, r["got"],
                      r["verdict"]))
     widths = [min(max(len(cell(row[k], 200)) for row in rows), limit)
               for k, limit in enumerate((58, 34, 90, 7))]
@@ -1132,7 +1133,7 @@ def main(argv=None) -> int:
     cases = select(build_cases(), args.only)
     if args.list:
         for c in cases:
-            print(f"{c.name}{'  * ' + c.planned if c.planned else ''}")
+            print(f"{c.name}{'  (' + c.rule + ')' if c.rule else ''}")
         print(f"{len(cases)} cases")
         return 0
     if not cases:
@@ -1144,9 +1145,9 @@ def main(argv=None) -> int:
     print(table(results))
     failures = [r for r in results if r["verdict"] == "FAIL"]
     if failures:
-        print("\nProblems (* = depends on a behaviour planned in issue 15):")
+        print("\nProblems:")
         for r in failures:
-            print(f"  {r['name']}{' *' if r['planned'] else ''}: " + "; ".join(r["problems"]))
+            print(f"  {r['name']}: " + "; ".join(r["problems"]))
     print(f"\n{summary(results)} ({time.time() - start:.0f} s)")
     if args.output:
         with open(args.output, "w") as f:
