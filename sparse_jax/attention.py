@@ -1,8 +1,9 @@
 """The attention math of the factorized patterns: plain ``jnp`` functions and custom VJPs, no Flax.
 
-* ``sparse_attention(q, k, v, spec)``: the fast block-sparse path (below), and for
-  ``PatternSpec("dense")`` causal attention with a custom backward that reuses the forward's
-  probabilities; ``multi_spec_attention`` splits the heads into groups, one pattern each.
+* ``sparse_attention(q, k, v, spec)``: the fast block-sparse path (below; or, with
+  ``implementation="pallas"``, the same block terms as a fused kernel, ``sparse_jax.kernel``),
+  and for ``PatternSpec("dense")`` causal attention with a custom backward that reuses the
+  forward's probabilities; ``multi_spec_attention`` splits the heads into groups.
 * ``dense_attention`` (a mask) and ``gather_attention`` (index arrays): the references the tests
   hold the fast path to.
 * ``decode_attention``: one query per head over gathered keys, a step of the cached decoder.
@@ -47,8 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax import patterns
+from sparse_jax import kernel, patterns
 from sparse_jax.patterns import PatternSpec
+
+IMPLEMENTATIONS = ("xla", "pallas", "auto")  # of the sparse patterns (dense is always XLA)
 
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
@@ -440,18 +443,37 @@ def _causal_attention_bwd(residuals, d_out):
 _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
-def sparse_attention(q, k, v, spec: PatternSpec):
+def resolve_implementation(implementation: str) -> str:
+    """"xla" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU and XLA
+    elsewhere. "pallas" runs compiled on a GPU (Triton) and in interpret mode on a CPU (slow:
+    for tests); the kernel has no TPU lowering, so TPUs use XLA."""
+    patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    backend = jax.default_backend()
+    if implementation == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    if implementation == "pallas" and backend == "tpu":
+        raise ValueError("implementation='pallas' has no TPU lowering (its kernel is written "
+                         "for Triton on GPUs); use implementation='xla' or 'auto' on a TPU")
+    return implementation
+
+
+def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
+                     block_sizes: kernel.BlockSizes | None = None):
     """Attention of q over k, v restricted to ``spec``'s pattern; equals
     ``dense_attention(q, k, v, spec.mask(n))``.
 
     q, k: [B, n, H, d]; v: [B, n, H, dv]; float32, bfloat16 or float16 (scores and softmax
     in float32, output in the input dtype). Any n >= 1 (padded internally to a multiple of
     the pattern's block). ``spec`` must be static under ``jax.jit``. Differentiable with a
-    custom backward pass whose memory is O(n·|S|) like the forward.
+    custom backward pass whose memory is O(n·|S|) like the forward. ``implementation``: "xla"
+    (the block terms above), "pallas" (``sparse_jax.kernel``: the same terms, fused) or "auto"
+    (``resolve_implementation``); dense attention is XLA's whatever it says. ``block_sizes``:
+    the kernel's tiles (default ``kernel.BlockSizes()``).
     """
     _check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):
         raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
+    implementation = resolve_implementation(implementation)
     batch, seq_len, heads, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1])
     if spec.kind == "dense":
@@ -464,20 +486,27 @@ def sparse_attention(q, k, v, spec: PatternSpec):
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
         return x.transpose(0, 2, 1, 3).reshape(batch, heads, rows, block, x.shape[-1])
 
-    out = _grid_attention(spec, to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v))
+    q_g, k_g, v_g = to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v)
+    if implementation == "pallas":
+        flat = lambda x: x.reshape(batch, heads, rows * block, x.shape[-1])  # noqa: E731
+        out = kernel.sequence_attention(spec, flat(q_g), flat(k_g), flat(v_g),
+                                        sizes=block_sizes)
+    else:
+        out = _grid_attention(spec, q_g, k_g, v_g)
     out = out.reshape(batch, heads, rows * block, -1)[:, :, :seq_len].transpose(0, 2, 1, 3)
     return out.astype(q.dtype)
 
 
-def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec]):
+def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla"):
     """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``."""
     heads = q.shape[2]
     if heads % len(specs):
         raise ValueError(f"{heads} heads cannot be split evenly into {len(specs)} groups "
                          f"({', '.join(map(str, specs))})")
     if len(specs) == 1:
-        return sparse_attention(q, k, v, specs[0])
+        return sparse_attention(q, k, v, specs[0], implementation)
     g = heads // len(specs)
     outs = [sparse_attention(q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g],
-                             v[:, :, i * g:(i + 1) * g], s) for i, s in enumerate(specs)]
+                             v[:, :, i * g:(i + 1) * g], s, implementation)
+            for i, s in enumerate(specs)]
     return jnp.concatenate(outs, axis=2)

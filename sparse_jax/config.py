@@ -34,7 +34,8 @@ HISTORY = "config_history.jsonl"  # in the workdir: changes of config.json on re
 LOCATION_FIELDS = ("data.download", "data.data_dir", "data.manual_dir")
 # Fields (or sections, ending in ".") that may change when a run is resumed.
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-             "keep_checkpoints", "profile_steps", "mesh.", "data.path", *LOCATION_FIELDS)
+             "keep_checkpoints", "profile_steps", "mesh.", "data.path",
+             "model.attention", *LOCATION_FIELDS)
 SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
 
 

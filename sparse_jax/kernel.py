@@ -517,14 +517,19 @@ def _pow2(x, minimum=16):
 
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
-                       interpret: bool | None = None):
+                       interpret: bool | None = None, return_lse: bool = False):
     """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] with n a multiple of
-    ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] float32. ``interpret``
-    (default: not on a GPU) runs the kernels in Pallas interpret mode."""
+    ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] float32 (differentiable),
+    or with ``return_lse`` also the log-sum-exp of each row's kept scores [B, H, n] (a row with
+    no key: -1e30; not differentiable). ``interpret`` (default: not on a GPU) runs the kernels
+    in Pallas interpret mode."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     call = _Call(sizes or BlockSizes(), interpret)
     dv = v.shape[-1]
+    if return_lse:
+        out, lse = _forward(spec, call, _pow2(q), _pow2(k), _pow2(v))
+        return out[..., :dv], lse
     return _attention(spec, call, _pow2(q), _pow2(k), _pow2(v))[..., :dv]
 
 

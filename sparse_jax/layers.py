@@ -40,13 +40,14 @@ class SparseSelfAttention(nnx.Module):
     or interleaved layers, several for multi-head mode. ``qk_dim`` (default ``d_model``) sets the
     total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
     Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
-    N(0, out_std²) (default init_std), biases 0.
+    N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
+    ("xla", "pallas" or "auto", ``attention.sparse_attention``).
     """
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int | None = None, init_std: float | None = None,
-                 out_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 out_std: float | None = None, implementation: str = "xla", dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         qk_dim = d_model if qk_dim is None else qk_dim
         for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
             if dim % num_heads:
@@ -64,13 +65,14 @@ class SparseSelfAttention(nnx.Module):
         self.out = dense(d_model, d_model, out_std)
         self.num_heads = num_heads
         self.specs = specs
+        self.implementation = implementation
 
     def __call__(self, x):
         """x: [B, n, d_model] -> [B, n, d_model]."""
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        out = multi_spec_attention(q, k, v, self.specs)
+        out = multi_spec_attention(q, k, v, self.specs, self.implementation)
         return self.out(out.reshape(batch, seq_len, -1))
 
     def decode_step(self, x_B1D, cache, layer, i, tables):
@@ -111,15 +113,16 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 attention: str = "xla", dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
         norm = functools.partial(nnx.LayerNorm, d, dtype=dtype, param_dtype=param_dtype)
         dense = functools.partial(linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = norm(rngs=rngs)
         self.attn = SparseSelfAttention(
             d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
-            out_std=0.125 / math.sqrt(d) * out_scale, dtype=dtype, param_dtype=param_dtype,
-            rngs=rngs)
+            out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.ff_norm = norm(rngs=rngs)
         self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))
         self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)

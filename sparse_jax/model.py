@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import patterns
+from sparse_jax.attention import IMPLEMENTATIONS
 from sparse_jax.layers import Block, linear
 from sparse_jax.patterns import MODES, PatternSpec, layer_specs
 
@@ -87,6 +88,7 @@ class ModelConfig:
     remat: str = "none"  # none | full | dots (see module docstring)
     scan_layers: bool = False  # jax.lax.scan over groups of layers
     dtype: str = "float32"  # compute: float32 | bfloat16
+    attention: str = "xla"  # sparse attention: xla | pallas (fused kernel) | auto (GPU: pallas)
     param_dtype: str = "float32"  # storage
 
     def __post_init__(self):
@@ -118,7 +120,8 @@ class ModelConfig:
             fail("dropout", "must be in [0, 1)")
         choices = [("pattern", PATTERNS), ("summary", patterns.SUMMARY_CONVENTIONS),
                    ("mode", MODES), ("pos_emb", POS_EMBS), ("remat", tuple(REMAT_POLICIES)),
-                   ("dtype", tuple(DTYPES)), ("param_dtype", tuple(DTYPES))]
+                   ("dtype", tuple(DTYPES)), ("param_dtype", tuple(DTYPES)),
+                   ("attention", IMPLEMENTATIONS)]
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {list(allowed)}")
@@ -241,7 +244,8 @@ class _BlockGroup(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys_P):
         self.blocks = nnx.List([Block(
             cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
-            num_layers=cfg.num_layers, dropout=cfg.dropout, dtype=DTYPES[cfg.dtype],
+            num_layers=cfg.num_layers, dropout=cfg.dropout, attention=cfg.attention,
+            dtype=DTYPES[cfg.dtype],
             param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))
             for p in range(cfg.period)])
 

@@ -1,0 +1,211 @@
+"""The Pallas block-sparse kernel (``sparse_jax.kernel``) against the dense masked reference:
+its block lists on the host, then output, log-sum-exp and gradients. On a CPU the kernels run in
+Pallas interpret mode; on a GPU the same tests compile them with Triton
+(``python -m pytest tests/test_kernel.py``).
+
+Tolerances (inputs ~N(0, 1)): float32 1e-5 on outputs and 1e-4 on gradients, as the XLA path.
+bfloat16 is held to the float32 reference of the same (rounded) inputs within 5e-2 on outputs and
+gradients: the kernel scales q and rounds the probabilities to bfloat16 before the value product,
+as the XLA path does, and the test also requires it to be no further from the reference than
+twice the XLA path's error.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax import attention as A
+from sparse_jax import kernel as K
+from sparse_jax import patterns as P
+from sparse_jax.model import ModelConfig, SparseTransformer
+from sparse_jax.patterns import PatternSpec
+
+SMALL = K.BlockSizes(16, 16)  # many blocks at test lengths: skipped, partial and full ones
+
+LIST_SPECS = [
+    PatternSpec("strided", stride=8),
+    PatternSpec("strided", stride=16, local_width=16),
+    PatternSpec("strided", stride=8, part="strided"),
+    PatternSpec("strided", stride=12, local_width=30),
+    PatternSpec("fixed", stride=16, c=4),
+    PatternSpec("fixed", stride=16, c=4, summary="lra"),
+    PatternSpec("fixed", stride=16, c=4, part="summary", summary_block=2),
+    PatternSpec("fixed", stride=12, c=3, summary_block=1),
+    PatternSpec("local", stride=24, local_width=24),
+]
+
+
+def listed_pairs(spec, seq_len, sizes):
+    """The (query, key) sequence positions the kernel's block lists keep: full blocks whole,
+    partial blocks through the term's rule, mapped back from each term's layout."""
+    rows = -(-seq_len // spec.block)
+    pairs = set()
+    for term in spec.terms():
+        layout = K._layout(term, rows)
+        lists = K._block_lists(layout, sizes.block_q, sizes.block_k)
+        (q_pos, _), (k_pos, _, _) = layout.attributes()
+        # sequence position of each layout slot
+        q_seq = np.asarray(layout.queries(np.arange(layout.n)[None, None]))[0, 0]
+        k_seq = np.asarray(layout.keys(np.arange(layout.n)[None, None]))[0, 0]
+        for qb, row in enumerate(lists.forward):
+            n_partial, n_full = row[0], row[1]
+            for j, kb in enumerate(row[2:2 + n_partial + n_full]):
+                qs = slice(qb * sizes.block_q, (qb + 1) * sizes.block_q)
+                ks = slice(kb * sizes.block_k, (kb + 1) * sizes.block_k)
+                keep = K._keep(layout, lists.q_pos[qs, None], lists.q_seg[qs, None],
+                               lists.k_pos[None, ks], lists.k_seg[None, ks],
+                               lists.k_flag[None, ks])
+                assert keep.any(), "a listed block keeps no pair"
+                if j >= n_partial:
+                    assert keep.all(), "a block listed as full needs a mask"
+                for a, b in zip(*np.nonzero(keep)):
+                    i, t = qb * sizes.block_q + a, kb * sizes.block_k + b
+                    if i < layout.n and q_seq[i] < seq_len and k_seq[t] < seq_len:
+                        pairs.add((int(q_seq[i]), int(k_seq[t])))
+        # the backward lists are the same blocks, by key block
+        forward = {(qb, kb) for qb, row in enumerate(lists.forward)
+                   for kb in row[2:2 + row[0] + row[1]]}
+        backward = {(qb, kb) for kb, row in enumerate(lists.backward)
+                    for qb in row[2:2 + row[0] + row[1]]}
+        assert forward == backward
+    return pairs
+
+
+@pytest.mark.parametrize("spec", LIST_SPECS, ids=str)
+@pytest.mark.parametrize("seq_len,sizes", [(96, SMALL), (83, K.BlockSizes(16, 32)),
+                                           (70, K.BlockSizes(32, 8))])
+def test_block_lists_keep_exactly_the_pattern(spec, seq_len, sizes):
+    """Union over the terms of what the lists keep == the pattern's index arrays, at lengths that
+    are and are not multiples of the block and of the kernel tiles."""
+    indices = spec.indices(seq_len)
+    want = {(i, int(j)) for i, row in enumerate(indices) for j in row if j >= 0}
+    assert listed_pairs(spec, seq_len, sizes) == want
+
+
+def test_block_lists_skip_the_strided_pattern():
+    """The point of the layouts: at n = 16,384, l = 128 (keys per query ~ 2√n) the listed tiles
+    are a few percent of the causal triangle (3.5%), and 2/3 of what they score is kept (a
+    block mask in sequence order would list every tile of the triangle)."""
+    spec, n = PatternSpec("strided", stride=128), 16384
+    stats = K.sparsity(spec, n)
+    assert stats["kept"] == int(round(spec.mean_keys(n) * n))
+    assert stats["scored"] < 0.05 * n * (n + 1) / 2
+    assert stats["kept"] > 0.6 * stats["scored"]
+
+
+def qkv(seq_len, d, dtype, dv=None, heads=2, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q, k = (jax.random.normal(key, (2, seq_len, heads, d)).astype(dtype) for key in keys[:2])
+    v = jax.random.normal(keys[2], (2, seq_len, heads, dv or d)).astype(dtype)
+    cot = jax.random.normal(keys[3], v.shape, jnp.float32)
+    return q, k, v, cot
+
+
+def out_and_grads(attend, q, k, v, cot):
+    loss = lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * cot).sum()  # noqa: E731
+    return jax.jit(lambda q, k, v: (attend(q, k, v),
+                                    jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+
+def errors(got, want):
+    out, grads = got
+    want_out, want_grads = want
+    diff = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())  # noqa: E731,E501
+    return [diff(out, want_out)] + [diff(g, w) for g, w in zip(grads, want_grads)]
+
+
+KERNEL_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles
+    (PatternSpec("strided", stride=16), 128, 64, "float32", SMALL),
+    (PatternSpec("strided", stride=16), 117, 128, "float32", K.BlockSizes(16, 32)),
+    (PatternSpec("strided", stride=16, local_width=16), 100, 64, "bfloat16", SMALL),
+    (PatternSpec("fixed", stride=16, c=4), 128, 64, "float32", SMALL),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra"), 90, 64, "float32", SMALL),
+    (PatternSpec("fixed", stride=16, c=4, part="summary", summary_block=1), 101, 128,
+     "bfloat16", SMALL),
+    (PatternSpec("fixed", stride=16, c=4, summary_block=3), 80, 64, "bfloat16",
+     K.BlockSizes(32, 16)),
+    (PatternSpec("local", stride=24, local_width=24), 96, 128, "float32", SMALL),
+    (PatternSpec("strided", stride=16, part="strided"), 75, 64, "float32", SMALL),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", KERNEL_CASES,
+                         ids=[f"{c[0]}-n{c[1]}-d{c[2]}-{c[3]}" for c in KERNEL_CASES])
+def test_kernel_matches_dense(spec, seq_len, d, dtype, sizes):
+    q, k, v, cot = qkv(seq_len, d, jnp.dtype(dtype))
+    mask = spec.mask(seq_len)
+    dense = lambda q, k, v: A.dense_attention(q, k, v, mask)  # noqa: E731
+    kernel = lambda q, k, v: A.sparse_attention(q, k, v, spec, "pallas", sizes)  # noqa: E731
+    got = out_and_grads(kernel, q, k, v, cot)
+    assert got[0].dtype == q.dtype and all(g.dtype == q.dtype for g in got[1])
+    if dtype == "float32":
+        err = errors(got, out_and_grads(dense, q, k, v, cot))
+        assert err[0] < 1e-5 and max(err[1:]) < 1e-4, err
+    else:  # against the float32 reference of the same rounded inputs, and the XLA path
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        want = out_and_grads(dense, *f32, cot)
+        err = errors(got, want)
+        xla = errors(out_and_grads(lambda q, k, v: A.sparse_attention(q, k, v, spec),
+                                   q, k, v, cot), want)
+        assert max(err) < 5e-2, err
+        assert all(e <= 2 * x + 1e-2 for e, x in zip(err, xla)), (err, xla)
+    if spec.part == "summary":  # queries before row 0's first summary key have none: zeros
+        empty = (spec.indices(seq_len) < 0).all(1)
+        assert empty.any()
+        np.testing.assert_array_equal(got[0][:, empty], 0)
+
+
+def test_log_sum_exp_and_half_size_values():
+    """The forward's second output is each row's log-sum-exp over its kept scores; values may be
+    narrower than queries and keys (the paper's half-size q/k), head dims not powers of two."""
+    spec, n, d = PatternSpec("fixed", stride=16, c=4), 96, 24
+    q, k, v, _ = qkv(n, d, jnp.float32, dv=40, heads=1)
+    seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    out, lse = K.sequence_attention(spec, seq(q) / math.sqrt(d), seq(k), seq(v), sizes=SMALL,
+                                    return_lse=True)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    want_lse = jax.nn.logsumexp(jnp.where(spec.mask(n), scores, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(seq(out), A.dense_attention(q, k, v, spec.mask(n)), atol=1e-5)
+
+
+def test_implementation_choice():
+    assert A.resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu"
+                                                else "xla")
+    assert A.resolve_implementation("pallas") == "pallas"
+    with pytest.raises(ValueError, match="implementation"):
+        A.resolve_implementation("triton")
+    with pytest.raises(ValueError, match="power of two"):
+        K.BlockSizes(48, 64)
+    q, k, v, _ = qkv(32, 8, jnp.float32)
+    dense = A.sparse_attention(q, k, v, PatternSpec("dense"), "pallas")  # dense: always XLA
+    np.testing.assert_allclose(dense, A.sparse_attention(q, k, v, PatternSpec("dense")))
+
+
+def test_model_attention_option():
+    """``ModelConfig.attention="pallas"`` gives the XLA model's logits and gradients (multi-head
+    fixed with distinct summary blocks, half-size q/k)."""
+    base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="fixed", stride=16,
+                c=8, mode="multihead", distinct_summaries=True, qk_ratio=0.5)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, 256)
+    results = []
+    for attention in ("xla", "pallas"):
+        model = SparseTransformer(ModelConfig(**base, attention=attention), rngs=nnx.Rngs(0))
+        graph, params = nnx.split(model, nnx.Param)
+
+        def loss(params, graph=graph):
+            logits = nnx.merge(graph, params)(tokens)
+            return (jax.nn.log_softmax(logits) * jax.nn.one_hot(tokens, 256)).sum()
+
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (loss_x, grads_x), (loss_p, grads_p) = results
+    np.testing.assert_allclose(loss_p, loss_x, rtol=1e-6)
+    for g_p, g_x in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_x)):
+        np.testing.assert_allclose(g_p, g_x, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention"):
+        ModelConfig(**base, attention="cuda")
+    assert P.check_choice("implementation", "auto", A.IMPLEMENTATIONS) == "auto"
