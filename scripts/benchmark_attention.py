@@ -4,16 +4,27 @@
       --patterns=dense,strided:128,fixed:128:32,strided:sqrt --repeats=3 --rounds=2 \
       --mem_limit_gb=14 --output_dir=docs/benchmarks/attention
 
+On a GPU (needs JAX with CUDA, flax, absl-py, tqdm and matplotlib; not ml-collections), the
+Pallas kernel against the XLA path and cuDNN's dense causal attention:
+
+  python scripts/benchmark_attention.py --dtype=bfloat16 \
+      --seq_lens=4096,8192,16384,32768,65536 --patterns=dense@cudnn,strided:128,\
+strided:128@pallas,fixed:128:32,fixed:128:32@pallas --output_dir=docs/benchmarks/h100/attention
+
 Patterns: ``dense`` (``jax.nn.dot_product_attention(..., is_causal=True)``), ``strided:L``,
-``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)). Every (pattern, seq_len,
+``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)), each optionally followed by
+``@IMPL``: ``dense@xla`` / ``dense@cudnn`` pick ``dot_product_attention``'s implementation, and
+a sparse pattern's ``@xla`` (default), ``@pallas`` or ``@auto`` is ``sparse_attention``'s (the
+fused kernel runs in interpret mode on a CPU: correct, not fast). Every (pattern, seq_len,
 pass) runs in a fresh process: median time over ``--repeats`` runs after compile, the peak RSS of
 that process and the temporary memory XLA planned for the compiled step (all devices together).
 Useful GFLOP/s counts 4·B·H·n·|S|·d for the forward pass (|S| the mean number of attended keys)
-and 2.5× that for forward+backward, also given as a fraction of a 4096×4096 float32 ``jnp.dot``
-measured in the same run. On a shared machine, ``--rounds=R`` runs the whole sweep R times and
-reports for each case the round with the lowest median (all rounds' medians are in
-results.json), with the best ``jnp.dot`` of the rounds as the ceiling; each row records the
-1-minute load average when its round started.
+and 2.5× that for forward+backward, also given as a fraction of a 4096×4096 ``jnp.dot``
+measured in the same run (in ``--dtype``; 8192² on an accelerator). On a shared machine,
+``--rounds=R`` runs the whole sweep R times and reports for each case the round with the lowest
+median (all rounds' medians are in results.json), with the best ``jnp.dot`` of the rounds as
+the ceiling; each row records the 1-minute load average when its round started. "× vs fastest
+dense" divides the fastest dense row's time (any implementation) by the row's.
 
 ``--devices=N`` splits the heads over N devices with ``shard_map`` (the layout a GPU/TPU mesh
 would use); every pattern, dense included, runs with the same N. The default is one device per

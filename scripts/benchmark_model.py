@@ -5,7 +5,10 @@
 
 Default: a 4-layer d=256 model at n=8192, strided attention (stride 128, merged) against dense
 attention, each with remat off and on, with layers unrolled and scanned (on XLA:CPU remat
-only saves memory inside ``scan_layers``). ``--compile_cifar`` instead measures jit lower + compile
+only saves memory inside ``scan_layers``). A fourth field picks ``ModelConfig.attention``: on a
+GPU, ``--dtype=bfloat16 --cases=strided:none:unrolled:pallas,dense:none:unrolled:pallas``
+compares the Pallas kernel with dense cuDNN attention (dense's "pallas" is
+``jax.nn.dot_product_attention``). ``--compile_cifar`` instead measures jit lower + compile
 of the loss gradient of the paper's 128-layer CIFAR-10 model (batch 1) with and without
 ``scan_layers``. Every case runs in a fresh subprocess, so its peak RSS (``ru_maxrss``: the
 process's whole peak, including the Python/JAX baseline and compilation) is its own. Prints a
@@ -31,7 +34,9 @@ _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-
 _CASES = flags.DEFINE_list(
     "cases", [f"{p}:{r}:{layout}" for p in ("strided", "dense") for layout in ("unrolled", "scan")
               for r in ("none", "full")],
-    "pattern:remat:layout triples (layout: unrolled or scan, i.e. scan_layers).")
+    "pattern:remat:layout[:attention] (layout: unrolled or scan, i.e. scan_layers; attention: "
+    "xla (default), pallas or auto, ModelConfig.attention).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _COMPILE_CIFAR = flags.DEFINE_bool("compile_cifar", False,
                                    "Measure compile time of the 128-layer CIFAR-10 model.")
 
@@ -44,7 +49,7 @@ def main(argv):
         results = benchmarks.benchmark_model(
             _CASES.value, seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
             d_model=_D_MODEL.value, num_heads=_HEADS.value, stride=_STRIDE.value,
-            batch_size=_BATCH.value, steps=_STEPS.value)
+            batch_size=_BATCH.value, steps=_STEPS.value, dtype=_DTYPE.value)
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:
             json.dump(results, f, indent=1)

@@ -51,7 +51,7 @@ import numpy as np
 from sparse_jax import kernel, patterns
 from sparse_jax.patterns import PatternSpec
 
-IMPLEMENTATIONS = ("xla", "pallas", "auto")  # of the sparse patterns (dense is always XLA)
+IMPLEMENTATIONS = ("xla", "pallas", "auto")  # unfused XLA ops, or fused kernels (and "auto")
 
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
@@ -467,8 +467,10 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     the pattern's block). ``spec`` must be static under ``jax.jit``. Differentiable with a
     custom backward pass whose memory is O(n·|S|) like the forward. ``implementation``: "xla"
     (the block terms above), "pallas" (``sparse_jax.kernel``: the same terms, fused) or "auto"
-    (``resolve_implementation``); dense attention is XLA's whatever it says. ``block_sizes``:
-    the kernel's tiles (default ``kernel.BlockSizes()``).
+    (``resolve_implementation``). For dense attention "pallas" means a fused kernel too: on a
+    GPU ``jax.nn.dot_product_attention`` (cuDNN's flash attention where it supports the shapes
+    and dtype); elsewhere the XLA path. ``block_sizes``: the kernel's tiles (default
+    ``kernel.BlockSizes()``).
     """
     _check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):
@@ -477,6 +479,8 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     batch, seq_len, heads, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1])
     if spec.kind == "dense":
+        if implementation == "pallas" and jax.default_backend() == "gpu":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
         return _causal_attention(q * jnp.asarray(scale, q.dtype), k, v).astype(q.dtype)
     block = spec.block
     rows = -(-seq_len // block)

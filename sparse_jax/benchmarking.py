@@ -52,15 +52,34 @@ def available_memory_gb() -> float:
     return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
 
 
-def matmul_gflops(size: int = 4096, repeats: int = 5) -> float:
-    """GFLOP/s of one float32 ``size x size`` ``jnp.dot``: the practical compute ceiling."""
+def matmul_size() -> int:
+    """Side of the ceiling's square matmul: 4096 on a CPU, 8192 on an accelerator (4096 is too
+    small to reach a GPU's peak)."""
+    import jax
+
+    return 4096 if jax.default_backend() == "cpu" else 8192
+
+
+def matmul_gflops(size: int | None = None, repeats: int = 5, dtype: str = "float32") -> float:
+    """GFLOP/s of one ``size x size`` ``jnp.dot`` in ``dtype`` (default side ``matmul_size()``):
+    the practical compute ceiling."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32)
+    size = size or matmul_size()
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (size, size), dtype)
     timing = time_call(jax.jit(jnp.dot), a, b, repeats=repeats)
     return 2 * size**3 / (timing["median_ms"] / 1e3) / 1e9
+
+
+def device_peak_memory_gb() -> float | None:
+    """Peak memory of the first device in GB, where its runtime reports one (GPUs; not a CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 1e9
 
 
 def _rss_of(pid: int) -> float:
@@ -127,7 +146,8 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
-            "backend": jax.default_backend(), "python": platform.python_version()}
+            "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+            "python": platform.python_version()}
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

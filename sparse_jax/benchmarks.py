@@ -53,30 +53,44 @@ def _isolated(kind: str, case: dict, **kwargs) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Attention: sparse against dense (scripts/benchmark_attention.py).
 
+DENSE_IMPLEMENTATIONS = ("xla", "cudnn")  # of jax.nn.dot_product_attention
+
+
 def parse_pattern(name: str, seq_len: int):
-    """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n))
-    as a PatternSpec."""
+    """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n)),
+    optionally followed by ``@IMPL``, as (PatternSpec, implementation): for dense ``@xla`` or
+    ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default choice), for the sparse
+    patterns ``@xla`` (the default), ``@pallas`` or ``@auto`` (``attention.sparse_attention``)."""
+    from sparse_jax.attention import IMPLEMENTATIONS
     from sparse_jax.patterns import PatternSpec
 
+    name, _, implementation = name.partition("@")
     kind, *args = name.split(":")
+    allowed = DENSE_IMPLEMENTATIONS if kind == "dense" else IMPLEMENTATIONS
+    if implementation and implementation not in allowed:
+        raise ValueError(f"pattern {name}@{implementation}: unknown implementation; for {kind} "
+                         f"choose from {', '.join(allowed)}")
+    implementation = implementation or (None if kind == "dense" else "xla")
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
     try:
         ints = [int(a) for a in args]
         if kind == "fixed":
-            return PatternSpec("fixed", stride=ints[0], c=ints[1])
-        if kind == "local":
-            return PatternSpec("local", stride=ints[0], local_width=ints[0])
-        return PatternSpec(kind, stride=ints[0] if ints else None)
+            spec = PatternSpec("fixed", stride=ints[0], c=ints[1])
+        elif kind == "local":
+            spec = PatternSpec("local", stride=ints[0], local_width=ints[0])
+        else:
+            spec = PatternSpec(kind, stride=ints[0] if ints else None)
     except (ValueError, IndexError, TypeError) as e:
         raise ValueError(f"pattern {name!r}: {e}; give dense, strided:L, strided:sqrt, "
                          "fixed:L:C or local:W") from e
+    return spec, implementation
 
 
 def run_attention_case(case: dict) -> dict:
     """One (pattern, seq_len, pass) with heads split over case["devices"] devices: compile
     seconds, median/min/max ms of case["repeats"] runs, peak RSS and XLA's temporary memory;
-    or, for {"matmul": True}, the matmul ceiling in GFLOP/s."""
+    or, for {"matmul": True}, the matmul ceiling in GFLOP/s (in case["dtype"])."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
@@ -85,8 +99,10 @@ def run_attention_case(case: dict) -> dict:
     from sparse_jax.attention import sparse_attention
 
     if case["matmul"]:
-        return {"gflops": benchmarking.matmul_gflops()}
-    n, spec = case["seq_len"], parse_pattern(case["pattern"], case["seq_len"])
+        return {"gflops": benchmarking.matmul_gflops(dtype=case["dtype"]),
+                "size": benchmarking.matmul_size()}
+    n = case["seq_len"]
+    spec, implementation = parse_pattern(case["pattern"], n)
     dtype = jnp.dtype(case["dtype"])
     shape = (case["batch"], n, case["heads"], case["head_dim"])
     mesh = Mesh(jax.devices()[:case["devices"]], ("heads",))
@@ -94,9 +110,10 @@ def run_attention_case(case: dict) -> dict:
     q, k, v = (jax.device_put(jax.random.normal(key, shape, dtype), NamedSharding(mesh, heads))
                for key in jax.random.split(jax.random.PRNGKey(0), 3))
     if spec.kind == "dense":
-        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation=implementation)
     else:
-        attend = lambda q, k, v: sparse_attention(q, k, v, spec)  # noqa: E731
+        attend = lambda q, k, v: sparse_attention(q, k, v, spec, implementation)  # noqa: E731
     if case["devices"] > 1:  # each device attends with its own heads
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)
     if case["pass"] == "fwd":
@@ -111,7 +128,8 @@ def run_attention_case(case: dict) -> dict:
     result = benchmarking.time_call(compiled, q, k, v, repeats=case["repeats"])
     result["compile_s"] += compile_s  # compile, then the first run
     return {**result, "peak_rss_gb": benchmarking.peak_rss_gb(), "xla_temp_gb": temp_gb,
-            "keys_per_query": spec.mean_keys(n), "spec": str(spec)}
+            "keys_per_query": spec.mean_keys(n), "spec": str(spec),
+            "device_memory_gb": benchmarking.device_peak_memory_gb()}
 
 
 def default_devices() -> int:
@@ -145,6 +163,12 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                         f"--xla_force_host_platform_device_count={devices}".strip()}
     common = dict(heads=heads, head_dim=head_dim, batch=batch, dtype=dtype, devices=devices,
                   repeats=repeats)
+    ceiling_case = {"matmul": True, "dtype": dtype}
+
+    def measure_ceiling():
+        result = isolated(ceiling_case)
+        ceilings.append(result["gflops"])
+        return f"jnp.dot {result['size']}² {dtype}"
 
     def isolated(case):
         return _isolated("attention", case, mem_limit_gb=mem_limit_gb, env=env)
@@ -155,8 +179,8 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
     ceilings = []
     with case_bar(rounds * len(cases), "attention cases") as bar:
         for round_ in range(rounds):
-            ceilings.append(isolated({"matmul": True})["gflops"])
-            log(f"round {round_ + 1}: jnp.dot 4096x4096 float32: {ceilings[-1]:.0f} GFLOP/s")
+            dot = measure_ceiling()
+            log(f"round {round_ + 1}: {dot}: {ceilings[-1]:.0f} GFLOP/s")
             for case, results in zip(cases, runs, strict=True):
                 if results and "error" in results[-1]:
                     bar.update()
@@ -169,9 +193,9 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                     f"{r['xla_temp_gb']:5.2f} GB temp  load {load:.1f}"
                     if "median_ms" in r else r["error"]))
                 bar.update()
-    ceilings.append(isolated({"matmul": True})["gflops"])
+    dot = measure_ceiling()
     ceiling = max(ceilings)  # the best jnp.dot: a busy moment must not flatter the fractions
-    log(f"jnp.dot 4096x4096 float32 at the end: {ceilings[-1]:.0f} GFLOP/s")
+    log(f"{dot} at the end: {ceilings[-1]:.0f} GFLOP/s")
     rows = [best_round(case, results) for case, results in zip(cases, runs, strict=True)]
     for row in rows:
         if "median_ms" in row:
@@ -179,25 +203,27 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                 * (2.5 if row["pass"] == "fwdbwd" else 1.0)
             row["gflops"] = flops / (row["median_ms"] / 1e3) / 1e9
             row["of_ceiling"] = row["gflops"] / ceiling
-    for row in rows:  # speed-up against dense at the same seq_len and pass
-        dense = next((r for r in rows if r["pattern"] == "dense" and r["seq_len"] == row["seq_len"]
-                      and r["pass"] == row["pass"] and "median_ms" in r), None)
+    for row in rows:  # speed-up against the fastest dense at the same seq_len and pass
+        dense = [r["median_ms"] for r in rows if r["pattern"].split("@")[0] == "dense"
+                 and r["seq_len"] == row["seq_len"] and r["pass"] == row["pass"]
+                 and "median_ms" in r]
         if dense and "median_ms" in row:
-            row["speedup_vs_dense"] = dense["median_ms"] / row["median_ms"]
+            row["speedup_vs_dense"] = min(dense) / row["median_ms"]
     summary = {"machine": benchmarking.machine(), "matmul_gflops": ceiling,
                "matmul_gflops_measured": ceilings, "settings": {**common, "rounds": rounds},
                "rows": rows, "growth": growth_exponents(rows)}
     table = benchmarking.markdown_table([{**r, "result": r.get("error", "ok")} for r in rows], [
         ("pattern", "pattern"), ("seq_len", "n"), ("pass", "pass"), ("median_ms", "ms"),
         ("peak_rss_gb", "peak RSS GB"), ("xla_temp_gb", "XLA temp GB"),
+        ("device_memory_gb", "device peak GB"),
         ("keys_per_query", "keys/query"), ("gflops", "GFLOP/s"),
-        ("of_ceiling", "of jnp.dot"), ("speedup_vs_dense", "× vs dense"),
+        ("of_ceiling", "of jnp.dot"), ("speedup_vs_dense", "× vs fastest dense"),
         ("load_avg_1min", "load"), ("result", "result")])
     machine = summary["machine"]
-    header = (f"Machine: {machine['cpu']}, {machine['cores']} cores, jax {machine['jax']} "
-              f"({machine['backend']}); B={batch} H={heads} d={head_dim} {dtype}, heads split "
-              f"over {devices} device(s); {rounds} round(s) of every case, the round with the "
-              f"lowest median shown; jnp.dot 4096² = {ceiling:.0f} GFLOP/s (best of "
+    header = (f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['device']}, jax "
+              f"{machine['jax']} ({machine['backend']}); B={batch} H={heads} d={head_dim} "
+              f"{dtype}, heads split over {devices} device(s); {rounds} round(s) of every case, "
+              f"the round with the lowest median shown; {dot} = {ceiling:.0f} GFLOP/s (best of "
               f"{', '.join(f'{c:.0f}' for c in ceilings)}: each round's start and the end); "
               f"load: the 1-minute load average when the shown round started\n\n")
     growth = benchmarking.markdown_table(summary["growth"], [
@@ -305,7 +331,8 @@ def run_model_case(case: dict) -> dict:
         jax.block_until_ready(compiled(state, tokens))
         times.append(time.perf_counter() - start)
     return {**result, "median_step_s": statistics.median(times), "step_s": times,
-            "peak_rss_gib": _peak_rss_gib()}
+            "peak_rss_gib": _peak_rss_gib(),
+            "device_peak_gb": benchmarking.device_peak_memory_gb()}
 
 
 def _fmt(result: dict, key: str, spec: str = ".2f") -> str:
@@ -319,31 +346,37 @@ def _model_case(case: dict) -> dict:
 
 def benchmark_model(cases, *, seq_len: int = 8192, num_layers: int = 4, d_model: int = 256,
                     num_heads: int = 4, stride: int = 128, batch_size: int = 1, steps: int = 3,
-                    log=log_line) -> list[dict]:
-    """A training step of one model for each "pattern:remat:layout" in `cases` (layout:
-    unrolled or scan, i.e. scan_layers), float32; logs a markdown table row by row and returns
-    every case's numbers."""
+                    dtype: str = "float32", log=log_line) -> list[dict]:
+    """A training step of one model for each "pattern:remat:layout[:attention]" in `cases`
+    (layout: unrolled or scan, i.e. scan_layers; attention: ModelConfig.attention, default
+    xla), computing in `dtype`; logs a markdown table row by row and returns every case's
+    numbers."""
+    from sparse_jax.attention import IMPLEMENTATIONS
+
     for name in cases:  # every case parses before anything runs
         parts = name.split(":")
-        if len(parts) != 3 or parts[2] not in ("unrolled", "scan"):
-            raise ValueError(f"--cases: {name!r} is not pattern:remat:layout (e.g. "
-                             "strided:none:unrolled; layout unrolled or scan)")
+        if (len(parts) not in (3, 4) or parts[2] not in ("unrolled", "scan")
+                or parts[3:] and parts[3] not in IMPLEMENTATIONS):
+            raise ValueError(f"--cases: {name!r} is not pattern:remat:layout[:attention] (e.g. "
+                             "strided:none:unrolled:pallas; layout unrolled or scan, attention "
+                             f"one of {', '.join(IMPLEMENTATIONS)})")
     log(f"{num_layers} layers, d={d_model}, {num_heads} heads, n={seq_len}, batch {batch_size}, "
-        "float32, loss + gradients")
-    log("| attention | remat | layers | median step s | compile s | peak RSS GiB "
-        "| XLA temp GiB | estimated activations GiB |")
-    log("|---|---|---|---|---|---|---|---|")
+        f"{dtype}, loss + gradients")
+    log("| attention | remat | layers | implementation | median step s | compile s "
+        "| peak RSS GiB | XLA temp GiB | estimated activations GiB |")
+    log("|---|---|---|---|---|---|---|---|---|")
     results = []
     with case_bar(len(cases), "model cases") as bar:
         for name in cases:
-            pattern, remat, layout = name.split(":")
+            pattern, remat, layout, *implementation = name.split(":")
+            attention = implementation[0] if implementation else "xla"
             model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
                          num_heads=num_heads, pattern=pattern, stride=stride, remat=remat,
-                         scan_layers=layout == "scan")
+                         scan_layers=layout == "scan", dtype=dtype, attention=attention)
             r = _model_case(dict(kind="step", model=model, batch_size=batch_size, steps=steps))
             results.append(r)
             label = f"strided ({stride})" if pattern == "strided" else pattern
-            log(f"| {label} | {remat} | {layout} | {_fmt(r, 'median_step_s')} | "
+            log(f"| {label} | {remat} | {layout} | {attention} | {_fmt(r, 'median_step_s')} | "
                 f"{_fmt(r, 'compile_s', '.1f')} | {_fmt(r, 'peak_rss_gib')} | "
                 f"{_fmt(r, 'xla_temp_gib')} | {_fmt(r, 'estimated_activation_gib')} |"
                 + (f" {r['error']}" if "error" in r else ""))

@@ -21,8 +21,6 @@ import sys
 
 from absl import app, flags, logging
 
-import configs
-
 USER_ERRORS = (ValueError, OSError, FloatingPointError)
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
 
@@ -71,6 +69,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             if not os.path.isfile(path):
                 fail(f"--config: config file {path} not found; give the path of one, e.g. "
                      "configs/quickstart.py", 2)
+            import configs  # here: the benchmark scripts run without ml_collections
+
             try:
                 module = configs.module(path)
             except Exception as e:  # noqa: BLE001  (a config file can fail in any way)

@@ -860,6 +860,10 @@ def build_cases() -> list[Case]:
     err("bench/attention: unknown pattern",
         ["benchmark_attention", "--patterns=bogus:3", "--seq_lens=64", "--passes=fwd",
          "--repeats=1", "--devices=1", "--output_dir={tmp}/b"], r"bogus|pattern", timeout=120)
+    err("bench/attention: unknown implementation",
+        ["benchmark_attention", "--patterns=strided:8@triton", "--seq_lens=64", "--passes=fwd",
+         "--repeats=1", "--devices=1", "--output_dir={tmp}/b"], r"triton|implementation",
+        timeout=120)
     err("bench/attention: unknown pass",
         ["benchmark_attention", "--passes=bwd", "--seq_lens=64", "--patterns=dense",
          "--repeats=1", "--devices=1", "--output_dir={tmp}/b"], r"bwd|pass", timeout=120)
