@@ -46,7 +46,7 @@ from sparse_jax import patterns
 _NEG = -1e30  # masked score (finite: no NaN in values or gradients)
 _FLOOR = -1e20  # start of a row maximum: exp(_NEG - _FLOOR) == 0 for a row with no key yet
 _LOG2E = math.log2(math.e)  # the kernels use exp2 on scores scaled by log2(e)
-_FAR = 1 << 30  # segment of padding: queries get no key, keys reach no query
+_FAR = 1 << 29  # segment of padding: queries get no key, keys reach no query (int32 safe)
 _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when listing blocks
 
 
