@@ -4,8 +4,9 @@ changing it when a run is resumed.
 
 Resuming a run (a workdir with checkpoints) with a different config: the fields in
 `RESUMABLE` may change (how long to train, how often to log, validate and checkpoint, how many
-checkpoints to keep, the device mesh, profiling, where the data lives; `sparse_jax.data` checks
-that the data itself is the same); any other difference is refused with the list of
+checkpoints to keep, the device mesh, profiling, where the data lives, the attention
+implementation, which computes the same numbers; `sparse_jax.data` checks that the data itself
+is the same); any other difference is refused with the list of
 differences. An allowed change rewrites config.json (the config in effect, which evaluation and
 sampling read) and appends {"step", "time", "changes": {field: [old, new]}} to
 `WORKDIR/config_history.jsonl`, so how every checkpoint was trained stays on record.

@@ -447,6 +447,8 @@ def build_cases() -> list[Case]:
     err("check/fsdp larger than the devices", tiny("--config.mesh.fsdp=3"), r"fsdp|mesh|devices")
     err("check/stride longer than seq_len", tiny("--config.model.stride=128"), r"stride")
     err("check/unknown pattern", tiny("--config.model.pattern=sparse"), r"pattern")
+    err("check/unknown attention implementation", tiny("--config.model.attention=cuda"),
+        r"attention")
     err("check/pattern field that does not apply", tiny("--config.model.pattern=fixed"),
         r"local_width")
     err("check/heads do not divide d_model", tiny("--config.model.num_heads=3"),

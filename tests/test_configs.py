@@ -150,3 +150,16 @@ def test_command_line_overrides_reject_typos_and_wrong_types():
         parse(f"--config={path}:size=tiny", "--config.total_steps=many")
     with pytest.raises(flags.Error, match="huge"):
         parse(f"--config={path}:size=huge")
+
+
+def test_the_attention_implementation_may_change_on_resume(tmp_path):
+    """The kernel and the XLA path compute the same numbers: a run trained on a GPU with the
+    kernel resumes on a CPU with XLA; the pattern may not change."""
+    from sparse_jax.config import resume_changes
+
+    saved = configs.load("quickstart:data=embedded", {"model.attention": "pallas"})
+    assert resume_changes(saved, configs.load("quickstart:data=embedded"), str(tmp_path)) == {
+        "model.attention": ("pallas", "xla")}
+    with pytest.raises(ValueError, match="model.pattern"):
+        resume_changes(saved, configs.load("quickstart:data=embedded,pattern=fixed"),
+                       str(tmp_path))
