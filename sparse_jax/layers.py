@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from sparse_jax.attention import decode_attention, multi_spec_attention
+from sparse_jax.attention import decode_attention, multi_spec_attention, resolve_implementation
 from sparse_jax.patterns import PatternSpec
 
 
@@ -67,13 +68,24 @@ class SparseSelfAttention(nnx.Module):
         self.specs = specs
         self.implementation = implementation
 
-    def __call__(self, x):
-        """x: [B, n, d_model] -> [B, n, d_model]."""
+    def __call__(self, x, sharding=None):
+        """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
+        split on a device mesh, if any. XLA cannot split a fused kernel (a custom call) by
+        itself, so with ``implementation`` "pallas" (or "auto" on a GPU) each device then runs
+        the kernel on its own sequences (``jax.shard_map``)."""
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        out = multi_spec_attention(q, k, v, self.specs, self.implementation)
-        return self.out(out.reshape(batch, seq_len, -1))
+        attend = functools.partial(multi_spec_attention, specs=self.specs,
+                                   implementation=self.implementation)
+        if sharding is not None and resolve_implementation(self.implementation) == "pallas":
+            axes = sharding.spec[0] if sharding.spec else None
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if batch % math.prod(sharding.mesh.shape[a] for a in names) == 0:
+                spec = P(axes)
+                attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(spec,) * 3,
+                                       out_specs=spec, check_vma=False)
+        return self.out(attend(q, k, v).reshape(batch, seq_len, -1))
 
     def decode_step(self, x_B1D, cache, layer, i, tables):
         """The layer at position ``i`` alone, on a key/value cache: x [B, 1, d_model] ->
@@ -128,10 +140,11 @@ class Block(nnx.Module):
         self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)
         self.dropout = dropout
 
-    def __call__(self, h_BND, dropout_key=None):
-        """h [B, n, d] (float32) -> [B, n, d]; dropout iff ``dropout_key`` is given."""
+    def __call__(self, h_BND, dropout_key=None, sharding=None):
+        """h [B, n, d] (float32) -> [B, n, d]; dropout iff ``dropout_key`` is given;
+        ``sharding``: h's batch split on a mesh, if any (``SparseSelfAttention``)."""
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        a_BND = _dropout(self.attn(self.attn_norm(h_BND)), self.dropout, keys[0])
+        a_BND = _dropout(self.attn(self.attn_norm(h_BND), sharding), self.dropout, keys[0])
         return self._finish(h_BND, a_BND, keys[1])
 
     def decode_step(self, h_B1D, cache, layer, i, tables):

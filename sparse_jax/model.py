@@ -315,7 +315,8 @@ class SparseTransformer(nnx.Module):
 
         ``activation_sharding``: where the residual stream [B, n, d] lives between blocks. A
         multi-device caller pins it to the batch split, so that XLA gathers sharded (FSDP)
-        weights for each layer instead of splitting the activations along the model width."""
+        weights for each layer instead of splitting the activations along the model width; a
+        fused attention kernel then runs on each device's own sequences."""
         cfg = self.cfg
 
         def pinned(h):
@@ -324,7 +325,7 @@ class SparseTransformer(nnx.Module):
             return jax.lax.with_sharding_constraint(h, activation_sharding)
 
         def block_fn(block, h, key):  # every block's output (the next one's input) is pinned
-            return pinned(block(h, key))
+            return pinned(block(h, key, activation_sharding))
 
         apply = block_fn
         if cfg.remat != "none":

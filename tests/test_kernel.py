@@ -195,26 +195,36 @@ def test_implementation_choice():
                                atol=1e-5)
 
 
-def test_model_attention_option():
-    """``ModelConfig.attention="pallas"`` gives the XLA model's logits and gradients (multi-head
-    fixed with distinct summary blocks, half-size q/k)."""
+def test_model_attention_option_and_mesh():
+    """``ModelConfig.attention="pallas"`` gives the XLA model's loss and gradients (multi-head
+    fixed with distinct summary blocks, half-size q/k). With the batch split on a mesh (the
+    trainer's ``activation_sharding``) the kernel runs inside ``shard_map`` (XLA does not split
+    a custom call), with the same numbers."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as Spec
+
     base = dict(seq_len=32, num_layers=1, d_model=32, num_heads=2, pattern="fixed", stride=16,
                 c=8, mode="multihead", distinct_summaries=True, qk_ratio=0.5)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 256)
-    results = []
-    for attention in ("xla", "pallas"):
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("data", "fsdp"))
+    batch = NamedSharding(mesh, Spec(("data", "fsdp")))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * mesh.size, 32), 0, 256)
+    results = {}
+    for attention, sharding in [("xla", None), ("pallas", None), ("pallas", batch)]:
         model = SparseTransformer(ModelConfig(**base, attention=attention), rngs=nnx.Rngs(0))
         graph, params = nnx.split(model, nnx.Param)
 
-        def loss(params, graph=graph):
-            logits = nnx.merge(graph, params)(tokens)
+        def loss(params, graph=graph, sharding=sharding):
+            logits = nnx.merge(graph, params)(tokens, activation_sharding=sharding)
             return (jax.nn.log_softmax(logits) * jax.nn.one_hot(tokens, 256)).sum()
 
-        results.append(jax.jit(jax.value_and_grad(loss))(params))
-    (loss_x, grads_x), (loss_p, grads_p) = results
-    np.testing.assert_allclose(loss_p, loss_x, rtol=1e-6)
-    for g_p, g_x in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_x)):
-        np.testing.assert_allclose(g_p, g_x, atol=1e-5, rtol=1e-4)
+        uses_shard_map = "shard_map" in str(jax.make_jaxpr(loss)(params))
+        assert uses_shard_map == (sharding is not None)
+        results[attention, sharding] = jax.jit(jax.value_and_grad(loss))(params)
+    want_loss, want_grads = results["xla", None]
+    for got_loss, got_grads in [results["pallas", None], results["pallas", batch]]:
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+        for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="attention"):
         ModelConfig(**base, attention="cuda")
     assert P.check_choice("implementation", "auto", A.IMPLEMENTATIONS) == "auto"
