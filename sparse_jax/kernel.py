@@ -222,8 +222,7 @@ def _block_lists(layout: _Layout, block_q: int, block_k: int) -> _Lists:
 
     def bounds(x, real, blocks, size):  # (min, max) of each block's real entries
         x, real = x.reshape(blocks, size), real.reshape(blocks, size)
-        return (np.where(real, x, np.iinfo(np.int64).max).min(1),
-                np.where(real, x, np.iinfo(np.int64).min).max(1))
+        return np.where(real, x, 1 << 40).min(1), np.where(real, x, -1 << 40).max(1)
 
     q_real = np.arange(nqb * block_q) < layout.n
     k_real = kf  # unflagged keys are never kept

@@ -104,6 +104,33 @@ def test_block_lists_skip_the_strided_pattern():
     assert stats["kept"] > 0.6 * stats["scored"]
 
 
+TRITON_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype, tiles
+    (PatternSpec("strided", stride=128), 2048, 128, "bfloat16", K.BlockSizes()),
+    (PatternSpec("fixed", stride=128, c=32), 1024, 64, "bfloat16", K.BlockSizes()),
+    (PatternSpec("fixed", stride=16, c=4, part="summary", summary="lra", summary_block=1), 112,
+     128, "float32", SMALL),
+    (PatternSpec("local", stride=24, local_width=24), 92, 24, "float16", K.BlockSizes(16, 32)),
+    (PatternSpec("strided", stride=16, part="strided"), 80, 64, "float32", K.BlockSizes(32, 16)),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", TRITON_CASES,
+                         ids=[f"{c[0]}-d{c[2]}-{c[3]}" for c in TRITON_CASES])
+def test_kernels_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
+    """Without a GPU: forward and backward lower for CUDA, every kernel through Pallas' Triton
+    lowering (which rejects what Triton cannot do, e.g. tiles that are not powers of two), one
+    custom call per kernel: forward, dq and dk/dv for each term."""
+    x = jax.ShapeDtypeStruct((2, 2, seq_len, d), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("cuda",))
+    calls = lowered.as_text().count("custom_call @__gpu$xla.gpu.triton(")
+    assert calls == 3 * len(spec.terms())
+
+
 def qkv(seq_len, d, dtype, dv=None, heads=2, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
     q, k = (jax.random.normal(key, (2, seq_len, heads, d)).astype(dtype) for key in keys[:2])
