@@ -93,8 +93,8 @@ def base() -> ml_collections.ConfigDict:
     c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay param_dtype)
     c.model.param_dtype = "float32"  # storage dtype of the (master) parameters
-    # sparse attention: xla | pallas (fused kernel; GPU, or interpret mode on a CPU: slow) |
-    # auto (pallas on a GPU, xla elsewhere); the same numbers, so it may change on resume
+    # sparse attention: xla | pallas (fused kernels; GPU or TPU, interpret mode on a CPU: slow) |
+    # auto (pallas on a GPU or TPU, xla elsewhere); the same numbers, so it may change on resume
     c.model.attention = "xla"
     return c
 

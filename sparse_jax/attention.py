@@ -444,16 +444,12 @@ _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def resolve_implementation(implementation: str) -> str:
-    """"xla" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU and XLA
-    elsewhere. "pallas" runs compiled on a GPU (Triton) and in interpret mode on a CPU (slow:
-    for tests); the kernel has no TPU lowering, so TPUs use XLA."""
+    """"xla" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU or TPU and
+    XLA elsewhere. "pallas" runs compiled on a GPU (Triton) or TPU (Mosaic) and in interpret mode
+    on a CPU (slow: for tests)."""
     patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
-    backend = jax.default_backend()
     if implementation == "auto":
-        return "pallas" if backend == "gpu" else "xla"
-    if implementation == "pallas" and backend == "tpu":
-        raise ValueError("implementation='pallas' has no TPU lowering (its kernel is written "
-                         "for Triton on GPUs); use implementation='xla' or 'auto' on a TPU")
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
     return implementation
 
 

@@ -20,44 +20,48 @@ key (NumPy, once per shape) and lists, per query block, the key blocks that hold
 into *partial* blocks (the kernel applies the rule in the block) and *full* ones (no mask); per
 key block the same for the backward pass (``_block_lists``).
 
-The kernels are flash attention over those lists (``_forward_kernel``: online softmax with float32
-accumulators, output and log-sum-exp; ``_dq_kernel`` and ``_dkv_kernel``: the backward from the
-saved joint log-sum-exp, a pass per query block for dq and a pass per key block for dk and dv,
-FlashAttention-2's split). Inputs are float32, bfloat16 or float16; products accumulate in
-float32. The GPU lowering is Triton (block shapes are powers of two: head dims are zero-padded to
-one, lengths to the block); on a CPU the kernel runs in Pallas interpret mode, slowly, for
-tests. TPU is not supported here (its Mosaic lowering needs scalar-prefetched block lists).
-Design: docs/design.md §3.
+The kernels (``sparse_jax.pallas_kernels``) are flash attention over those lists: an online
+softmax with float32 accumulators returning each term's output and log-sum-exp, merged here; the
+backward from the saved joint log-sum-exp, a pass per query block for dq and a pass per key block
+for dk and dv (FlashAttention-2's split). Inputs are float32, bfloat16 or float16; products
+accumulate in float32. On a GPU they lower through Triton (tiles are powers of two: head dims
+are zero-padded to one, lengths to the tile), on a TPU through Mosaic (lists prefetched into
+scalar memory, 128 × 128 tiles), and on a CPU they run in Pallas interpret mode, slowly, for
+tests. Each kernel is one custom call that XLA cannot split over devices: on a mesh,
+``layers.SparseSelfAttention`` runs it inside ``shard_map``. Design: docs/design.md §3.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from sparse_jax import patterns
+from sparse_jax import pallas_kernels, patterns
+from sparse_jax.pallas_kernels import NEG as _NEG
 
-_NEG = -1e30  # masked score (finite: no NaN in values or gradients)
-_FLOOR = -1e20  # start of a row maximum: exp(_NEG - _FLOOR) == 0 for a row with no key yet
-_LOG2E = math.log2(math.e)  # the kernels use exp2 on scores scaled by log2(e)
 _FAR = 1 << 29  # segment of padding: queries get no key, keys reach no query (int32 safe)
 _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when listing blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Kernel tiles: ``block_q`` queries by ``block_k`` keys (powers of two, at least 16 on a
-    GPU), and Triton's ``num_warps`` and ``num_stages``. Hashable: a static argument."""
+    """Kernel tiles: ``block_q`` queries by ``block_k`` keys (powers of two; at least 16 on a
+    GPU, multiples of 128 on a TPU), and Triton's ``num_warps`` and ``num_stages``. Hashable: a
+    static argument. Defaults: ``for_backend``."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+
+    @staticmethod
+    def for_backend(backend: str) -> BlockSizes:
+        """64 × 64 for Triton, 128 × 128 for Mosaic (a TPU's vector lanes)."""
+        return BlockSizes() if backend == "triton" else BlockSizes(128, 128)
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -166,23 +170,6 @@ def _keep(layout: _Layout, q_pos, q_seg, k_pos, k_seg, k_flag):
 # Block lists (host, NumPy).
 
 
-@dataclasses.dataclass(frozen=True)
-class _Lists:
-    """Per query block ``forward[qb] = [n_partial, n_full, partial kbs..., full kbs..., 0...]``
-    and per key block ``backward[kb]``, the same with query blocks; rows padded to a power of
-    two. Padded attributes (int32): ``q_pos, q_seg`` [nqb * bq], ``k_pos, k_seg, k_flag``
-    [nkb * bk]. ``kept``: kept (query, key) pairs; ``scored``: pairs in the listed blocks."""
-    forward: np.ndarray
-    backward: np.ndarray
-    q_pos: np.ndarray
-    q_seg: np.ndarray
-    k_pos: np.ndarray
-    k_seg: np.ndarray
-    k_flag: np.ndarray
-    kept: int
-    scored: int
-
-
 def _pack(owner: np.ndarray, other: np.ndarray, full: np.ndarray, count: int) -> np.ndarray:
     """Rows ``[n_partial, n_full, partial..., full...]`` of each owner block (pairs sorted)."""
     order = np.lexsort((other, full, owner))  # by owner, partial before full, then block
@@ -209,7 +196,9 @@ def _ranges_meet(a, b, lo, hi):
 
 
 @functools.lru_cache(maxsize=64)
-def _block_lists(layout: _Layout, block_q: int, block_k: int) -> _Lists:
+def _block_lists(layout: _Layout, block_q: int, block_k: int):
+    """``(pallas_kernels.Lists, kept, scored)``: the lists, the kept (query, key) pairs and the
+    pairs in the listed tiles."""
     (q_pos, q_seg), (k_pos, k_seg, k_flag) = layout.attributes()
     nqb, nkb = -(-layout.n // block_q), -(-layout.nk // block_k)
 
@@ -244,203 +233,10 @@ def _block_lists(layout: _Layout, block_q: int, block_k: int) -> _Lists:
     nonempty = counts > 0
     qb, kb, counts = qb[nonempty], kb[nonempty], counts[nonempty]
     full = counts == block_q * block_k
-    as_int32 = lambda x: x.astype(np.int32)  # noqa: E731
-    return _Lists(_pack(qb, kb, full, nqb), _pack(kb, qb, full, nkb), as_int32(qp),
-                  as_int32(qs), as_int32(kp), as_int32(ks), as_int32(kf),
-                  kept=int(counts.sum()), scored=len(qb) * block_q * block_k)
-
-
-# ---------------------------------------------------------------------------------------------
-# The kernels. Refs without a leading batch/head are one (batch, head)'s; scores are scaled by
-# log2(e) so that exp2 gives exp.
-
-
-def _dot(a, b, trans_a=False, trans_b=False):
-    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
-
-
-def _scores(layout, q, k, q_pos, q_seg, attrs, ks, masked):
-    """Scores (log2 units) of a query tile against keys ``ks``; masked ones _NEG if ``masked``."""
-    k_pos_ref, k_seg_ref, k_flag_ref = attrs
-    s = _dot(q, k, trans_b=True) * _LOG2E
-    if masked:
-        keep = _keep(layout, q_pos[:, None], q_seg[:, None], k_pos_ref[ks][None, :],
-                     k_seg_ref[ks][None, :], k_flag_ref[ks][None, :])
-        s = jnp.where(keep, s, _NEG)
-    return s
-
-
-def _over_list(list_ref, body, carry):
-    """``body(masked)(j, carry)`` over the partial blocks of a list row, then the full ones."""
-    n_partial, n_full = list_ref[0], list_ref[1]
-    carry = jax.lax.fori_loop(0, n_partial, body(True), carry)
-    return jax.lax.fori_loop(n_partial, n_partial + n_full, body(False), carry)
-
-
-def _forward_kernel(list_ref, q_ref, q_pos_ref, q_seg_ref, k_ref, v_ref, k_pos_ref, k_seg_ref,
-                    k_flag_ref, o_ref, lse_ref, *, layout, block_k):
-    q, q_pos, q_seg = q_ref[...], q_pos_ref[...], q_seg_ref[...]
-    attrs = (k_pos_ref, k_seg_ref, k_flag_ref)
-
-    def body(masked):
-        def step(j, carry):
-            o, m, total = carry
-            ks = pl.ds(pl.multiple_of(list_ref[2 + j] * block_k, block_k), block_k)
-            s = _scores(layout, q, k_ref[ks, :], q_pos, q_seg, attrs, ks, masked)
-            m_new = jnp.maximum(m, s.max(-1))
-            correction = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            v = v_ref[ks, :]
-            o = o * correction[:, None] + _dot(p.astype(v.dtype), v)
-            return o, m_new, total * correction + p.sum(-1)
-        return step
-
-    block_q = q.shape[0]
-    o, m, total = _over_list(list_ref, body, (
-        jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32),
-        jnp.full((block_q,), _FLOOR, jnp.float32), jnp.zeros((block_q,), jnp.float32)))
-    o_ref[...] = o / jnp.maximum(total, 1e-30)[:, None]
-    lse_ref[...] = jnp.where(total > 0, (m + jnp.log2(jnp.maximum(total, 1e-30))) / _LOG2E,
-                             _NEG)
-
-
-def _dq_kernel(list_ref, q_ref, q_pos_ref, q_seg_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
-               k_pos_ref, k_seg_ref, k_flag_ref, dq_ref, *, layout, block_k):
-    q, q_pos, q_seg, do = q_ref[...], q_pos_ref[...], q_seg_ref[...], do_ref[...]
-    lse, delta = lse_ref[...] * _LOG2E, delta_ref[...]
-    attrs = (k_pos_ref, k_seg_ref, k_flag_ref)
-
-    def body(masked):
-        def step(j, dq):
-            ks = pl.ds(pl.multiple_of(list_ref[2 + j] * block_k, block_k), block_k)
-            k = k_ref[ks, :]
-            p = jnp.exp2(_scores(layout, q, k, q_pos, q_seg, attrs, ks, masked) - lse[:, None])
-            ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
-            return dq + _dot(ds.astype(k.dtype), k)
-        return step
-
-    dq_ref[...] = _over_list(list_ref, body, jnp.zeros(dq_ref.shape, jnp.float32))
-
-
-def _dkv_kernel(list_ref, k_ref, v_ref, k_pos_ref, k_seg_ref, k_flag_ref, q_ref, do_ref, lse_ref,
-                delta_ref, q_pos_ref, q_seg_ref, dk_ref, dv_ref, *, layout, block_q):
-    k, v = k_ref[...], v_ref[...]
-    k_pos, k_seg, k_flag = k_pos_ref[...], k_seg_ref[...], k_flag_ref[...]
-
-    def body(masked):
-        def step(j, carry):
-            dk, dv = carry
-            qs = pl.ds(pl.multiple_of(list_ref[2 + j] * block_q, block_q), block_q)
-            q, do = q_ref[qs, :], do_ref[qs, :]
-            s = _dot(q, k, trans_b=True) * _LOG2E
-            if masked:
-                keep = _keep(layout, q_pos_ref[qs][:, None], q_seg_ref[qs][:, None],
-                             k_pos[None, :], k_seg[None, :], k_flag[None, :])
-                s = jnp.where(keep, s, _NEG)
-            p = jnp.exp2(s - lse_ref[qs][:, None] * _LOG2E)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (_dot(do, v, trans_b=True) - delta_ref[qs][:, None])
-            return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
-        return step
-
-    dk, dv = _over_list(list_ref, body, (jnp.zeros(dk_ref.shape, jnp.float32),
-                                         jnp.zeros(dv_ref.shape, jnp.float32)))
-    dk_ref[...], dv_ref[...] = dk, dv
-
-
-# ---------------------------------------------------------------------------------------------
-# pallas_call wrappers: arrays [B, H, length, d] in a term's layout, padded to the blocks.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """How the kernels are compiled: block sizes, and interpret mode (a CPU) or Triton."""
-    sizes: BlockSizes
-    interpret: bool
-
-    def __call__(self, kernel, grid, in_specs, out_specs, out_shape, name):
-        params = {}
-        if not self.interpret:
-            from jax.experimental.pallas import triton as pl_triton
-
-            params["compiler_params"] = pl_triton.CompilerParams(
-                num_warps=self.sizes.num_warps, num_stages=self.sizes.num_stages)
-        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                              out_shape=out_shape, interpret=self.interpret, name=name,
-                              **params)
-
-
-def _tile(block, width=None):
-    """BlockSpec of one (batch, head)'s tile ``index`` of ``block`` rows (``width`` columns)."""
-    if width is None:
-        return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
-    return pl.BlockSpec((None, None, block, width), lambda i, b, h: (b, h, i, 0))
-
-
-def _attr(block):
-    """BlockSpec of tile ``index`` of a position-attribute vector."""
-    return pl.BlockSpec((block,), lambda i, b, h: (i,))
-
-
-def _whole(x):
-    """BlockSpec of one (batch, head)'s whole array (or a whole attribute vector)."""
-    if x.ndim == 1:
-        return pl.BlockSpec(x.shape, lambda i, b, h: (0,))
-    if x.ndim == 3:
-        return pl.BlockSpec((None, None, x.shape[2]), lambda i, b, h: (b, h, 0))
-    return pl.BlockSpec((None, None, *x.shape[2:]), lambda i, b, h: (b, h, 0, 0))
-
-
-def _row(lists):
-    return pl.BlockSpec((None, lists.shape[1]), lambda i, b, h: (i, 0))
-
-
-def _pallas_forward(call, layout, lists, q, k, v):
-    batch, heads, nq, _ = q.shape
-    bq, bk = call.sizes.block_q, call.sizes.block_k
-    attrs_q = (lists.q_pos, lists.q_seg)
-    attrs_k = (lists.k_pos, lists.k_seg, lists.k_flag)
-    return call(
-        functools.partial(_forward_kernel, layout=layout, block_k=bk),
-        grid=(nq // bq, batch, heads),
-        in_specs=[_row(lists.forward), _tile(bq, q.shape[3]), _attr(bq), _attr(bq),
-                  _whole(k), _whole(v), *(_whole(a) for a in attrs_k)],
-        out_specs=[_tile(bq, v.shape[3]), _tile(bq)],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, nq, v.shape[3]), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, heads, nq), jnp.float32)],
-        name="block_sparse_forward",
-    )(lists.forward, q, *attrs_q, k, v, *attrs_k)
-
-
-def _pallas_backward(call, layout, lists, q, k, v, do, lse, delta):
-    batch, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    bq, bk = call.sizes.block_q, call.sizes.block_k
-    attrs_q = (lists.q_pos, lists.q_seg)
-    attrs_k = (lists.k_pos, lists.k_seg, lists.k_flag)
-    dq = call(
-        functools.partial(_dq_kernel, layout=layout, block_k=bk),
-        grid=(nq // bq, batch, heads),
-        in_specs=[_row(lists.forward), _tile(bq, q.shape[3]), _attr(bq), _attr(bq),
-                  _tile(bq, do.shape[3]), _tile(bq), _tile(bq), _whole(k), _whole(v),
-                  *(_whole(a) for a in attrs_k)],
-        out_specs=_tile(bq, q.shape[3]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
-        name="block_sparse_dq",
-    )(lists.forward, q, *attrs_q, do, lse, delta, k, v, *attrs_k)
-    dk, dv = call(
-        functools.partial(_dkv_kernel, layout=layout, block_q=bq),
-        grid=(nk // bk, batch, heads),
-        in_specs=[_row(lists.backward), _tile(bk, k.shape[3]), _tile(bk, v.shape[3]),
-                  _attr(bk), _attr(bk), _attr(bk), _whole(q), _whole(do), _whole(lse),
-                  _whole(delta), *(_whole(a) for a in attrs_q)],
-        out_specs=[_tile(bk, k.shape[3]), _tile(bk, v.shape[3])],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(v.shape, jnp.float32)],
-        name="block_sparse_dkv",
-    )(lists.backward, k, v, *attrs_k, q, do, lse, delta, *attrs_q)
-    return dq, dk, dv
+    column, row = (lambda x: x.astype(np.int32)[:, None]), (lambda x: x.astype(np.int32)[None])
+    lists = pallas_kernels.Lists(_pack(qb, kb, full, nqb), _pack(kb, qb, full, nkb),
+                                 (column(qp), column(qs)), (row(kp), row(ks), row(kf)))
+    return lists, int(counts.sum()), len(qb) * block_q * block_k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,22 +251,24 @@ def _pad_to(x, length, axis=2):
     return jnp.pad(x, widths)
 
 
-def _terms(spec, rows, call):
+def _terms(spec, rows, compiler):
+    """Each term's layout, mask rule and block lists."""
     for term in spec.terms():
         layout = _layout(term, rows)
-        yield layout, _block_lists(layout, call.sizes.block_q, call.sizes.block_k)
+        lists = _block_lists(layout, compiler.block_q, compiler.block_k)[0]
+        yield layout, functools.partial(_keep, layout), lists
 
 
-def _forward(spec, call, q, k, v):
+def _forward(spec, compiler, q, k, v):
     """Output [B, H, n, dv] and joint log-sum-exp [B, H, n] (float32); q pre-scaled by 1/√d."""
     rows = q.shape[2] // spec.block
     outs, lses = [], []
-    for layout, lists in _terms(spec, rows, call):
-        o, lse = _pallas_forward(
-            call, layout, lists, _pad_to(layout.queries(q), len(lists.q_pos)),
-            *(_pad_to(layout.keys(x), len(lists.k_pos)) for x in (k, v)))
+    for layout, keep, lists in _terms(spec, rows, compiler):
+        nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
+        o, lse = pallas_kernels.forward(compiler, keep, lists, _pad_to(layout.queries(q), nq),
+                                        *(_pad_to(layout.keys(x), nk) for x in (k, v)))
         outs.append(layout.queries_back(o[:, :, :layout.n]))
-        lses.append(layout.queries_back(lse[:, :, :layout.n]))
+        lses.append(layout.queries_back(lse[:, :, :layout.n, 0]))
     lse_max = functools.reduce(jnp.maximum, lses)
     weights = [jnp.exp(lse - lse_max) for lse in lses]
     total = sum(weights)
@@ -479,28 +277,29 @@ def _forward(spec, call, q, k, v):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(spec, call, q, k, v):
-    return _forward(spec, call, q, k, v)[0]
+def _attention(spec, compiler, q, k, v):
+    return _forward(spec, compiler, q, k, v)[0]
 
 
-def _attention_fwd(spec, call, q, k, v):
-    out, lse = _forward(spec, call, q, k, v)
+def _attention_fwd(spec, compiler, q, k, v):
+    out, lse = _forward(spec, compiler, q, k, v)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(spec, call, residuals, d_out):
+def _attention_bwd(spec, compiler, residuals, d_out):
     q, k, v, out, lse = residuals
     rows = q.shape[2] // spec.block
     d_out = d_out.astype(jnp.float32)
-    delta = (d_out * out).sum(-1)
-    lse = jnp.where(lse > _NEG / 2, lse, -_NEG)  # a row with no key: every probability 0
+    delta = (d_out * out).sum(-1, keepdims=True)
+    lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
     grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
-    for layout, lists in _terms(spec, rows, call):
-        nq, nk = len(lists.q_pos), len(lists.k_pos)
+    for layout, keep, lists in _terms(spec, rows, compiler):
+        nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
         q_l, do_l, lse_l, delta_l = (_pad_to(layout.queries(x), nq) for x in (q, do, lse, delta))
         k_l, v_l = (_pad_to(layout.keys(x), nk) for x in (k, v))
-        dq, dk, dv = _pallas_backward(call, layout, lists, q_l, k_l, v_l, do_l, lse_l, delta_l)
+        dq, dk, dv = pallas_kernels.backward(compiler, keep, lists, q_l, k_l, v_l, do_l, lse_l,
+                                             delta_l)
         grads[0] += layout.queries_back(dq[:, :, :layout.n])
         grads[1] += layout.keys_back(dk[:, :, :layout.nk])
         grads[2] += layout.keys_back(dv[:, :, :layout.nk])
@@ -510,26 +309,43 @@ def _attention_bwd(spec, call, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _pow2(x, minimum=16):
-    """Zero-pad the head dimension to a power of two (Triton's tiles); exact for q·k and v."""
-    return _pad_to(x, max(minimum, pl.next_power_of_2(x.shape[-1])), axis=3)
+def _pad_head(x, backend):
+    """Zero-pad the head dimension (exact for q·k and v) to Triton's power-of-two tiles."""
+    if backend != "triton":
+        return x
+    return _pad_to(x, max(16, pl.next_power_of_2(x.shape[-1])), axis=3)
+
+
+def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
+                 interpret: bool | None = None) -> pallas_kernels.Compiler:
+    """How to build the kernels here: ``backend`` "triton" or "mosaic" (default: "mosaic" on
+    a TPU, else "triton"), compiled on its own platform and interpreted elsewhere (default),
+    ``sizes`` default ``BlockSizes.for_backend``."""
+    platform = jax.default_backend()
+    backend = backend or ("mosaic" if platform == "tpu" else "triton")
+    patterns.check_choice("backend", backend, pallas_kernels.BACKENDS)
+    if interpret is None:
+        interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
+    sizes = sizes or BlockSizes.for_backend(backend)
+    return pallas_kernels.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
+                                   sizes.num_warps, sizes.num_stages)
 
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
-                       interpret: bool | None = None, return_lse: bool = False):
+                       backend: str | None = None, interpret: bool | None = None,
+                       return_lse: bool = False):
     """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] with n a multiple of
     ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] float32 (differentiable),
     or with ``return_lse`` also the log-sum-exp of each row's kept scores [B, H, n] (a row with
-    no key: -1e30; not differentiable). ``interpret`` (default: not on a GPU) runs the kernels
-    in Pallas interpret mode."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    call = _Call(sizes or BlockSizes(), interpret)
+    no key: -1e30; not differentiable). ``sizes``, ``backend``, ``interpret``: ``compiler_for``.
+    """
+    compiler = compiler_for(sizes, backend, interpret)
     dv = v.shape[-1]
+    q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
     if return_lse:
-        out, lse = _forward(spec, call, _pow2(q), _pow2(k), _pow2(v))
+        out, lse = _forward(spec, compiler, q, k, v)
         return out[..., :dv], lse
-    return _attention(spec, call, _pow2(q), _pow2(k), _pow2(v))[..., :dv]
+    return _attention(spec, compiler, q, k, v)[..., :dv]
 
 
 def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -> dict:
@@ -539,6 +355,7 @@ def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None 
     rows = -(-seq_len // spec.block)
     kept = scored = 0
     for term in spec.terms():
-        lists = _block_lists(_layout(term, rows), sizes.block_q, sizes.block_k)
-        kept, scored = kept + lists.kept, scored + lists.scored
+        _, term_kept, term_scored = _block_lists(_layout(term, rows), sizes.block_q,
+                                                 sizes.block_k)
+        kept, scored = kept + term_kept, scored + term_scored
     return {"kept": kept, "scored": scored}

@@ -1,6 +1,7 @@
-"""The Pallas block-sparse kernel (``sparse_jax.kernel``) against the dense masked reference:
-its block lists on the host, then output, log-sum-exp and gradients. On a CPU the kernels run in
-Pallas interpret mode; on a GPU the same tests compile them with Triton
+"""The Pallas block-sparse kernels (``sparse_jax.kernel``, ``sparse_jax.pallas_kernels``) against
+the dense masked reference: the block lists on the host, then output, log-sum-exp and gradients,
+and the lowering of every kernel for a GPU (Triton) and a TPU (Mosaic), which needs neither. On a
+CPU the kernels run in Pallas interpret mode; on a GPU the same tests compile them with Triton
 (``python -m pytest tests/test_kernel.py``).
 
 Tolerances (inputs ~N(0, 1)): float32 1e-5 on outputs and 1e-4 on gradients, as the XLA path.
@@ -53,8 +54,9 @@ def listed_pairs(spec, seq_len, sizes):
     pairs = set()
     for term in spec.terms():
         layout = K._layout(term, rows)
-        lists = K._block_lists(layout, sizes.block_q, sizes.block_k)
-        (q_pos, _), (k_pos, _, _) = layout.attributes()
+        lists = K._block_lists(layout, sizes.block_q, sizes.block_k)[0]
+        (q_pos, q_seg), (k_pos, k_seg, k_flag) = (
+            [a[:, 0] for a in lists.q_attrs], [a[0] for a in lists.k_attrs])
         # sequence position of each layout slot
         q_seq = np.asarray(layout.queries(np.arange(layout.n)[None, None]))[0, 0]
         k_seq = np.asarray(layout.keys(np.arange(layout.n)[None, None]))[0, 0]
@@ -63,9 +65,8 @@ def listed_pairs(spec, seq_len, sizes):
             for j, kb in enumerate(row[2:2 + n_partial + n_full]):
                 qs = slice(qb * sizes.block_q, (qb + 1) * sizes.block_q)
                 ks = slice(kb * sizes.block_k, (kb + 1) * sizes.block_k)
-                keep = K._keep(layout, lists.q_pos[qs, None], lists.q_seg[qs, None],
-                               lists.k_pos[None, ks], lists.k_seg[None, ks],
-                               lists.k_flag[None, ks])
+                keep = K._keep(layout, q_pos[qs, None], q_seg[qs, None], k_pos[None, ks],
+                               k_seg[None, ks], k_flag[None, ks])
                 assert keep.any(), "a listed block keeps no pair"
                 if j >= n_partial:
                     assert keep.all(), "a block listed as full needs a mask"
@@ -129,6 +130,48 @@ def test_kernels_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
         lowering_platforms=("cuda",))
     calls = lowered.as_text().count("custom_call @__gpu$xla.gpu.triton(")
     assert calls == 3 * len(spec.terms())
+
+
+TPU_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype
+    (PatternSpec("strided", stride=128), 1024, 128, "bfloat16"),
+    (PatternSpec("fixed", stride=128, c=32, summary="lra", summary_block=1), 768, 64, "float32"),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,d,dtype", TPU_CASES,
+                         ids=[f"{c[0]}-d{c[2]}-{c[3]}" for c in TPU_CASES])
+def test_kernels_lower_to_mosaic_for_a_tpu(spec, seq_len, d, dtype):
+    """Without a TPU: forward and backward lower for a TPU through Pallas' Mosaic lowering (lists
+    in scalar memory, 128 × 128 tiles), one custom call per kernel."""
+    x = jax.ShapeDtypeStruct((1, 2, seq_len, d), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return K.sequence_attention(spec, q, k, v, backend="mosaic", interpret=False).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("tpu",))
+    assert lowered.as_text().count("custom_call @tpu_custom_call(") == 3 * len(spec.terms())
+
+
+@pytest.mark.parametrize("spec,seq_len", [(PatternSpec("strided", stride=16), 93),
+                                          (PatternSpec("fixed", stride=16, c=4), 80)], ids=str)
+def test_tpu_kernels_match_dense_in_interpret_mode(spec, seq_len):
+    """The TPU flavour (a grid step per list entry, running softmax in scratch) computes the
+    same as the dense reference, forward and gradients, float32, for the three layouts (rows,
+    columns, packed summary keys); the mask rule and lists are the GPU flavour's."""
+    q, k, v, cot = qkv(seq_len, 64, jnp.float32)
+    mask, rows = spec.mask(seq_len), -(-seq_len // spec.block)
+
+    def kernel(q, k, v):  # [B, n, H, d] -> the grid-padded [B, H, n', d] layout and back
+        seq = lambda x: jnp.pad(  # noqa: E731
+            x, ((0, 0), (0, rows * spec.block - seq_len), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        out = K.sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=SMALL,
+                                   backend="mosaic", interpret=True)
+        return out[:, :, :seq_len].transpose(0, 2, 1, 3)
+
+    err = errors(out_and_grads(kernel, q, k, v, cot),
+                 out_and_grads(lambda q, k, v: A.dense_attention(q, k, v, mask), q, k, v, cot))
+    assert err[0] < 1e-5 and max(err[1:]) < 1e-4, err
 
 
 def qkv(seq_len, d, dtype, dv=None, heads=2, seed=0):
@@ -209,8 +252,8 @@ def test_log_sum_exp_and_half_size_values():
 
 
 def test_implementation_choice():
-    assert A.resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu"
-                                                else "xla")
+    assert A.resolve_implementation("auto") == (
+        "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla")
     assert A.resolve_implementation("pallas") == "pallas"
     with pytest.raises(ValueError, match="implementation"):
         A.resolve_implementation("triton")

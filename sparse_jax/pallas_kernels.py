@@ -1,0 +1,348 @@
+"""The Pallas kernels behind ``sparse_jax.kernel``: block-sparse flash attention over block lists,
+for GPUs (Triton lowering) and TPUs (Mosaic lowering), and either in interpret mode on a CPU.
+
+They know nothing of patterns. A term arrives as
+
+* ``keep(q_pos, q_seg, k_pos, k_seg, k_flag)``: its mask on broadcastable int32 arrays;
+* ``Lists``: per query block the key blocks to visit, per key block the query blocks (rows
+  ``[n_partial, n_full, partial blocks..., full blocks..., 0...]``: partial blocks apply
+  ``keep``, full ones need no mask), and the position attributes, queries ``[Nq, 1]`` and keys
+  ``[1, Nk]``;
+* arrays ``[B, H, length, d]`` padded to the tiles; log-sum-exp and ``delta = dO·O`` as
+  ``[B, H, Nq, 1]`` float32.
+
+``forward`` returns each query's output (float32) and log-sum-exp over the kept keys (-1e30 for
+a query with none); ``backward`` the float32 gradients for a joint log-sum-exp, in two passes:
+dq per query block, dk and dv per key block (FlashAttention-2's split). Both backends share the
+tile math (``_scores``, ``_online``, ``_finish``, ``_grads``). On a GPU a program owns a tile and
+walks its list in a loop, loading key tiles from the whole K/V (``_gpu_*``). On a TPU the list
+is a grid axis: the lists are prefetched into scalar memory, the index maps pick each step's
+block (so the pipeline fetches only listed tiles) and the running softmax lives in VMEM scratch
+(``_tpu_*``), as in splash attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+NEG = -1e30  # masked score (finite: no NaN in values or gradients)
+FLOOR = -1e20  # start of a row maximum: exp(NEG - FLOOR) == 0 for a row with no key yet
+BACKENDS = ("triton", "mosaic")  # GPU, TPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Lists:
+    """A term's block lists and padded position attributes (see the module docstring)."""
+    forward: np.ndarray  # [query blocks, width]
+    backward: np.ndarray  # [key blocks, width]
+    q_attrs: tuple[np.ndarray, ...]  # q_pos, q_seg: int32 [Nq, 1]
+    k_attrs: tuple[np.ndarray, ...]  # k_pos, k_seg, k_flag: int32 [1, Nk]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """How the kernels are built: ``backend`` "triton" or "mosaic", Pallas interpret mode or
+    not, tiles of ``block_q`` queries by ``block_k`` keys, and Triton's warps and stages."""
+    backend: str
+    interpret: bool
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile math, shared by the backends. Row statistics are [block, 1].
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    a = a.T if trans_a else a
+    dims = ((1,), (1,) if trans_b else (0,))
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _scores(keep, q, k, q_attrs, k_attrs, masked):
+    """Scores of a query tile against a key tile; masked ones NEG if ``masked``."""
+    s = _dot(q, k, trans_b=True)
+    return jnp.where(keep(*q_attrs, *k_attrs), s, NEG) if masked else s
+
+
+def _online(s, o, m, total, v):
+    """One key tile of the online softmax: the running output, row maximum and sum updated."""
+    m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+    correction = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    return (o * correction + _dot(p.astype(v.dtype), v), m_new,
+            total * correction + p.sum(-1, keepdims=True))
+
+
+def _start(block, width):
+    return (jnp.zeros((block, width), jnp.float32), jnp.full((block, 1), FLOOR, jnp.float32),
+            jnp.zeros((block, 1), jnp.float32))
+
+
+def _finish(o, m, total):
+    """Output and log-sum-exp (NEG for a row with no key, whose output is 0)."""
+    safe = jnp.maximum(total, 1e-30)
+    return o / safe, jnp.where(total > 0, m + jnp.log(safe), NEG)
+
+
+def _grads(s, lse, delta, do, v):
+    """Probabilities and score gradients of a tile, given the joint log-sum-exp."""
+    p = jnp.exp(s - lse)
+    return p, p * (_dot(do, v, trans_b=True) - delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a program per (tile, batch, head) loops over its list.
+
+
+def _gpu_over_list(list_ref, step, carry):
+    """``step(masked, j, carry)`` over the partial blocks of a list row, then the full ones."""
+    n_partial, n_full = list_ref[0], list_ref[1]
+    carry = jax.lax.fori_loop(0, n_partial, functools.partial(step, True), carry)
+    return jax.lax.fori_loop(n_partial, n_partial + n_full, functools.partial(step, False), carry)
+
+
+def _gpu_tile(list_ref, j, block):
+    return pl.ds(pl.multiple_of(list_ref[2 + j] * block, block), block)
+
+
+def _gpu_forward(list_ref, q_ref, qp_ref, qs_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, o_ref,
+                 lse_ref, *, keep, block_k):
+    q, q_attrs = q_ref[...], (qp_ref[...], qs_ref[...])
+
+    def step(masked, j, carry):
+        t = _gpu_tile(list_ref, j, block_k)
+        s = _scores(keep, q, k_ref[t, :], q_attrs, (kp_ref[:, t], ks_ref[:, t], kf_ref[:, t]),
+                    masked)
+        return _online(s, *carry, v_ref[t, :])
+
+    carry = _gpu_over_list(list_ref, step, _start(q.shape[0], o_ref.shape[-1]))
+    o_ref[...], lse_ref[...] = _finish(*carry)
+
+
+def _gpu_dq(list_ref, q_ref, qp_ref, qs_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kp_ref,
+            ks_ref, kf_ref, dq_ref, *, keep, block_k):
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_attrs = (qp_ref[...], qs_ref[...])
+
+    def step(masked, j, dq):
+        t = _gpu_tile(list_ref, j, block_k)
+        k = k_ref[t, :]
+        s = _scores(keep, q, k, q_attrs, (kp_ref[:, t], ks_ref[:, t], kf_ref[:, t]), masked)
+        return dq + _dot(_grads(s, lse, delta, do, v_ref[t, :])[1].astype(k.dtype), k)
+
+    dq_ref[...] = _gpu_over_list(list_ref, step, jnp.zeros(dq_ref.shape, jnp.float32))
+
+
+def _gpu_dkv(list_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
+             qp_ref, qs_ref, dk_ref, dv_ref, *, keep, block_q):
+    k, v, k_attrs = k_ref[...], v_ref[...], (kp_ref[...], ks_ref[...], kf_ref[...])
+
+    def step(masked, j, carry):
+        t = _gpu_tile(list_ref, j, block_q)
+        q, do = q_ref[t, :], do_ref[t, :]
+        s = _scores(keep, q, k, (qp_ref[t, :], qs_ref[t, :]), k_attrs, masked)
+        p, ds = _grads(s, lse_ref[t, :], delta_ref[t, :], do, v)
+        return (carry[0] + _dot(ds.astype(q.dtype), q, trans_a=True),
+                carry[1] + _dot(p.astype(do.dtype), do, trans_a=True))
+
+    dk_ref[...], dv_ref[...] = _gpu_over_list(list_ref, step, (
+        jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32)))
+
+
+def _gpu_call(compiler, kernel, lists, own, listed, out, name):
+    """pallas_call over (own tile, batch, head): ``own`` arrays are tiled along their length
+    (attributes [N, 1] too), ``listed`` ones passed whole; ``out``: (shape, tile) pairs."""
+    block = out[0][1]
+    grid = (lists.shape[0], *out[0][0][:2])
+
+    def spec(x, tiled):
+        if x.ndim == 2:  # position attributes
+            if not tiled:
+                return pl.BlockSpec(x.shape, lambda i, b, h: (0, 0))
+            return (pl.BlockSpec((block, 1), lambda i, b, h: (i, 0)) if x.shape[1] == 1 else
+                    pl.BlockSpec((1, block), lambda i, b, h: (0, i)))
+        rows = block if tiled else x.shape[2]
+        return pl.BlockSpec((None, None, rows, x.shape[3]),
+                            lambda i, b, h: (b, h, i if tiled else 0, 0))
+
+    params = {}
+    if not compiler.interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        params["compiler_params"] = pl_triton.CompilerParams(
+            num_warps=compiler.num_warps, num_stages=compiler.num_stages)
+    return pl.pallas_call(
+        kernel, grid=grid, interpret=compiler.interpret, name=name,
+        in_specs=[pl.BlockSpec((None, lists.shape[1]), lambda i, b, h: (i, 0)),
+                  *(spec(x, True) for x in own), *(spec(x, False) for x in listed)],
+        out_specs=[pl.BlockSpec((None, None, tile, shape[3]), lambda i, b, h: (b, h, i, 0))
+                   for shape, tile in out],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _ in out], **params,
+    )(lists, *own, *listed)
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU: the list is the last grid axis; scalar-prefetched lists choose each step's blocks.
+
+
+def _tpu_steps(lists_ref, width, start, step, end):
+    """At grid step j of the row's list: ``start()`` first if j is 0, ``step(masked)`` for the
+    j-th block (partial blocks, then full ones; none past the list's end), then ``end()`` if j
+    is the last step."""
+    row, j = pl.program_id(2) * width, pl.program_id(3)
+    n_partial, n_full = lists_ref[row], lists_ref[row + 1]
+    pl.when(j == 0)(start)
+    pl.when(j < n_partial)(lambda: step(True))
+    pl.when((j >= n_partial) & (j < n_partial + n_full))(lambda: step(False))
+    pl.when(j == pl.num_programs(3) - 1)(end)
+
+
+def _tpu_forward(lists_ref, q_ref, qp_ref, qs_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, o_ref,
+                 lse_ref, o_scr, m_scr, t_scr, *, keep, width):
+    scratch = (o_scr, m_scr, t_scr)
+
+    def start():
+        for ref, x in zip(scratch, _start(*o_scr.shape)):
+            ref[...] = x
+
+    def step(masked):
+        s = _scores(keep, q_ref[...], k_ref[...], (qp_ref[...], qs_ref[...]),
+                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
+        for ref, x in zip(scratch, _online(s, *(r[...] for r in scratch), v_ref[...])):
+            ref[...] = x
+
+    def end():
+        o_ref[...], lse_ref[...] = _finish(*(r[...] for r in scratch))
+
+    _tpu_steps(lists_ref, width, start, step, end)
+
+
+def _tpu_dq(lists_ref, q_ref, qp_ref, qs_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kp_ref,
+            ks_ref, kf_ref, dq_ref, dq_scr, *, keep, width):
+    def step(masked):
+        k = k_ref[...]
+        s = _scores(keep, q_ref[...], k, (qp_ref[...], qs_ref[...]),
+                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
+        ds = _grads(s, lse_ref[...], delta_ref[...], do_ref[...], v_ref[...])[1]
+        dq_scr[...] += _dot(ds.astype(k.dtype), k)
+
+    def start():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    def end():
+        dq_ref[...] = dq_scr[...]
+
+    _tpu_steps(lists_ref, width, start, step, end)
+
+
+def _tpu_dkv(lists_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
+             qp_ref, qs_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, keep, width):
+    def step(masked):
+        q, do = q_ref[...], do_ref[...]
+        s = _scores(keep, q, k_ref[...], (qp_ref[...], qs_ref[...]),
+                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
+        p, ds = _grads(s, lse_ref[...], delta_ref[...], do, v_ref[...])
+        dk_scr[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
+        dv_scr[...] += _dot(p.astype(do.dtype), do, trans_a=True)
+
+    def start():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    def end():
+        dk_ref[...], dv_ref[...] = dk_scr[...], dv_scr[...]
+
+    _tpu_steps(lists_ref, width, start, step, end)
+
+
+def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, name):
+    """pallas_call over (batch, head, own tile, list step) with the lists prefetched: ``own``
+    arrays are tiled by the grid, ``listed`` ones by the list entry (tiles of
+    ``listed_block``); ``out``: (shape, tile) pairs; ``scratch``: float32 VMEM shapes."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    blocks, width = lists.shape
+    block = out[0][1]
+    batch, heads = out[0][0][:2]
+
+    def entry(i, j, lists_ref):  # the block of list entry j of row i (the last one past the end)
+        count = lists_ref[i * width] + lists_ref[i * width + 1]
+        return lists_ref[i * width + 2 + jnp.minimum(j, jnp.maximum(count - 1, 0))]
+
+    def spec(x, tile, index):
+        if x.ndim == 2:  # position attributes
+            if x.shape[1] == 1:
+                return pl.BlockSpec((tile, 1), lambda b, h, i, j, r: (index(i, j, r), 0))
+            return pl.BlockSpec((1, tile), lambda b, h, i, j, r: (0, index(i, j, r)))
+        return pl.BlockSpec((None, None, tile, x.shape[3]),
+                            lambda b, h, i, j, r: (b, h, index(i, j, r), 0))
+
+    def own_index(i, j, r):
+        return i
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(batch, heads, blocks, max(1, width - 2)),
+        in_specs=[*(spec(x, block, own_index) for x in own),
+                  *(spec(x, listed_block, entry) for x in listed)],
+        out_specs=[spec(jax.ShapeDtypeStruct(shape, jnp.float32), tile, own_index)
+                   for shape, tile in out],
+        scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch])
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, interpret=compiler.interpret, name=name,
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _ in out],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+    )(jnp.asarray(lists.ravel()), *own, *listed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The passes.
+
+
+def forward(compiler: Compiler, keep, lists: Lists, q, k, v):
+    """Output [B, H, Nq, dv] and log-sum-exp [B, H, Nq, 1] (float32) of one term."""
+    batch, heads, nq, _ = q.shape
+    bq, bk = compiler.block_q, compiler.block_k
+    out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
+    own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
+    if compiler.backend == "triton":
+        kernel = functools.partial(_gpu_forward, keep=keep, block_k=bk)
+        return _gpu_call(compiler, kernel, lists.forward, own, listed, out, "sparse_forward")
+    kernel = functools.partial(_tpu_forward, keep=keep, width=lists.forward.shape[1])
+    return _tpu_call(compiler, kernel, lists.forward, own, listed, bk, out,
+                     [(bq, v.shape[3]), (bq, 1), (bq, 1)], "sparse_forward")
+
+
+def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta):
+    """Gradients (float32) of one term's share of the output for the joint ``lse``."""
+    batch, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    bq, bk = compiler.block_q, compiler.block_k
+    dq_out = [((batch, heads, nq, q.shape[3]), bq)]
+    dkv_out = [((batch, heads, nk, k.shape[3]), bk), ((batch, heads, nk, v.shape[3]), bk)]
+    dq_own = [q, *lists.q_attrs, do, lse, delta]
+    dkv_listed = [q, do, lse, delta, *lists.q_attrs]
+    key_side = [k, v, *lists.k_attrs]
+    if compiler.backend == "triton":
+        dq = _gpu_call(compiler, functools.partial(_gpu_dq, keep=keep, block_k=bk),
+                       lists.forward, dq_own, key_side, dq_out, "sparse_dq")[0]
+        dk, dv = _gpu_call(compiler, functools.partial(_gpu_dkv, keep=keep, block_q=bq),
+                           lists.backward, key_side, dkv_listed, dkv_out, "sparse_dkv")
+        return dq, dk, dv
+    dq = _tpu_call(compiler, functools.partial(_tpu_dq, keep=keep, width=lists.forward.shape[1]),
+                   lists.forward, dq_own, key_side, bk, dq_out, [(bq, q.shape[3])],
+                   "sparse_dq")[0]
+    dk, dv = _tpu_call(
+        compiler, functools.partial(_tpu_dkv, keep=keep, width=lists.backward.shape[1]),
+        lists.backward, key_side, dkv_listed, bq, dkv_out,
+        [(bk, k.shape[3]), (bk, v.shape[3])], "sparse_dkv")
+    return dq, dk, dv
