@@ -15,9 +15,11 @@ Patterns: ``dense`` (``jax.nn.dot_product_attention(..., is_causal=True)``), ``s
 ``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)), each optionally followed by
 ``@IMPL``: ``dense@xla`` / ``dense@cudnn`` pick ``dot_product_attention``'s implementation, and
 a sparse pattern's ``@xla`` (default), ``@pallas`` or ``@auto`` is ``sparse_attention``'s (the
-fused kernel runs in interpret mode on a CPU: correct, not fast). Every (pattern, seq_len,
-pass) runs in a fresh process: median time over ``--repeats`` runs after compile, the peak RSS of
-that process and the temporary memory XLA planned for the compiled step (all devices together).
+fused kernel runs in interpret mode on a CPU: correct, not fast); ``@pallas:QxK`` sets the
+kernel's tiles, e.g. ``strided:128@pallas:64x64,strided:128@pallas:128x64`` to tune them.
+Every (pattern, seq_len, pass) runs in a fresh process: median time over ``--repeats`` runs
+after compile, the peak RSS of that process and the temporary memory XLA planned for the
+compiled step (all devices together).
 Useful GFLOP/s counts 4·B·H·n·|S|·d for the forward pass (|S| the mean number of attended keys)
 and 2.5× that for forward+backward, also given as a fraction of a 4096×4096 ``jnp.dot``
 measured in the same run (in ``--dtype``; 8192² on an accelerator). On a shared machine,

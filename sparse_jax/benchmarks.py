@@ -58,19 +58,32 @@ DENSE_IMPLEMENTATIONS = ("xla", "cudnn")  # of jax.nn.dot_product_attention
 
 def parse_pattern(name: str, seq_len: int):
     """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n)),
-    optionally followed by ``@IMPL``, as (PatternSpec, implementation): for dense ``@xla`` or
-    ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default choice), for the sparse
-    patterns ``@xla`` (the default), ``@pallas`` or ``@auto`` (``attention.sparse_attention``)."""
+    optionally followed by ``@IMPL``, as (PatternSpec, implementation, kernel tiles or None):
+    for dense ``@xla`` or ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default
+    choice), for the sparse patterns ``@xla`` (the default), ``@pallas`` or ``@auto``
+    (``attention.sparse_attention``); ``@pallas:QxK`` also sets the kernel's tiles (Q queries by
+    K keys, e.g. ``strided:128@pallas:128x64``), to compare tile sizes in one sweep."""
     from sparse_jax.attention import IMPLEMENTATIONS
+    from sparse_jax.kernel import BlockSizes
     from sparse_jax.patterns import PatternSpec
 
     name, _, implementation = name.partition("@")
+    implementation, _, tiles = implementation.partition(":")
     kind, *args = name.split(":")
     allowed = DENSE_IMPLEMENTATIONS if kind == "dense" else IMPLEMENTATIONS
     if implementation and implementation not in allowed:
         raise ValueError(f"pattern {name}@{implementation}: unknown implementation; for {kind} "
                          f"choose from {', '.join(allowed)}")
     implementation = implementation or (None if kind == "dense" else "xla")
+    sizes = None
+    if tiles:
+        try:
+            if implementation != "pallas":
+                raise ValueError("tiles apply to @pallas only")
+            sizes = BlockSizes(*(int(t) for t in tiles.split("x", 1)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"pattern {name}@{implementation}:{tiles}: {e}; give tiles as "
+                             "@pallas:QxK with powers of two, e.g. @pallas:128x64") from e
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
     try:
@@ -84,7 +97,7 @@ def parse_pattern(name: str, seq_len: int):
     except (ValueError, IndexError, TypeError) as e:
         raise ValueError(f"pattern {name!r}: {e}; give dense, strided:L, strided:sqrt, "
                          "fixed:L:C or local:W") from e
-    return spec, implementation
+    return spec, implementation, sizes
 
 
 def run_attention_case(case: dict) -> dict:
@@ -102,7 +115,7 @@ def run_attention_case(case: dict) -> dict:
         return {"gflops": benchmarking.matmul_gflops(dtype=case["dtype"]),
                 "size": benchmarking.matmul_size()}
     n = case["seq_len"]
-    spec, implementation = parse_pattern(case["pattern"], n)
+    spec, implementation, sizes = parse_pattern(case["pattern"], n)
     dtype = jnp.dtype(case["dtype"])
     shape = (case["batch"], n, case["heads"], case["head_dim"])
     mesh = Mesh(jax.devices()[:case["devices"]], ("heads",))
@@ -113,7 +126,8 @@ def run_attention_case(case: dict) -> dict:
         attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, is_causal=True, implementation=implementation)
     else:
-        attend = lambda q, k, v: sparse_attention(q, k, v, spec, implementation)  # noqa: E731
+        attend = lambda q, k, v: sparse_attention(  # noqa: E731
+            q, k, v, spec, implementation, sizes)
     if case["devices"] > 1:  # each device attends with its own heads
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)
     if case["pass"] == "fwd":
