@@ -866,6 +866,10 @@ def build_cases() -> list[Case]:
         ["benchmark_attention", "--patterns=strided:8@triton", "--seq_lens=64", "--passes=fwd",
          "--repeats=1", "--devices=1", "--output_dir={tmp}/b"], r"triton|implementation",
         timeout=120)
+    err("bench/attention: kernel tiles not powers of two",
+        ["benchmark_attention", "--patterns=strided:8@pallas:48x64", "--seq_lens=64",
+         "--passes=fwd", "--repeats=1", "--devices=1", "--output_dir={tmp}/b"],
+        r"48|power of two", timeout=120)
     err("bench/attention: unknown pass",
         ["benchmark_attention", "--passes=bwd", "--seq_lens=64", "--patterns=dense",
          "--repeats=1", "--devices=1", "--output_dir={tmp}/b"], r"bwd|pass", timeout=120)
