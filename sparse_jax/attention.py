@@ -466,7 +466,7 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     (``resolve_implementation``). For dense attention "pallas" means a fused kernel too: on a
     GPU ``jax.nn.dot_product_attention`` (cuDNN's flash attention where it supports the shapes
     and dtype); elsewhere the XLA path. ``block_sizes``: the kernel's tiles (default
-    ``kernel.BlockSizes()``).
+    ``kernel.BlockSizes.for_backend``).
     """
     _check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):

@@ -71,7 +71,7 @@ class SparseSelfAttention(nnx.Module):
     def __call__(self, x, sharding=None):
         """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
         split on a device mesh, if any. XLA cannot split a fused kernel (a custom call) by
-        itself, so with ``implementation`` "pallas" (or "auto" on a GPU) each device then runs
+        itself, so with ``implementation`` "pallas" (or "auto" on a GPU or TPU) each device runs
         the kernel on its own sequences (``jax.shard_map``)."""
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
