@@ -175,7 +175,7 @@ def _pack(owner: np.ndarray, other: np.ndarray, full: np.ndarray, count: int) ->
     order = np.lexsort((other, full, owner))  # by owner, partial before full, then block
     owner, other, full = owner[order], other[order], full[order]
     per = np.bincount(owner, minlength=count)
-    width = 1 << int(1 + per.max(initial=0)).bit_length()  # a power of two >= 2 + max
+    width = 2 + int(per.max(initial=0))
     rows = np.zeros((count, width), np.int32)
     rows[:, 0] = np.bincount(owner, weights=~full, minlength=count)
     rows[:, 1] = np.bincount(owner, weights=full, minlength=count)
