@@ -350,7 +350,8 @@ def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes
 
 def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -> dict:
     """Kept and scored (query, key) pairs of the kernel's block lists at ``seq_len`` (padded to
-    the grid): ``kept / scored`` is the share of tile work that is useful."""
+    the grid) for tiles ``sizes`` (default: the GPU's 64 × 64): ``kept / scored`` is the share
+    of tile work that is useful."""
     sizes = sizes or BlockSizes()
     rows = -(-seq_len // spec.block)
     kept = scored = 0
