@@ -8,7 +8,9 @@ Bytes: bits per byte over the split. Default: non-overlapping windows of the mod
 --min_context=M: overlapping windows that score only bytes with at least M bytes of context
 (paper Table 3); either way every byte after the first is scored exactly once. Images: bits per
 dim over every sub-pixel of the split. Prints a table and writes the result as JSON to
-DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context).
+DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context), with the bits
+by position in the window (buckets 0-63, 64-127, 128-255, ...), drawn in the .png of the same
+name; scripts/plot_positions.py draws several results on one figure.
 """
 
 from absl import app, flags
@@ -38,8 +40,10 @@ def main(argv):
     result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
                                _MIN_CONTEXT.value, _BATCH_SIZE.value, overwrite=_OVERWRITE.value)
     print(evaluate.format_table(result))
+    print("\nBy position in the window (position j sees j + 1 bytes of context):\n"
+          + evaluate.format_positions(result))
     if "path" in result:
-        print(f"Wrote {result['path']}")
+        print(f"Wrote {result['path']} and {result['path'][:-len('.json')]}.png")
 
 
 if __name__ == "__main__":

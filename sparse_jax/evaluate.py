@@ -19,6 +19,13 @@ The result is printed as a table and written as JSON to `DIR/eval/<split>_<step>
 (`<split>_<step>_minctx<m>.json` with min_context), outside the checkpoint folders so that it
 survives checkpoint rotation; keys: split, step, bits, unit, num_scored, min_context, ...
 
+Bits by position: position j of a window sees j + 1 bytes (or sub-pixels) of context, so how
+the bits fall with j shows how much of its context a model uses. "by_position" holds the bits
+of positions 0-63, 64-127, 128-255, ..., n/2 - n-1 (with their counts, the buckets average to
+"bits" exactly), "position_curve" finer buckets (4 per doubling), drawn against log position
+in `<same name>.png` (`plot_by_position` draws several results on one figure). Training logs
+the same buckets with every validation pass (metrics.jsonl, TensorBoard).
+
 Checkpoints are opened read-only (safe while the run is still training). The batch is split
 over all devices (data parallel, and parameters split as in training when the run used
 mesh.fsdp > 1); with several processes each reads its share of the windows.
@@ -28,10 +35,14 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,45 +52,92 @@ from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.logs import Progress
-from sparse_jax.model import loss_bits, model_config
+from sparse_jax.model import model_config, token_bits
 
 
 def make_eval_step(model_def, activation_sharding=None):
-    """eval_step(params, batch) -> (sum of bits over the masked targets, number of targets).
+    """eval_step(params, batch) -> (bits_N, count_N), float32 [seq_len] each: per position of
+    the window, the bits of the masked targets summed over the batch, and how many there were.
     `activation_sharding`: see `SparseTransformer.from_embeddings`."""
 
     def eval_step(params, batch):
         logits = nnx.merge(model_def, params)(batch["inputs"],
                                               activation_sharding=activation_sharding)
-        count = batch["mask"].sum()
-        return loss_bits(logits, batch["targets"], batch["mask"]) * count, count
+        mask = batch["mask"].astype(jnp.float32)
+        return (token_bits(logits, batch["targets"]) * mask).sum(0), mask.sum(0)
 
     return eval_step
 
 
+class PositionBits(NamedTuple):
+    """Bits of a split by position in the window: `bits[j]` sums the bits of every target scored
+    at position j (which sees j + 1 bytes of context, or j + 1 earlier sub-pixels), `count[j]`
+    counts them (float64 [seq_len] each, accumulated on the host)."""
+
+    bits: np.ndarray
+    count: np.ndarray
+
+    @property
+    def total(self) -> float:
+        return float(self.bits.sum())
+
+    @property
+    def scored(self) -> int:
+        return int(round(self.count.sum()))
+
+    @property
+    def mean(self) -> float:
+        """Bits per scored target over the whole split."""
+        return self.total / max(self.scored, 1)
+
+    def buckets(self, edges) -> list[dict]:
+        """[{"first", "last", "bits", "count"}] over positions edges[i] .. edges[i+1] - 1; the
+        count-weighted mean of "bits" is `mean` (buckets with no target: bits None)."""
+        out = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            count = float(self.count[a:b].sum())
+            out.append({"first": int(a), "last": int(b) - 1, "count": int(round(count)),
+                        "bits": float(self.bits[a:b].sum()) / count if count else None})
+        return out
+
+
+def position_edges(seq_len: int, per_octave: int = 1) -> list[int]:
+    """Bucket edges over positions 0 .. seq_len - 1. per_octave=1: 0, 64, 128, 256, ...,
+    seq_len (the first bucket is 0 - 63, or the first half of a window of at most 128);
+    per_octave=k: edges at round(2^(i/k)), k per doubling of the context, for plots."""
+    if per_octave == 1:
+        first = 64 if seq_len > 128 else max(1, seq_len // 2)
+        inner = [first << i for i in range(seq_len.bit_length()) if first << i < seq_len]
+    else:
+        top = math.log2(seq_len) * per_octave
+        inner = [round(2 ** (i / per_octave)) for i in range(int(top) + 1)]
+    return sorted({0, seq_len, *(e for e in inner if 0 < e < seq_len)})
+
+
 def split_bits(eval_step, params, batches, batch_sharding, *, max_batches: int | None = None,
-               on_batch=None) -> tuple[float, int]:
-    """(sum of bits, number of scored targets) of `eval_step` over `batches` (this process's
-    rows of each global batch), at most `max_batches` of them (None or <= 0: all). One batch
-    stays in flight: the host prepares batch i + 1 while the devices score batch i.
-    `on_batch(i)` is called when i batches are scored."""
-    total, scored, pending = 0.0, 0, None
+               on_batch=None) -> PositionBits:
+    """The bits of `eval_step` over `batches` (this process's rows of each global batch), at
+    most `max_batches` of them (None or <= 0: all), by position (`PositionBits`; `.mean` is the
+    split's bits per byte or dim). One batch stays in flight: the host prepares batch i + 1
+    while the devices score batch i. `on_batch(i)` is called when i batches are scored."""
+    bits = count = 0.0
+    pending, done = None, 0
     for i, batch in enumerate(batches):
         if max_batches is not None and 0 < max_batches <= i:
             break
         out = eval_step(params, sharding_lib.to_global(batch, batch_sharding))
         if pending is not None:
-            bits, n = jax.device_get(pending)
-            total, scored = total + float(bits), scored + int(n)
+            b, n = jax.device_get(pending)
+            bits, count = bits + np.asarray(b, np.float64), count + np.asarray(n, np.float64)
             if on_batch is not None:
                 on_batch(i)
         pending, done = out, i + 1
     if pending is not None:
-        bits, n = jax.device_get(pending)
-        total, scored = total + float(bits), scored + int(n)
+        b, n = jax.device_get(pending)
+        bits, count = bits + np.asarray(b, np.float64), count + np.asarray(n, np.float64)
         if on_batch is not None:
             on_batch(done)
-    return total, scored
+    return PositionBits(np.asarray(bits, np.float64), np.asarray(count, np.float64))
 
 
 def eval_mesh(config, devices: int):
@@ -94,6 +152,9 @@ def _eval_step(graphdef, batch_sharding):
     """`make_eval_step` jitted once per model and mesh; it runs
     where its arguments live (parameters as restored, batches split over the mesh)."""
     return jax.jit(make_eval_step(graphdef, batch_sharding))
+
+
+CURVE_PER_OCTAVE = 4  # buckets per doubling of the context in "position_curve" (plots)
 
 
 def result_path(workdir: str, split: str, step: int, min_context: int | None) -> str:
@@ -155,15 +216,15 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         bar.update(done, min(done * batch_size, count) * cfg.seq_len, "tokens")
 
     batches = dataset.eval_batches(split, batch_size // processes, min_context)
-    total_bits, scored = split_bits(eval_step, params, batches, batch_sharding, on_batch=on_batch)
-    end = time.time()
+    by_position = split_bits(eval_step, params, batches, batch_sharding, on_batch=on_batch)
+    scored, end = by_position.scored, time.time()
 
     # Throughput of the windows actually computed (padding rows excluded), after compilation.
     timed_batches = num_batches - 1 if first_done is not None else num_batches
     timed_s = end - first_done if first_done is not None else end - start
     timed_rows = count - batch_size if first_done is not None else count
     result = {
-        "split": split, "step": int(step), "bits": total_bits / max(scored, 1),
+        "split": split, "step": int(step), "bits": by_position.mean,
         "unit": dataset.unit, "num_scored": scored, "min_context": min_context,
         "dataset": config.data.name, "split_size": len(split_data),
         "num_sequences": count, "seq_len": cfg.seq_len, "batch_size": batch_size,
@@ -171,20 +232,65 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         "scored_per_s": scored / (end - start), "timed_batches": timed_batches,
         "wall_s": end - start, "workdir": os.path.abspath(workdir),
         "devices": devices, "backend": jax.default_backend(),
+        # Bits by position in the window (position j: j + 1 bytes or sub-pixels of context),
+        # in doubling buckets and in finer ones for plots; count-weighted, they average to bits.
+        "by_position": by_position.buckets(position_edges(cfg.seq_len)),
+        "position_curve": by_position.buckets(position_edges(cfg.seq_len, CURVE_PER_OCTAVE)),
     }
     if write and jax.process_index() == 0:
         path = result_path(workdir, split, step, min_context)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".tmp", "w") as f:
+            plot_by_position([result], path[:-len(".json")] + ".png")  # the JSON last: whole
+            with open(path + ".tmp", "w") as f:                         # results or none
                 json.dump(result, f, indent=1)
             os.replace(path + ".tmp", path)
         except OSError as e:
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
+            for temporary in (path + ".tmp", path[:-len(".json")] + ".png.tmp"):
+                if os.path.exists(temporary):
+                    os.remove(temporary)
             raise checkpoints.write_error(path, e) from e
         result["path"] = path
     return result
+
+
+def plot_by_position(results: list[dict], path: str, labels=None, title: str = "") -> None:
+    """Bits against position in the window (log x), one line per evaluation result (their
+    "position_curve"), written as a PNG to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, result in enumerate(results):
+        points = [b for b in result["position_curve"] if b["count"]]
+        x = [math.sqrt((b["first"] + 1) * (b["last"] + 1)) for b in points]  # bytes of context
+        label = labels[i] if labels else f"{os.path.basename(result['workdir'])} step " \
+                                         f"{result['step']}: {result['bits']:.3f}"
+        ax.plot(x, [b["bits"] for b in points], marker="o", markersize=2.5, label=label)
+    unit = results[0]["unit"]
+    ax.set_xscale("log")
+    ax.set_xlabel(f"position in the window + 1 ({unit}s of context)")
+    ax.set_ylabel(f"{results[0]['split']} bits/{unit}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp", format="png", dpi=90)
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+
+
+def format_positions(result: dict) -> str:
+    """Markdown table of bits by position bucket (`result["by_position"]`)."""
+    unit = result["unit"]
+    rows = ["| positions | scored | bits/" + unit + " |", "|---|---|---|"]
+    rows += [f"| {b['first']}–{b['last']} | {b['count']:,} | "
+             + ("—" if b["bits"] is None else f"{b['bits']:.4f}") + " |"
+             for b in result["by_position"]]
+    return "\n".join(rows)
 
 
 def format_table(result: dict) -> str:

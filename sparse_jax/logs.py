@@ -2,7 +2,8 @@
 and, if asked for, a profiler trace of chosen steps.
 
   WORKDIR/metrics.jsonl  one JSON object per logged step: step, split (train | valid), time
-                         (Unix seconds when written), bits, ...
+                         (Unix seconds when written), bits, ...; valid rows add by_position
+                         (bits of positions "0-63", "64-127", ... of the window)
   WORKDIR/tensorboard/   TensorBoard events (train/valid bits, lr, gradient norm, tokens/s)
   WORKDIR/profile/       the trace of config.profile_steps (`Profiler`), one folder per trace
                          under plugins/profile/: HOST.xplane.pb (TensorBoard's profile plugin,
@@ -63,14 +64,16 @@ class Logger:
                 print(text, flush=True)
 
     def write(self, step: int, split: str, metrics: dict) -> None:
-        """One row of metrics.jsonl and one TensorBoard scalar per metric ("split/name")."""
+        """One row of metrics.jsonl and one TensorBoard scalar per metric ("split/name"); a
+        metric that is a dict gives one scalar per key ("split/name/key")."""
         if not self.active:
             return
         with open(self.path, "a") as f:
             row = {"step": step, "split": split, "time": round(time.time(), 3), **metrics}
             f.write(json.dumps(row) + "\n")
         for name, value in metrics.items():
-            self.tb.add_scalar(f"{split}/{name}", value, step)
+            for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
+                self.tb.add_scalar(f"{split}/{name}" + (f"/{tag}" if tag else ""), scalar, step)
         self.tb.flush()
 
     def progress(self, step: int, tokens_per_step: int) -> None:

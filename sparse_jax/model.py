@@ -394,13 +394,23 @@ class SparseTransformer(nnx.Module):
         return self.head(self.final_norm(h_BND)).astype(jnp.float32)
 
 
+def _nll(logits, targets) -> jax.Array:
+    """Negative log-likelihood in nats of each target, float32 [...]."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def token_bits(logits, targets) -> jax.Array:
+    """The bits of each target, float32 [...] (logits: [..., vocab]; targets: int [...])."""
+    return _nll(logits, targets) / math.log(2)
+
+
 def loss_bits(logits, targets, mask=None) -> jax.Array:
     """Mean negative log-likelihood in bits (bits per byte / per dim) over ``mask``, float32.
 
     logits: [..., vocab]; targets: int [...]; mask: [...] (bool or weights), None = all.
     """
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = _nll(logits, targets)
     if mask is None:
         return nll.mean() / math.log(2)
     mask = jnp.asarray(mask, jnp.float32)

@@ -123,7 +123,7 @@ class Jitted(NamedTuple):
 
     init: Any  # () -> state, created sharded (never whole on one device)
     train_step: Any  # (state, batch, rng) -> (state, metrics); the state is donated
-    eval_step: Any  # (params, batch) -> (sum of bits, count)
+    eval_step: Any  # (params, batch) -> (bits, count) per position, summed over the batch
     abstract_state: Any  # ShapeDtypeStructs (with shardings) of the state
     state_sharding: Any  # NamedSharding per array of the state
     batch_sharding: NamedSharding  # a batch split over all devices
@@ -311,15 +311,17 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                 valid_bits = None
                 if do_eval:
                     start = time.time()
-                    total, count = eval_lib.split_bits(
+                    scores = eval_lib.split_bits(
                         eval_step, state["params"], dataset.eval_batches("valid", per_process),
                         batch_sharding, max_batches=config.eval_batches)
-                    valid_bits = total / max(count, 1)
+                    valid_bits = scores.mean
                     if not math.isfinite(valid_bits):
                         raise FloatingPointError(f"non-finite validation bits at step {step}; "
                                                  f"stopping. {checkpoints.last_good(workdir)}")
                     best = valid_bits if best is None else min(best, valid_bits)
-                    log.write(step, "valid", {"bits": valid_bits})
+                    buckets = scores.buckets(eval_lib.position_edges(cfg.seq_len))
+                    log.write(step, "valid", {"bits": valid_bits, "by_position": {
+                        f"{b['first']}-{b['last']}": b["bits"] for b in buckets if b["count"]}})
                     log.print(f"step {step}/{config.total_steps}  valid {valid_bits:.4f} bits "
                               f"per {dataset.unit} (best {best:.4f})  [{time.time() - start:.1f}s]")
                     result.update(valid_bits=valid_bits, best_valid_bits=best)

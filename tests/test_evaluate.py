@@ -28,8 +28,9 @@ def text_run(tmp_path_factory):
     return workdir
 
 
-def hand_bits(workdir, split, step, min_context):
-    """Bits per byte from the model's logits with a float64 NumPy log-softmax, window by window."""
+def hand_nll(workdir, split, step, min_context):
+    """(bits [windows, n], scored mask [windows, n], split size) from the model's logits with a
+    float64 NumPy log-softmax, window by window."""
     model, config, _ = checkpoints.restore_model(workdir, step)
     n = model.cfg.seq_len
     data = D.make_dataset(config.data, n).splits[split]
@@ -41,7 +42,13 @@ def hand_bits(workdir, split, step, min_context):
     nll = -np.take_along_axis(log_probs, rows["targets"][..., None], -1)[..., 0]
     j = np.arange(n)[None]
     mask = (j >= windows.score_from[:, None]) & (j < windows.score_to[:, None])
-    return nll[mask].sum() / np.log(2) / mask.sum(), int(mask.sum()), len(data)
+    return nll / np.log(2), mask, len(data)
+
+
+def hand_bits(workdir, split, step, min_context):
+    """Bits per byte by hand (`hand_nll`), the number of scored bytes and the split size."""
+    bits, mask, size = hand_nll(workdir, split, step, min_context)
+    return bits[mask].sum() / mask.sum(), int(mask.sum()), size
 
 
 @pytest.mark.parametrize("min_context, batch_size", [(None, None), (None, 3), (48, 5), (1, 16)])
@@ -61,6 +68,58 @@ def test_bits_per_byte_equal_hand_computed_nll_and_score_every_byte_once(
         saved = json.load(f)
     assert {k: saved[k] for k in ("split", "step", "bits", "unit", "num_scored", "min_context")} \
         == {k: result[k] for k in ("split", "step", "bits", "unit", "num_scored", "min_context")}
+
+
+def test_position_edges():
+    assert E.position_edges(4096) == [0, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert E.position_edges(3072) == [0, 64, 128, 256, 512, 1024, 2048, 3072]
+    assert E.position_edges(512) == [0, 64, 128, 256, 512]
+    assert E.position_edges(128) == [0, 64, 128] and E.position_edges(64) == [0, 32, 64]
+    assert E.position_edges(1) == [0, 1]
+    for n in (1, 7, 64, 1000, 4096):
+        fine = E.position_edges(n, 4)
+        assert fine[0] == 0 and fine[-1] == n and all(np.diff(fine) > 0)
+    assert E.position_edges(4096, 4)[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+
+
+@pytest.mark.parametrize("min_context", [None, 40])
+def test_bits_by_position_average_to_the_bits_and_equal_hand_computed(text_run, min_context):
+    """Every bucket equals the hand-computed bits of its positions, and the buckets, weighted by
+    their counts, give the overall bits exactly (float64 sums on the host)."""
+    result = E.evaluate(text_run, "valid", 4, min_context, 3, progress=False, overwrite=True)
+    bits, mask, _ = hand_nll(text_run, "valid", 4, min_context)
+    for key, edges in [("by_position", [0, 32, 64]), ("position_curve", E.position_edges(64, 4))]:
+        buckets = result[key]
+        assert [(b["first"], b["last"] + 1) for b in buckets] == list(zip(edges, edges[1:]))
+        assert sum(b["count"] for b in buckets) == result["num_scored"]
+        total = sum(b["bits"] * b["count"] for b in buckets if b["count"])
+        assert total / result["num_scored"] == pytest.approx(result["bits"], rel=1e-12)
+        for b in buckets:
+            part = mask[:, b["first"]:b["last"] + 1]
+            assert b["count"] == part.sum()
+            assert b["bits"] == pytest.approx(
+                bits[:, b["first"]:b["last"] + 1][part].mean(), rel=1e-5)
+    png = result["path"][:-len(".json")] + ".png"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_late_positions_score_lower_where_the_bytes_repeat_far_back(tmp_path):
+    """In the generated stream, 3 rows in 4 repeat the row 128 bytes back
+    (`sources.embedded_bytes`). A model trained briefly on it, with the strided part reaching
+    exactly that far (stride 127), predicts the repeats only where the window holds their
+    source: positions 127 and on score far below positions 0-63."""
+    config = get_config("quickstart", "data=embedded", data__embedded_bytes=2**17,
+                        model__seq_len=254, model__num_layers=1, model__d_model=32,
+                        batch_size=8, total_steps=150, eval_every=150, checkpoint_every=150,
+                        log_every=50, eval_batches=2, optimizer__warmup_steps=10,
+                        optimizer__lr=1e-2)
+    workdir = str(tmp_path / "run")
+    train.train(config, workdir)
+    result = E.evaluate(workdir, "valid", progress=False, write=False)
+    early, _, late = result["by_position"]
+    assert (early["first"], early["last"], late["first"], late["last"]) == (0, 63, 128, 253)
+    assert late["bits"] < early["bits"] - 0.5, result["by_position"]
 
 
 def test_checkpoint_choice(text_run):
@@ -130,6 +189,7 @@ def test_script_prints_a_table_and_writes_json(text_run):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| valid | 2 |" in proc.stdout and "bits/byte" in proc.stdout
+    assert "| 0–31 |" in proc.stdout and "| 32–63 |" in proc.stdout  # by position
     path = os.path.join(text_run, "eval", "valid_2_minctx32.json")
     assert f"Wrote {path}" in proc.stdout and os.path.exists(path)
     bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--checkpoint=9"],
