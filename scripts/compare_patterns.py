@@ -9,7 +9,9 @@ same data, seed and steps, then evaluated on the whole valid split. Writes resul
 results.json and valid_bits.png (validation bits against steps and wall time) to --output_dir
 (default: --workdir). --config.FIELD=VALUE overrides apply to every pattern; the pattern itself
 comes from --patterns (the config file's `pattern=` variant). Running the same command again
-reuses finished patterns and resumes interrupted ones.
+reuses finished patterns and resumes interrupted ones. --minutes=M instead trains every pattern
+for the same wall time (each its own number of steps, from a timing of it first: Table 2's
+question at equal cost).
 """
 
 import sys
@@ -26,6 +28,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, one subfol
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided", "fixed"], "Patterns to compare.")
 _STEPS = flags.DEFINE_integer("steps", None, "Training steps of every pattern (default: the "
                               "config's total_steps).")
+_MINUTES = flags.DEFINE_float("minutes", None, "Train every pattern for this many minutes of "
+                              "wall time instead of a number of steps (each pattern's steps come "
+                              "from timing it first).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md, results.json and "
                                   "valid_bits.png go (default: --workdir).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -40,7 +45,8 @@ def main(argv):
     try:
         result = study.compare_patterns(
             config_flags.get_config_filename(config_flag), _WORKDIR.value, _PATTERNS.value,
-            steps=_STEPS.value, overrides=config_flags.get_override_values(config_flag),
+            steps=_STEPS.value, minutes=_MINUTES.value,
+            overrides=config_flags.get_override_values(config_flag),
             output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
     except RuntimeError as e:  # a pattern's run failed (its log says why)
         cli.fail(str(e))

@@ -3,7 +3,8 @@ on the same data, seed and number of steps, then evaluated; a table, JSON and a 
 validation bits against wall time.
 
   python scripts/compare_patterns.py --config=configs/quickstart.py --workdir=DIR \
-      [--patterns=dense,strided,fixed] [--steps=N] [--output_dir=OUT] [--config.FIELD=VALUE]
+      [--patterns=dense,strided,fixed] [--steps=N | --minutes=M] [--output_dir=OUT] \
+      [--config.FIELD=VALUE]
 
 `pattern_configs` loads the config file once per pattern as the variant `pattern=<name>` (so
 each pattern gets the settings its config gives it, e.g. cifar10's layer schedule for strided),
@@ -25,6 +26,15 @@ sampling work on it as on any run:
 Running the same command again reuses finished patterns (nothing is retrained or overwritten),
 resumes interrupted ones from their last checkpoint, and refuses a folder that holds a run of
 another config.
+
+Equal wall-clock (`minutes=M`, the paper's question at a fixed budget rather than a fixed
+number of steps): before a pattern trains, a fresh process times its start-up (imports, data,
+compilation, the first step), a median training step and a validation pass
+(`calibrate`); `budget_steps` turns that into the number of steps that ends training after M
+minutes from launch, validation passes included, and `budget_config` rescales the run's
+schedule to it (the config's number of validation passes and checkpoints, and its warmup as
+the same share of the run). The calibration is kept in `DIR/<pattern>/study.json`, and a
+rerun takes the steps recorded in the pattern's config.json, so resuming never recalibrates.
 
 What is measured, per pattern:
 - parameters and mean keys per query (over layers): `sizing.describe`;
@@ -182,6 +192,82 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Equal wall-clock budgets.
+
+CALIBRATION_STEPS = 5  # timed training steps after the first (which compiles)
+BUDGET_FIELDS = ("total_steps", "eval_every", "checkpoint_every", "log_every",
+                 "optimizer.warmup_steps")  # what `budget_config` sets
+
+
+def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> dict:
+    """Times the run of `run_dir/config.json` without writing anything: start-up from
+    `launched` to the end of the first training step (imports, data, compilation), the median
+    of `steps` more steps, the first validation pass (with its compilation) and a second one.
+    Meant to run in a fresh process (`python -m sparse_jax.study calibrate RUN_DIR TIME`)."""
+    import jax
+
+    from sparse_jax import data as data_lib
+    from sparse_jax import evaluate as eval_lib
+
+    config = config_lib.read_record(run_dir)
+    cfg = model_config(config.model)
+    mesh = train_lib.make_mesh(config)
+    dataset = data_lib.make_dataset(config.data, cfg.seq_len, vocab_size=cfg.vocab_size)
+    batches = dataset.train_batches(config.batch_size)
+    jitted = train_lib.make_jitted(config, cfg, mesh)
+    state, rng = jitted.init(), jax.random.key(config.seed)
+
+    def timed(fn):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - start
+
+    def train_step():
+        nonlocal state
+        state, metrics = jitted.train_step(
+            state, sharding.to_global(next(batches), jitted.batch_sharding), rng)
+        return metrics
+
+    def validate():
+        return eval_lib.split_bits(jitted.eval_step, state["params"],
+                                   dataset.eval_batches("valid", config.batch_size),
+                                   jitted.batch_sharding, max_batches=config.eval_batches).bits
+
+    timed(train_step)
+    startup_s = time.time() - launched
+    step_s = [timed(train_step) for _ in range(steps)]
+    return {"startup_s": startup_s, "s_per_step": statistics.median(step_s),
+            "first_eval_s": timed(validate), "eval_s": timed(validate), "timed_steps": steps}
+
+
+def budget_steps(calibration: dict, seconds: float, evals: int) -> int:
+    """Training steps that end a run `seconds` after launch: start-up, `evals` validation passes
+    (the first one compiles) and the steps in between; ValueError if none fit."""
+    overhead = (calibration["startup_s"] + calibration["first_eval_s"]
+                + (evals - 1) * calibration["eval_s"])
+    steps = int((seconds - overhead) // calibration["s_per_step"])
+    if steps < 1:
+        raise ValueError(f"a budget of {seconds:.0f} s leaves no training step: start-up and "
+                         f"{evals} validation passes take {overhead:.0f} s and a step "
+                         f"{calibration['s_per_step']:.2f} s; give more minutes")
+    return steps
+
+
+def budget_config(config, steps: int) -> ml_collections.ConfigDict:
+    """`config` trained for `steps` steps with the same shape of run: as many validation passes
+    and checkpoints as it has (one at the end included), warmup as the same share of the run,
+    and about 20 log windows."""
+    evals = -(-config.total_steps // config.eval_every)
+    every = -(-steps // evals)
+    share = config.optimizer.warmup_steps / config.total_steps
+    config = config.copy_and_resolve_references()
+    config.total_steps, config.eval_every, config.checkpoint_every = steps, every, every
+    config.log_every = max(1, steps // 20)
+    config.optimizer.warmup_steps = max(1, round(share * steps))
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
 # Measurements.
 
 
@@ -244,7 +330,8 @@ def markdown(rows: list[dict]) -> str:
     unit = rows[0]["unit"] if rows else "byte"
     return benchmarking.markdown_table(table, [
         ("spec", "pattern"), ("params", "parameters"), ("mean_keys_per_query", "keys/query"),
-        ("s_per_step", "s/step"), ("vs_dense", "time vs dense"), ("tokens_per_s", "tokens/s"),
+        ("steps", "steps"), ("s_per_step", "s/step"), ("vs_dense", "time vs dense"),
+        ("tokens_per_s", "tokens/s"),
         ("peak_rss_gb", "peak RSS GB"), ("valid_bits", f"valid bits/{unit}"),
         ("wall_s", "wall s")])
 
@@ -275,6 +362,10 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def _length(info: dict) -> str:
+    return f"{info['minutes']:g} min each" if info.get("minutes") else f"{info['steps']} steps"
+
+
 def write_outputs(rows: list[dict], output_dir: str, info: dict) -> dict[str, str]:
     """results.md, results.json and valid_bits.png in `output_dir`; returns their paths."""
     os.makedirs(output_dir, exist_ok=True)
@@ -286,10 +377,10 @@ def write_outputs(rows: list[dict], output_dir: str, info: dict) -> dict[str, st
     with open(paths["markdown"], "w") as f:
         if info.get("command"):
             f.write(f"```bash\n{info['command']}\n```\n\n")
-        f.write(f"{info['config']}, {info['steps']} steps of {info['batch_size']} sequences, "
+        f.write(f"{info['config']}, {_length(info)} of {info['batch_size']} sequences, "
                 f"seed {info['seed']}; {m['cpu']}, {m['cores']} cores, jax {m['jax']} "
                 f"({m['backend']}).\n\n{markdown(rows)}\n\n{NOTE}\n")
-    plot(rows, paths["plot"], f"{info['config']}, {info['steps']} steps")
+    plot(rows, paths["plot"], f"{info['config']}, {_length(info)}")
     return paths
 
 
@@ -297,14 +388,53 @@ def write_outputs(rows: list[dict], output_dir: str, info: dict) -> dict[str, st
 # The study.
 
 
+def _recorded(run_dir: str, config) -> ml_collections.ConfigDict:
+    """The config recorded in `run_dir` if it differs from `config` only in `BUDGET_FIELDS` (a
+    budgeted run of it), else `config` (which `run_status` then refuses)."""
+    saved = config_lib.read_record(run_dir)
+    same = not [k for k in config_lib.differences(saved, config) if k not in BUDGET_FIELDS]
+    return saved if same else config
+
+
+def _calibrated(run_dir: str, config, minutes: float, log) -> ml_collections.ConfigDict:
+    """`config` with the steps that end training `minutes` after launch (`calibrate`, in a fresh
+    process; the timings are kept in `run_dir/study.json`)."""
+    os.makedirs(run_dir, exist_ok=True)
+    config_lib.write_record(run_dir, config)  # what the calibration process reads
+    log(f"{config.model.pattern}: timing start-up, a step and validation")
+    out = benchmarking.run_isolated(["-m", "sparse_jax.study", "calibrate", run_dir,
+                                     repr(time.time())], timeout_s=None)
+    if "error" in out:
+        raise RuntimeError(f"timing pattern {config.model.pattern} failed: {out['error']}")
+    steps = budget_steps(out, minutes * 60, -(-config.total_steps // config.eval_every))
+    log(f"{config.model.pattern}: {out['s_per_step']:.3f} s/step, start-up "
+        f"{out['startup_s']:.0f} s, validation {out['eval_s']:.1f} s: {steps} steps in "
+        f"{minutes:g} min")
+    study_path = os.path.join(run_dir, STUDY_FILE)
+    _write_json(study_path, {**_read_json(study_path, {"sessions": []}), "calibration": out})
+    return budget_config(config, steps)
+
+
 def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, *,
-                     steps: int | None = None, overrides: dict | None = None,
-                     output_dir: str | None = None, command: str | None = None,
-                     log=print) -> dict:
-    """Trains and evaluates every pattern (see the module docstring); returns the JSON written
-    to `output_dir/results.json` (default `workdir`) plus the output paths under "outputs"."""
+                     steps: int | None = None, minutes: float | None = None,
+                     overrides: dict | None = None, output_dir: str | None = None,
+                     command: str | None = None, log=print) -> dict:
+    """Trains and evaluates every pattern (see the module docstring) for `steps` steps each
+    (default: the config's), or for `minutes` of wall time each; returns the JSON written to
+    `output_dir/results.json` (default `workdir`) plus the output paths under "outputs"."""
+    if minutes is not None and (steps is not None or not minutes > 0):
+        raise ValueError("give either steps or minutes, and minutes > 0" if steps is None else
+                         "give either --steps or --minutes, not both")
     by_pattern = pattern_configs(config_spec, patterns, steps=steps, overrides=overrides)
     runs = {p: os.path.join(workdir, p) for p in by_pattern}
+    if minutes:  # runs already in the folder keep their steps; the others are timed first
+        started = [p for p in by_pattern if checkpoints.steps(runs[p])]
+        for p in started:
+            by_pattern[p] = _recorded(runs[p], by_pattern[p])
+            run_status(runs[p], by_pattern[p])  # refuses another config before any timing
+        for p in by_pattern:
+            if p not in started:
+                by_pattern[p] = _calibrated(runs[p], by_pattern[p], minutes, log)
     status = {p: run_status(runs[p], c) for p, c in by_pattern.items()}  # refuses before training
     for pattern, config in by_pattern.items():
         run_dir = runs[pattern]
@@ -328,7 +458,8 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
         log(f"{r['pattern']}: valid {r['valid_bits']:.4f} bits/{r['unit']}, "
             f"{r['s_per_step'] or float('nan'):.3f} s/step, {r['peak_rss_gb']:.2f} GB peak RSS")
     first = next(iter(by_pattern.values()))
-    info = {"config": config_spec, "overrides": overrides or {}, "steps": first.total_steps,
+    info = {"config": config_spec, "overrides": overrides or {},
+            "steps": None if minutes else first.total_steps, "minutes": minutes,
             "batch_size": first.batch_size, "seed": first.seed, "command": command,
             "machine": benchmarking.machine()}
     paths = write_outputs(rows, output_dir or workdir, info)
@@ -338,8 +469,12 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
 def _worker(argv):
     from absl import logging
 
+    if len(argv) == 4 and argv[1] == "calibrate":
+        sharding.set_cpu_devices()
+        print(json.dumps(calibrate(argv[2], float(argv[3]))), flush=True)
+        return
     if len(argv) not in (2, 3):
-        raise SystemExit("usage: python -m sparse_jax.study RUN_DIR [LAUNCH_TIME]")
+        raise SystemExit("usage: python -m sparse_jax.study [calibrate] RUN_DIR [LAUNCH_TIME]")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     sharding.set_cpu_devices()  # as scripts/train.py: one CPU device per core
     result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,3 +168,61 @@ def test_bad_input_is_refused_before_anything_trains(study_run, tmp_path, monkey
         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 1 and "unknown pattern(s) ['bogus']" in out.stderr
     assert "Traceback" not in out.stderr and not os.path.exists(workdir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Equal wall-clock budgets (--minutes).
+
+
+def test_budget_steps_fill_the_minutes_and_keep_the_shape_of_the_run():
+    calibration = {"startup_s": 20.0, "first_eval_s": 6.0, "eval_s": 2.0, "s_per_step": 0.5}
+    assert study.budget_steps(calibration, 120, evals=4) == (120 - 20 - 6 - 3 * 2) / 0.5 == 176
+    with pytest.raises(ValueError, match="no training step.*more minutes"):
+        study.budget_steps(calibration, 30, evals=4)
+    base = study.pattern_configs(QUICKSTART, ["strided"], steps=400, overrides={
+        **SMALL, "eval_every": 100, "optimizer.warmup_steps": 40})["strided"]
+    config = study.budget_config(base, 176)
+    assert (config.total_steps, config.eval_every, config.checkpoint_every, config.log_every,
+            config.optimizer.warmup_steps) == (176, 44, 44, 8, 18)  # 4 passes, warmup 10%
+    assert base.total_steps == 400 and base.eval_every == 100  # a copy
+    assert set(config_lib.differences(base, config)) == set(study.BUDGET_FIELDS)
+
+
+def test_calibrate_times_a_real_run_and_writes_nothing(tmp_path):
+    config = study.pattern_configs(QUICKSTART, ["strided"], steps=4, overrides=SMALL)["strided"]
+    run = tmp_path / "strided"
+    run.mkdir()
+    config_lib.write_record(str(run), config)
+    launched = time.time()
+    out = study.calibrate(str(run), launched, steps=2)
+    assert out["timed_steps"] == 2
+    assert 0 < out["s_per_step"] < out["startup_s"] < time.time() - launched  # startup compiles
+    assert 0 < out["eval_s"] and 0 < out["first_eval_s"]
+    assert os.listdir(run) == ["config.json"]
+
+
+@pytest.mark.slow  # starts another process
+def test_each_pattern_gets_the_steps_its_timing_allows(tmp_path):
+    base = study.pattern_configs(QUICKSTART, ["strided"], overrides={
+        **SMALL, "total_steps": 8, "eval_every": 4})["strided"]
+    run = str(tmp_path / "strided")
+    config = study._calibrated(run, base, 10, log=lambda line: None)  # timed in a fresh process
+    with open(os.path.join(run, "study.json")) as f:
+        calibration = json.load(f)["calibration"]
+    assert calibration["startup_s"] > calibration["s_per_step"] > 0
+    steps = study.budget_steps(calibration, 600, evals=2)
+    assert config.total_steps == steps and config.eval_every == -(-steps // 2)
+    assert config_lib.read_record(run).total_steps == 8  # the record is written when it trains
+
+
+def test_a_budgeted_run_keeps_its_steps_and_another_config_is_refused(tmp_path):
+    base = study.pattern_configs(QUICKSTART, ["strided"], steps=40, overrides=SMALL)["strided"]
+    run = str(tmp_path / "strided")
+    os.makedirs(run)
+    config_lib.write_record(run, study.budget_config(base, 123))
+    assert study._recorded(run, base).total_steps == 123  # a rerun takes the recorded steps
+    other = base.copy_and_resolve_references()
+    other.model.d_model = 64
+    assert study._recorded(run, other) is other  # which run_status then refuses
+    with pytest.raises(ValueError, match="either"):
+        study.compare_patterns(QUICKSTART, run, ["strided"], minutes=1, steps=4)
