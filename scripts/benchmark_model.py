@@ -1,7 +1,14 @@
-"""Benchmarks a training step (loss and gradients) of a small Sparse Transformer.
+"""Benchmarks a training step (loss and gradients, or with --update the whole step) of a small
+Sparse Transformer.
 
   python scripts/benchmark_model.py --output=model_benchmark.json
   python scripts/benchmark_model.py --compile_cifar --output=compile.json
+  python scripts/benchmark_model.py --update --seq_len=4096,16384,65536 --stride=sqrt \
+      --num_layers=6 --d_model=128 --cases=strided:full:scan,fixed:full:scan,dense:full:scan
+
+The last is how far the context goes: each case at each length in a fresh process, the
+pattern's stride the power of two nearest sqrt(n), a case that fails at one length skipped at
+longer ones.
 
 Default: a 4-layer d=256 model at n=8192, strided attention (stride 128, merged) against dense
 attention, each with remat off and on, with layers unrolled and scanned (on XLA:CPU remat
@@ -24,11 +31,15 @@ from absl import flags
 from sparse_jax import benchmarks, cli
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 8192, "Sequence length.")
+_SEQ_LEN = flags.DEFINE_list("seq_len", ["8192"], "Sequence lengths (a list runs each case at "
+                             "each length, shortest first).")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width.")
 _HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
-_STRIDE = flags.DEFINE_integer("stride", 128, "Stride of the strided pattern.")
+_STRIDE = flags.DEFINE_string("stride", "128", "Stride of the sparse patterns (fixed: c = "
+                               "stride / 4), or sqrt: the power of two nearest sqrt(n).")
+_UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss, gradients "
+                            "and the AdamW update (default: loss and gradients).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
 _CASES = flags.DEFINE_list(
@@ -46,10 +57,16 @@ def main(argv):
     if _COMPILE_CIFAR.value:
         results = benchmarks.benchmark_compile()
     else:
+        seq_lens = []
+        for value in _SEQ_LEN.value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--seq_len: {value!r} is not a positive integer")
+            seq_lens.append(int(value))
         results = benchmarks.benchmark_model(
-            _CASES.value, seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
+            _CASES.value, seq_lens=seq_lens, num_layers=_LAYERS.value,
             d_model=_D_MODEL.value, num_heads=_HEADS.value, stride=_STRIDE.value,
-            batch_size=_BATCH.value, steps=_STEPS.value, dtype=_DTYPE.value)
+            batch_size=_BATCH.value, steps=_STEPS.value, dtype=_DTYPE.value,
+            update=_UPDATE.value)
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:
             json.dump(results, f, indent=1)

@@ -3,7 +3,9 @@ r"""Benchmarks the cached sampler against re-running the model, and evaluation t
   python scripts/benchmark_sampling.py --output=sampling_benchmark.json
 
 Sampling: a randomly initialized strided model (default 4 layers, d=256, 4 heads, context 4096,
-stride 64) samples --length bytes after a one-byte prompt, (a) with the pattern-aware cache
+stride 64), or with --workdir=DIR the latest checkpoint of a training run (say the long-context
+preset: `--workdir=workdirs/kjv_long --length=4096 --noeval`), samples --length bytes after a
+one-byte prompt, (a) with the pattern-aware cache
 (`sparse_jax.decode.generate`, one compiled scan) and (b) naively, one jitted full forward pass
 over the whole [batch, n] buffer per new byte. The naive way is timed over --naive_steps steps
 after a warm-up step and extrapolated linearly to --length steps (its cost per step does not
@@ -31,6 +33,8 @@ _STRIDE = flags.DEFINE_integer("stride", 64, "Stride of the strided pattern.")
 _LENGTH = flags.DEFINE_integer("length", 4096, "Bytes to sample (<= seq_len).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Samples drawn in parallel.")
 _NAIVE_STEPS = flags.DEFINE_integer("naive_steps", 128, "Timed steps of the naive sampler.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Sample from this training run's latest "
+                                "checkpoint instead (its model replaces the model flags).")
 _EVAL = flags.DEFINE_bool("eval", True, "Also benchmark evaluation throughput.")
 _EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in MiB.")
 
@@ -41,7 +45,8 @@ def main(argv):
     sampling_benchmark.benchmark_sampling(
         seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value, d_model=_D_MODEL.value,
         num_heads=_HEADS.value, stride=_STRIDE.value, length=_LENGTH.value,
-        batch_size=_BATCH.value, naive_steps=_NAIVE_STEPS.value, evaluation=_EVAL.value,
+        batch_size=_BATCH.value, naive_steps=_NAIVE_STEPS.value, workdir=_WORKDIR.value,
+        evaluation=_EVAL.value,
         eval_mib=_EVAL_MIB.value, output=_OUTPUT.value)
 
 

@@ -26,8 +26,10 @@ def _seconds(timing: dict) -> tuple[float, float]:
 
 def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 256,
                    num_heads: int = 4, stride: int = 64, length: int = 4096, batch_size: int = 1,
-                   naive_steps: int = 128) -> dict:
-    """A randomly initialized strided model samples `length` bytes after a one-byte prompt:
+                   naive_steps: int = 128, workdir: str | None = None) -> dict:
+    """A randomly initialized strided model (or with `workdir`, the latest checkpoint of that
+    run, whose config then replaces the model arguments) samples `length` bytes after a one-byte
+    prompt:
     (a) with `decode.generate` (pattern-aware cache, one scan), first call and median of 2
     more; (b) naively, one jitted full forward pass over the [batch, seq_len] buffer per new
     byte, timed over `naive_steps` steps after a warm-up step and extrapolated linearly to
@@ -42,10 +44,18 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     from sparse_jax import decode
     from sparse_jax.model import ModelConfig, SparseTransformer
 
-    n, batch = seq_len, batch_size
-    cfg = ModelConfig(seq_len=n, num_layers=num_layers, d_model=d_model, num_heads=num_heads,
-                      pattern="strided", stride=stride)
-    model = SparseTransformer(cfg, rngs=nnx.Rngs(0))
+    if workdir is not None:
+        from sparse_jax import checkpoints
+
+        model, _, step = checkpoints.restore_model(workdir)
+        cfg, trained = model.cfg, {"workdir": workdir, "step": int(step)}
+    else:
+        cfg = ModelConfig(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
+                          num_heads=num_heads, pattern="strided", stride=stride)
+        model, trained = SparseTransformer(cfg, rngs=nnx.Rngs(0)), {}
+    n, batch = cfg.seq_len, batch_size
+    if not 1 <= length <= n:
+        raise ValueError(f"length must be in [1, seq_len={n}], got {length}")
     prompt = np.zeros((batch, 1), np.int32)
     first, cached_s = _seconds(benchmarking.time_call(
         lambda: decode.generate(model, prompt, length, seed=0), repeats=2))
@@ -79,7 +89,8 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     naive_total = naive_step_s * length
     return {
         "model": dict(num_layers=cfg.num_layers, d_model=cfg.d_model, num_heads=cfg.num_heads,
-                      seq_len=n, stride=cfg.stride, pattern="strided merged", dtype=cfg.dtype),
+                      seq_len=n, stride=cfg.stride, pattern=f"{cfg.base_spec} {cfg.mode}",
+                      dtype=cfg.dtype, **trained),
         "length": length, "batch_size": batch,
         "cached_first_call_s": first, "cached_s": cached_s,
         "cached_ms_per_byte": cached_s / length * 1e3,
