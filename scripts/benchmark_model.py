@@ -7,8 +7,8 @@ Sparse Transformer.
       --num_layers=6 --d_model=128 --cases=strided:full:scan,fixed:full:scan,dense:full:scan
 
 The last is how far the context goes: each case at each length in a fresh process, the
-pattern's stride the power of two nearest sqrt(n), a case that fails at one length skipped at
-longer ones.
+pattern's stride the largest power of two <= sqrt(n), a case that fails at one length skipped
+at longer ones.
 
 Default: a 4-layer d=256 model at n=8192, strided attention (stride 128, merged) against dense
 attention, each with remat off and on, with layers unrolled and scanned (on XLA:CPU remat
@@ -37,7 +37,7 @@ _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width.")
 _HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
 _STRIDE = flags.DEFINE_string("stride", "128", "Stride of the sparse patterns (fixed: c = "
-                               "stride / 4), or sqrt: the power of two nearest sqrt(n).")
+                               "stride / 4), or sqrt: the largest power of two <= sqrt(n).")
 _UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss, gradients "
                             "and the AdamW update (default: loss and gradients).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.")

@@ -383,8 +383,9 @@ def _model_case(case: dict) -> dict:
 
 
 def _stride(stride, seq_len: int) -> int:
-    """An int, or "sqrt": the power of two nearest sqrt(seq_len) (64 at 4096, 256 at 65,536)."""
-    return 2 ** round(math.log2(seq_len) / 2) if stride == "sqrt" else int(stride)
+    """An int, or "sqrt": the largest power of two <= sqrt(seq_len) (64 at 4096, 256 at 65,536
+    and at 131,072)."""
+    return 2 ** (int(math.log2(seq_len)) // 2) if stride == "sqrt" else int(stride)
 
 
 def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 256,

@@ -287,7 +287,6 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                 step, pending = step + 1, (step + 1, metrics)
                 profiler.step(step, state)
                 clock["steps"] += 1
-                speed = clock["steps"] / max(time.time() - clock["time"], 1e-9)
                 log.progress(step, tokens_per_step)
                 last = step == config.total_steps
                 do_eval = step % config.eval_every == 0 or last
@@ -296,7 +295,8 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                 if not (do_log or do_save):
                     continue
                 lr = fetch(pending)  # never checkpoint a step whose loss was not checked
-                pending = None
+                pending = None  # every step of the window has run: its time is the steps' own
+                speed = clock["steps"] / max(time.time() - clock["time"], 1e-9)
                 if do_log:
                     n = window["count"]
                     row = {"bits": window["bits"] / n, "grad_norm": window["grad_norm"] / n,

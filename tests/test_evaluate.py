@@ -111,15 +111,15 @@ def test_late_positions_score_lower_where_the_bytes_repeat_far_back(tmp_path):
     source: positions 127 and on score far below positions 0-63."""
     config = get_config("quickstart", "data=embedded", data__embedded_bytes=2**17,
                         model__seq_len=254, model__num_layers=1, model__d_model=32,
-                        batch_size=8, total_steps=150, eval_every=150, checkpoint_every=150,
-                        log_every=50, eval_batches=2, optimizer__warmup_steps=10,
+                        batch_size=8, total_steps=300, eval_every=300, checkpoint_every=300,
+                        log_every=100, eval_batches=2, optimizer__warmup_steps=10,
                         optimizer__lr=1e-2)
     workdir = str(tmp_path / "run")
     train.train(config, workdir)
     result = E.evaluate(workdir, "valid", progress=False, write=False)
     early, _, late = result["by_position"]
     assert (early["first"], early["last"], late["first"], late["last"]) == (0, 63, 128, 253)
-    assert late["bits"] < early["bits"] - 0.5, result["by_position"]
+    assert late["bits"] < early["bits"] - 1.0, result["by_position"]  # measured: 1.1 and 3.2
 
 
 def test_checkpoint_choice(text_run):
