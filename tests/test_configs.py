@@ -22,7 +22,7 @@ HELPERS = {"common.py", "__init__.py"}  # shared code and the loader, not config
 VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["strided", "fixed", "dense"],
-                 "size": ["cpu", "paper", "small", "tiny"]},
+                 "size": ["cpu", "cpu_long", "paper", "small", "tiny"]},
     "cifar10.py": {"pattern": ["strided", "fixed", "dense"],
                    "size": ["paper", "small", "mini", "tiny"]},
     "quickstart.py": {"pattern": ["strided", "dense", "fixed", "local"],

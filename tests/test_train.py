@@ -269,18 +269,23 @@ def test_damaged_newest_checkpoint_falls_back_and_is_kept(tmp_path, capsys):
     workdir = str(tmp_path / "run")
     train.train(config, workdir)
     assert checkpoint_steps(workdir) == [2, 4]
-    victim = max(glob.glob(os.path.join(workdir, "checkpoints", "4", "params", "**", "*"),
-                           recursive=True), key=lambda p: os.path.isfile(p) and os.path.getsize(p))
-    with open(victim, "r+b") as f:  # a torn write: the file cut short
-        f.truncate(os.path.getsize(victim) // 2)
-    damaged = open(victim, "rb").read()
+    # Torn writes: every file of the newest parameters cut short. (Cutting only the largest
+    # file was not always enough: which file holds the arrays depends on how Orbax's writer
+    # threads ran, and a cut file that no array is read from leaves the checkpoint readable.)
+    victims = [p for p in glob.glob(os.path.join(workdir, "checkpoints", "4", "params", "**", "*"),
+                                    recursive=True) if os.path.isfile(p)]
+    for victim in victims:
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    damaged = {p: open(p, "rb").read() for p in victims}
     capsys.readouterr()
     train.train(config, workdir)
     err = capsys.readouterr().err
     assert "warning: checkpoint 4" in err and "resumed from step 2" in err
-    aside = victim.replace(os.path.join("checkpoints", "4"),
-                           os.path.join("damaged_checkpoints", "4"))
-    assert open(aside, "rb").read() == damaged  # kept, never deleted
+    for victim, content in damaged.items():  # kept, never deleted
+        aside = victim.replace(os.path.join("checkpoints", "4"),
+                               os.path.join("damaged_checkpoints", "4"))
+        assert open(aside, "rb").read() == content
     assert checkpoint_steps(workdir) == [2, 4]
     got = {r["step"]: r["bits"] for r in read_metrics(workdir) if r["split"] == "train"}
     want = {r["step"]: r["bits"] for r in read_metrics(reference) if r["split"] == "train"}
