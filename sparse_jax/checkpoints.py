@@ -35,6 +35,7 @@ from flax import nnx
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
+from sparse_jax.files import atomic_write
 from sparse_jax.model import SparseTransformer, model_config
 
 FOLDER = "checkpoints"
@@ -147,9 +148,8 @@ def check_data(workdir: str, config_data, dataset, record: bool = True) -> None:
                              "data as it is now") from e
     current = data_lib.check_fingerprint(recorded, config_data, dataset)
     if record and jax.process_index() == 0 and current != recorded:
-        with open(path + ".tmp", "w") as f:
+        with atomic_write(path) as f:
             json.dump(current, f, indent=1)
-        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager

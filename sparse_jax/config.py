@@ -27,6 +27,7 @@ import ml_collections
 
 from sparse_jax import data as data_lib
 from sparse_jax import logs
+from sparse_jax.files import append_line, atomic_write
 from sparse_jax.model import ModelConfig, model_config
 
 RECORD = "config.json"  # in the workdir: the config the run trains with
@@ -101,9 +102,8 @@ def describe_differences(changed: dict[str, tuple], old_name: str = "in the chec
 def write_record(workdir: str, config: ml_collections.ConfigDict) -> str:
     """Writes `config` to WORKDIR/config.json (whole or not at all); returns the path."""
     path = os.path.join(workdir, RECORD)
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(path) as f:
         f.write(config.to_json(indent=2))
-    os.replace(path + ".tmp", path)
     return path
 
 
@@ -146,8 +146,8 @@ def record_changes(workdir: str, config, step: int, changed: dict[str, tuple]) -
     """Appends the allowed changes in effect from `step` to config_history.jsonl, then rewrites
     config.json with `config` (the history line first: a crash between the two leaves the
     change recorded, and the next run finds the same differences)."""
-    with open(os.path.join(workdir, HISTORY), "a") as f:
-        f.write(json.dumps({"step": step, "time": round(time.time(), 3),
-                            "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
+    append_line(os.path.join(workdir, HISTORY), {
+        "step": step, "time": round(time.time(), 3),
+        "changes": {k: list(v) for k, v in changed.items()}})
     write_record(workdir, config)
 

@@ -51,6 +51,7 @@ from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
+from sparse_jax.files import atomic_write
 from sparse_jax.logs import Progress
 from sparse_jax.model import model_config, token_bits
 
@@ -242,13 +243,9 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             plot_by_position([result], path[:-len(".json")] + ".png")  # the JSON last: whole
-            with open(path + ".tmp", "w") as f:                         # results or none
+            with atomic_write(path) as f:                               # results or none
                 json.dump(result, f, indent=1)
-            os.replace(path + ".tmp", path)
         except OSError as e:
-            for temporary in (path + ".tmp", path[:-len(".json")] + ".png.tmp"):
-                if os.path.exists(temporary):
-                    os.remove(temporary)
             raise checkpoints.write_error(path, e) from e
         result["path"] = path
     return result
@@ -278,9 +275,9 @@ def plot_by_position(results: list[dict], path: str, labels=None, title: str = "
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path + ".tmp", format="png", dpi=90)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=90)
     plt.close(fig)
-    os.replace(path + ".tmp", path)
 
 
 def format_positions(result: dict) -> str:

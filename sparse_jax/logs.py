@@ -23,6 +23,8 @@ import time
 import jax
 from tqdm import tqdm
 
+from sparse_jax.files import append_line, atomic_write, read_jsonl
+
 
 def duration(seconds: float) -> str:
     """"m:ss", or "h:mm:ss" from an hour on; "?" when unknown (NaN or infinite)."""
@@ -46,12 +48,9 @@ class Logger:
         if not self.active:
             return
         if os.path.exists(self.path):  # drop what a killed run logged after its last checkpoint
-            with open(self.path) as f:
-                rows = [line for line in f if line.strip()
-                        and json.loads(line)["step"] <= start_step]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(rows)
-            os.replace(self.path + ".tmp", self.path)
+            rows = [r for r in read_jsonl(self.path) if r.get("step", math.inf) <= start_step]
+            with atomic_write(self.path) as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
         from tensorboardX import SummaryWriter
 
         # Hides events a killed run wrote after start_step (purge_step must be positive).
@@ -68,9 +67,8 @@ class Logger:
         metric that is a dict gives one scalar per key ("split/name/key")."""
         if not self.active:
             return
-        with open(self.path, "a") as f:
-            row = {"step": step, "split": split, "time": round(time.time(), 3), **metrics}
-            f.write(json.dumps(row) + "\n")
+        append_line(self.path, {"step": step, "split": split, "time": round(time.time(), 3),
+                                **metrics})
         for name, value in metrics.items():
             for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
                 self.tb.add_scalar(f"{split}/{name}" + (f"/{tag}" if tag else ""), scalar, step)

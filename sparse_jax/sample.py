@@ -32,6 +32,7 @@ from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import model as model_lib
 from sparse_jax.decode import check_length, check_sampling, generate
+from sparse_jax.files import atomic_write
 
 DEFAULT_TEXT_LENGTH = 256
 
@@ -90,12 +91,9 @@ def _write(path: str, write) -> None:
     leaves no torn file and whatever was at `path` before; one-line OSError naming `path`."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
+        with atomic_write(path, "wb") as f:
             write(f)
-        os.replace(path + ".tmp", path)
     except OSError as e:
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
         raise checkpoints.write_error(path, e) from e
 
 

@@ -67,6 +67,7 @@ import configs
 from sparse_jax import benchmarking, checkpoints, sharding
 from sparse_jax import config as config_lib
 from sparse_jax import train as train_lib
+from sparse_jax.files import atomic_write, read_jsonl
 from sparse_jax.model import PATTERNS, model_config
 from sparse_jax.sizing import describe
 
@@ -145,9 +146,8 @@ def _read_json(path: str, default=None):
 
 
 def _write_json(path: str, value) -> None:
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(path) as f:
         json.dump(value, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def run_status(run_dir: str, config) -> str:
@@ -281,8 +281,7 @@ def summarize(run_dir: str, config) -> dict:
     info = describe(cfg, config.batch_size)
     study = _read_json(os.path.join(run_dir, STUDY_FILE))
     sessions = sorted(study["sessions"], key=lambda s: s["start"])
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     # Wall time: a row belongs to the last session that started before it was written; earlier
     # sessions count up to their last kept row (a resumed run redoes what came after it).
     starts = [s["start"] for s in sessions]

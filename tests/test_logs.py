@@ -1,7 +1,8 @@
 """Console progress and the profiler trace (`sparse_jax.logs`): the evaluation progress writes a
 line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
 steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
-ranges."""
+ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, and a torn log line
+is never read as a row."""
 
 import glob
 import os
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import logs
+from sparse_jax import files, logs
 
 
 def test_progress_writes_a_line_every_tenth_to_a_log_file(capsys):
@@ -70,3 +71,25 @@ def test_good_profile_steps_pass():
     assert logs.check_profile_steps(()) == ()
     assert logs.check_profile_steps([2, 2], total_steps=2) == (2, 2)
     assert logs.check_profile_steps((5, 100)) == (5, 100)
+
+
+def test_atomic_write_leaves_the_old_file_whole_when_writing_fails(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with files.atomic_write(str(path)) as f:
+            f.write("new, half of it")
+            raise RuntimeError("disk full")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["result.json"]
+    with files.atomic_write(str(path)) as f:
+        f.write("new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["result.json"]
+
+
+def test_jsonl_lines_are_whole_and_a_torn_one_is_not_read(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    files.append_line(path, {"step": 1, "bits": 2.5})
+    files.append_line(path, {"step": 2, "bits": 2.25})
+    with open(path, "a") as f:
+        f.write('{"step": 3, "bi')  # cut short by a full disk
+    assert files.read_jsonl(path) == [{"step": 1, "bits": 2.5}, {"step": 2, "bits": 2.25}]

@@ -292,6 +292,19 @@ def test_damaged_newest_checkpoint_falls_back_and_is_kept(tmp_path, capsys):
     assert got == pytest.approx(want, abs=1e-6)  # steps 3-4 trained again, the same way
 
 
+def test_a_torn_last_metrics_line_is_dropped_when_the_run_resumes(tmp_path):
+    config = get_config("quickstart", "data=embedded", **TINY_TEXT)
+    workdir = str(tmp_path / "run")
+    train.train(config, workdir)
+    kept = read_metrics(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "split": "tra')  # a write cut short after the last checkpoint
+    config.total_steps = 6
+    assert train.train(config, workdir)["step"] == 6  # no manual repair needed
+    rows = read_metrics(workdir)
+    assert rows[:len(kept)] == kept and [r["step"] for r in rows[len(kept):]] == [6, 6]
+
+
 def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path):
     from sparse_jax import checkpoints
 

@@ -1,0 +1,66 @@
+"""How every file of a run is written, so that a process killed at any instant (or a full disk)
+leaves each file either as it was or whole, never torn.
+
+  atomic_write(path)      a whole file: written under a temporary name next to it, flushed to
+                          the disk, then renamed over `path` (a rename is atomic); on failure
+                          the temporary file is removed and `path` is untouched
+  append_line(path, row)  one JSON object as one line of a .jsonl log, in a single write
+  read_jsonl(path)        the rows of a .jsonl log, without a torn last line (a write cut short
+                          by a full disk or a crash), which a reader never sees as a row
+
+The data cache (`sparse_jax.sources`) writes its decompressed files the same way, under a name
+unique to the process, since several processes may prepare the same file at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+TEMPORARY = ".tmp"  # suffix of a file being written (a workdir has one writer: its lock)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", suffix: str = TEMPORARY):
+    """Yields a file open for writing under `path + suffix`; when the block ends without an
+    error it is flushed, synced and renamed to `path`. If anything fails (the block raises, the
+    disk is full), the temporary file is removed and the error propagates: `path` keeps what it
+    had before, whole."""
+    tmp = path + suffix
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def append_line(path: str, row: dict) -> None:
+    """Appends `row` as one JSON line with a single write (O_APPEND): a crash leaves the line
+    whole or absent, and only a full disk can cut it short (`read_jsonl` drops such a line)."""
+    data = (json.dumps(row) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):  # a short write: the disk filled up mid-line
+            raise OSError(28, f"No space left on device (wrote {written} of {len(data)} bytes)")
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a .jsonl file written by `append_line`; a line that does not parse (cut short
+    by a full disk or a crash) is skipped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if isinstance(row, dict):
+                        rows.append(row)
+    return rows
