@@ -14,8 +14,8 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
-from sparse_jax import train
 from sparse_jax.model import DTYPES, ModelConfig, SparseTransformer, position_tables
+from sparse_jax.optim import abstract_train_state
 from sparse_jax.patterns import PatternSpec
 
 
@@ -133,6 +133,6 @@ def per_device_memory(config, devices: int) -> dict:
     {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
     device or allocation needed, so it can size a run for a machine you do not have)."""
     shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
-    state = train.abstract_train_state(config)
+    state = abstract_train_state(config)
     return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
             "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}

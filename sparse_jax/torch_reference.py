@@ -108,7 +108,7 @@ def load_jax_params(module: Transformer, params) -> None:
 
 
 def make_optimizer(module: Transformer, opt, total_steps: int):
-    """(AdamW, LambdaLR scheduler, clip norm) equal to `sparse_jax.train.make_optimizer`."""
+    """(AdamW, LambdaLR scheduler, clip norm) equal to `sparse_jax.optim.make_optimizer`."""
     decay = [p for p in module.parameters() if p.ndim >= 2]
     rest = [p for p in module.parameters() if p.ndim < 2]
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},

@@ -42,7 +42,8 @@ from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.logs import Logger, Profiler, duration
-from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
+from sparse_jax.model import ModelConfig, loss_bits
+from sparse_jax.optim import state_builders
 
 BATCH_AXES = sharding_lib.MESH_AXES  # a batch is split over every device
 
@@ -61,19 +62,6 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
         raise ValueError(f"the micro-batch of {micro} sequences (batch_size / grad_accum) does "
                          f"not split evenly over {mesh.size} devices{hint}")
     return mesh
-
-
-def make_optimizer(config: ml_collections.ConfigDict):
-    """(optax transform, learning-rate schedule): clip, then AdamW with warmup + cosine decay."""
-    opt = config.optimizer
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.lr, opt.warmup_steps, config.total_steps, end_value=opt.lr * opt.min_lr_ratio)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                        mask=decay_mask)
-    if opt.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw), schedule
-    return adamw, schedule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,33 +117,11 @@ class Jitted(NamedTuple):
     batch_sharding: NamedSharding  # a batch split over all devices
 
 
-def _state_builders(config, cfg: ModelConfig):
-    """(create, init, schedule): create() -> (model, optimizer); init() -> the state
-    {"params", "opt"} of nnx States; the learning-rate schedule."""
-    tx, schedule = make_optimizer(config)
-
-    def create():
-        model = SparseTransformer(cfg, rngs=nnx.Rngs(config.seed))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    def init():
-        model, optimizer = create()
-        return {"params": nnx.state(model), "opt": nnx.state(optimizer)}
-
-    return create, init, schedule
-
-
-def abstract_train_state(config):
-    """Shapes and dtypes ({"params", "opt"} of ShapeDtypeStructs) of the training state of
-    `config`, without allocating it."""
-    return jax.eval_shape(_state_builders(config, model_config(config.model))[1])
-
-
 def make_jitted(config, cfg: ModelConfig, mesh: Mesh) -> Jitted:
     """Builds the state layout (shapes only, under eval_shape) and jits init, train and eval
     steps with in/out shardings: parameters and optimizer state by `sparse_jax.sharding`'s
     rules (split over "fsdp", replicated over "data"), batches split over all devices."""
-    create, init, schedule = _state_builders(config, cfg)
+    create, init, schedule = state_builders(config, cfg)
     model_def, opt_def = (nnx.graphdef(x) for x in nnx.eval_shape(create))
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))

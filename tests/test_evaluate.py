@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparse_jax import checkpoints, sources, train
+from sparse_jax import checkpoints, optim, sources, train
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
 from sparse_jax import evaluate as E
@@ -202,7 +202,7 @@ def save_like_train(config, workdir, step=1):
     os.makedirs(workdir)
     config_lib.write_record(workdir, config)
     model = SparseTransformer(model_config(config.model), rngs=nnx.Rngs(config.seed))
-    optimizer = nnx.Optimizer(model, train.make_optimizer(config)[0], wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optim.make_optimizer(config)[0], wrt=nnx.Param)
     manager = checkpoints.manager(workdir, keep=2)
     meta = {"step": step, "data": {"seed": 0, "step": step}, "rng": [0, 0], "window": {},
             "best_valid_bits": None}

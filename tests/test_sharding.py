@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import pytest
 
 from sparse_jax import model as M
+from sparse_jax import optim, train
 from sparse_jax import sharding as S
-from sparse_jax import train
 from test_train import ROOT, get_config, read_metrics
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -52,7 +52,7 @@ def child_env(devices):
                                            ("cifar10", "size=tiny", False)])
 def test_every_parameter_and_optimizer_array_has_logical_axes(name, arg, scan):
     config = get_config(name, arg, model__scan_layers=scan)
-    state = train.abstract_train_state(config)
+    state = optim.abstract_train_state(config)
     specs = S.state_partition_specs(state)
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(state)
@@ -73,7 +73,7 @@ def test_every_parameter_and_optimizer_array_has_logical_axes(name, arg, scan):
 
 
 def test_per_device_memory_shrinks_with_fsdp():
-    state = train.abstract_train_state(get_config("enwik8", "size=paper"))
+    state = optim.abstract_train_state(get_config("enwik8", "size=paper"))
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     assert S.per_device_bytes(state, {"data": 8, "fsdp": 1}) == whole
     quarter = S.per_device_bytes(state, {"data": 2, "fsdp": 4})
@@ -102,7 +102,7 @@ def test_bad_meshes_are_clear_errors():
         S.mesh_shape(8, 4, 4)
     with pytest.raises(ValueError, match="positive integer"):
         S.mesh_shape(8, -1, 0)
-    state = train.abstract_train_state(get_config("bytes", data__path="unused"))  # d_model = 64
+    state = optim.abstract_train_state(get_config("bytes", data__path="unused"))  # d_model = 64
     with pytest.raises(ValueError, match="cannot be split over mesh axis 'fsdp' of size 3"):
         S.per_device_bytes(state, {"data": 1, "fsdp": 3})
 

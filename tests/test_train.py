@@ -18,7 +18,7 @@ import configs
 from conftest import fake_enwik8
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
-from sparse_jax import sources, train
+from sparse_jax import optim, sources, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,7 +190,7 @@ def test_missing_dataset_fails_before_the_model_is_built(tmp_path, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("built the model before checking the data")
 
-    monkeypatch.setattr(train, "SparseTransformer", no_model)
+    monkeypatch.setattr(optim, "SparseTransformer", no_model)  # where the trainer builds it
     config = get_config("enwik8", data__path=str(tmp_path / "corpora" / "enwik8.zip"))
     with pytest.raises(FileNotFoundError, match="mattmahoney.net"):
         train.train(config, str(tmp_path / "run1"))
