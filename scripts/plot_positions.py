@@ -2,7 +2,7 @@ r"""Draws the bits-by-position curves of several evaluation results on one figur
 
   python scripts/plot_positions.py --output=positions.png \
       workdirs/kjv_cpu/eval/valid_2900.json workdirs/kjv_long/eval/valid_1000.json \
-      [--labels="context 512,context 4096"] [--title=...]
+      [--label="context 512, 1.689" --label="context 4096, 1.804"] [--title=...]
 
 Each JSON is what scripts/evaluate.py writes (DIR/eval/<split>_<step>.json); its
 "position_curve" (bits in buckets of 4 per doubling of the position) is drawn against the
@@ -16,8 +16,8 @@ from absl import app, flags
 from sparse_jax import cli
 
 _OUTPUT = flags.DEFINE_string("output", None, "Where the PNG goes.")
-_LABELS = flags.DEFINE_list("labels", None, "One legend label per result (default: the run "
-                            "folder, step and bits).")
+_LABELS = flags.DEFINE_multi_string("label", None, "A legend label, once per result in order "
+                                    "(default: the run folder, step and bits).")
 _TITLE = flags.DEFINE_string("title", "", "Title of the figure.")
 flags.mark_flags_as_required(["output"])
 
@@ -27,7 +27,7 @@ def main(argv):
     if not paths:
         raise app.UsageError("give one or more evaluation JSON files (DIR/eval/*.json)")
     if _LABELS.value and len(_LABELS.value) != len(paths):
-        raise app.UsageError(f"--labels has {len(_LABELS.value)} labels for {len(paths)} files")
+        raise app.UsageError(f"{len(_LABELS.value)} --label flags for {len(paths)} files")
     results = []
     for path in paths:
         try:

@@ -231,3 +231,21 @@ def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
     assert result["bits"] == pytest.approx(nll.mean() / np.log(2), rel=1e-5)
     with pytest.raises(ValueError, match="byte data only"):
         E.evaluate(workdir, "test", min_context=10)
+
+
+def test_plot_positions_script_draws_several_results_and_refuses_other_files(text_run, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    script = os.path.join(ROOT, "scripts", "plot_positions.py")
+    results = [E.evaluate(text_run, "valid", step, progress=False, overwrite=True)["path"]
+               for step in (2, 4)]
+    out = str(tmp_path / "both.png")
+    proc = subprocess.run([sys.executable, script, f"--output={out}", "--label=step 2, early",
+                           "--label=step 4", *results], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, script, f"--output={out}",
+                          os.path.join(text_run, "config.json")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "no bits by position" in bad.stderr
