@@ -38,7 +38,8 @@ one device. Writes results.json, results.md and time_vs_seq_len.png to ``--outpu
 
 from absl import app, flags
 
-from sparse_jax import benchmarks, cli
+from sparse_jax import cli
+from sparse_jax.bench import attention
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided:128", "fixed:128:32"], "Patterns.")
@@ -60,10 +61,10 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Wh
 
 def main(argv):
     del argv
-    devices = _DEVICES.value or benchmarks.default_devices()
+    devices = _DEVICES.value or attention.default_devices()
     if _HEADS.value % devices:
         raise app.UsageError(f"--heads={_HEADS.value} cannot be split over {devices} devices")
-    benchmarks.benchmark_attention(
+    attention.benchmark_attention(
         [int(n) for n in _SEQ_LENS.value], _PATTERNS.value, passes=_PASSES.value,
         heads=_HEADS.value, head_dim=_HEAD_DIM.value, batch=_BATCH.value, dtype=_DTYPE.value,
         devices=devices, repeats=_REPEATS.value, rounds=_ROUNDS.value,

@@ -17,12 +17,13 @@ Evaluation (--eval): a training run of configs/quickstart.py (1 step, embedded d
 `sparse_jax.evaluate.evaluate` over the whole test split; its tokens/s is compared with the
 forward-only tokens/s of the same jitted eval step on a batch already on the device, and with a
 training step's (loss and gradients) tokens/s. Prints markdown tables; writes JSON.
-The measurements are `sparse_jax.sampling_benchmark.benchmark_sampling`.
+The measurements are `sparse_jax.bench.sampling.benchmark_sampling`.
 """
 
 from absl import app, flags
 
-from sparse_jax import cli, sampling_benchmark
+from sparse_jax import cli
+from sparse_jax.bench import sampling
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
@@ -42,7 +43,7 @@ _EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    sampling_benchmark.benchmark_sampling(
+    sampling.benchmark_sampling(
         seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value, d_model=_D_MODEL.value,
         num_heads=_HEADS.value, stride=_STRIDE.value, length=_LENGTH.value,
         batch_size=_BATCH.value, naive_steps=_NAIVE_STEPS.value, workdir=_WORKDIR.value,

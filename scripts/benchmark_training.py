@@ -6,7 +6,7 @@ r"""Trains the same small model with this project's trainer and with a PyTorch e
 
 The model is nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW with warmup and
 cosine decay, gradient clipping) on the shipped corpus. The twin
-(`sparse_jax/torch_reference.py`) has the same architecture (dense causal attention), starts
+(`sparse_jax/bench/torch_twin.py`) has the same architecture (dense causal attention), starts
 from the same parameters and reads the same batches. `scripts/train.py`'s trainer runs with
 dense attention and with the strided pattern (stride ~ sqrt(n)), each in a fresh process.
 Prints steps/s, tokens/s and validation bits of every run and writes results.md and
@@ -17,7 +17,8 @@ import sys
 
 from absl import app, flags
 
-from sparse_jax import cli, torch_benchmark
+from sparse_jax import cli
+from sparse_jax.bench import training
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
@@ -36,10 +37,10 @@ def main(argv):
     seq_lens, steps = [int(n) for n in _SEQ_LENS.value], [int(s) for s in _STEPS.value]
     if len(steps) not in (1, len(seq_lens)):
         raise app.UsageError("--steps needs one number or one per --seq_lens")
-    torch_benchmark.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
-                                  data_path=_DATA.value, patterns=_PATTERNS.value,
-                                  cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
-                                  command=" ".join(["python", *sys.argv]))
+    training.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
+                                data_path=_DATA.value, patterns=_PATTERNS.value,
+                                cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
+                                command=" ".join(["python", *sys.argv]))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ an unknown pattern, steps < 1, a config without that variant, a pattern that can
 context length, or patterns that differ in anything but `model` raise ValueError.
 
 `compare_patterns` trains the patterns one after another, each in a fresh Python process
-(`benchmarking.run_isolated`), so that peak memory is the pattern's own and one pattern's
-compilation caches do not speed up the next. Each pattern is an ordinary run of
+(`sparse_jax.bench.tools.run_isolated`), so that peak memory is the pattern's own and one
+pattern's compilation caches do not speed up the next. Each pattern is an ordinary run of
 `sparse_jax.train.train` in its own folder, so checkpoints, TensorBoard, resume, evaluation and
 sampling work on it as on any run:
 
@@ -64,9 +64,10 @@ import time
 import ml_collections
 
 import configs
-from sparse_jax import benchmarking, checkpoints, sharding
+from sparse_jax import checkpoints, sharding
 from sparse_jax import config as config_lib
 from sparse_jax import train as train_lib
+from sparse_jax.bench import tools
 from sparse_jax.files import atomic_write, read_jsonl
 from sparse_jax.model import PATTERNS, model_config
 from sparse_jax.sizing import describe
@@ -184,7 +185,7 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
         final = None
         if not result["interrupted"]:
             final = evaluate.evaluate(run_dir, "valid", progress=False, overwrite=True)
-    session.update(end=time.time(), step=result["step"], peak_rss_gb=benchmarking.peak_rss_gb())
+    session.update(end=time.time(), step=result["step"], peak_rss_gb=tools.peak_rss_gb())
     if final is not None:
         study["final"] = {k: final[k] for k in ("split", "step", "bits", "unit", "num_scored")}
     _write_json(study_path, study)
@@ -327,7 +328,7 @@ def markdown(rows: list[dict]) -> str:
     table = [dict(r, vs_dense=r["s_per_step"] / dense["s_per_step"]
                   if dense and r["s_per_step"] and dense["s_per_step"] else None) for r in rows]
     unit = rows[0]["unit"] if rows else "byte"
-    return benchmarking.markdown_table(table, [
+    return tools.markdown_table(table, [
         ("spec", "pattern"), ("params", "parameters"), ("mean_keys_per_query", "keys/query"),
         ("steps", "steps"), ("s_per_step", "s/step"), ("vs_dense", "time vs dense"),
         ("tokens_per_s", "tokens/s"),
@@ -401,8 +402,8 @@ def _calibrated(run_dir: str, config, minutes: float, log) -> ml_collections.Con
     os.makedirs(run_dir, exist_ok=True)
     config_lib.write_record(run_dir, config)  # what the calibration process reads
     log(f"{config.model.pattern}: timing start-up, a step and validation")
-    out = benchmarking.run_isolated(["-m", "sparse_jax.study", "calibrate", run_dir,
-                                     repr(time.time())], timeout_s=None)
+    out = tools.run_isolated(["-m", "sparse_jax.study", "calibrate", run_dir,
+                              repr(time.time())], timeout_s=None)
     if "error" in out:
         raise RuntimeError(f"timing pattern {config.model.pattern} failed: {out['error']}")
     steps = budget_steps(out, minutes * 60, -(-config.total_steps // config.eval_every))
@@ -445,8 +446,8 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
         verb = "resuming" if status[pattern] == "resume" else "training"
         log(f"{pattern}: {verb} {config.total_steps} steps in {run_dir} "
             f"(log: {os.path.join(run_dir, 'train.log')})")
-        out = benchmarking.run_isolated(["-m", "sparse_jax.study", run_dir, repr(time.time())],
-                                        timeout_s=None)
+        out = tools.run_isolated(["-m", "sparse_jax.study", run_dir, repr(time.time())],
+                                 timeout_s=None)
         if "error" in out or out.get("interrupted"):
             raise RuntimeError(f"pattern {pattern} did not finish "
                                f"({out.get('error') or out['interrupted']}); see "
@@ -460,7 +461,7 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
     info = {"config": config_spec, "overrides": overrides or {},
             "steps": None if minutes else first.total_steps, "minutes": minutes,
             "batch_size": first.batch_size, "seed": first.seed, "command": command,
-            "machine": benchmarking.machine()}
+            "machine": tools.machine()}
     paths = write_outputs(rows, output_dir or workdir, info)
     return {**info, "patterns": rows, "outputs": paths}
 

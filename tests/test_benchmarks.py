@@ -6,16 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax import benchmarks
+from sparse_jax.bench import attention as model_bench
 from sparse_jax.model import ModelConfig, SparseTransformer
 
 
 def test_the_timed_step_with_update_is_loss_gradients_and_adamw():
     cfg = ModelConfig(seq_len=64, num_layers=1, d_model=16, num_heads=2, stride=8)
     tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 256, dtype=jnp.int32)
-    grad_step, _, _ = benchmarks._grad_fn(cfg)
+    grad_step, _, _ = model_bench._grad_fn(cfg)
     loss, grads = grad_step(nnx.state(SparseTransformer(cfg, rngs=nnx.Rngs(0))), None, tokens)
-    update_step, _, tx = benchmarks._grad_fn(cfg, update=True)
+    update_step, _, tx = model_bench._grad_fn(cfg, update=True)
     state = nnx.state(SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     before = jax.tree.map(np.asarray, state)
     same_loss, after, opt_state = update_step(state, tx.init(state), tokens)
@@ -26,6 +26,6 @@ def test_the_timed_step_with_update_is_loss_gradients_and_adamw():
 
 
 def test_stride_sqrt_is_the_largest_power_of_two_at_most_sqrt_n():
-    assert [benchmarks._stride("sqrt", n) for n in (4096, 8192, 16384, 65536, 131072)] == \
+    assert [model_bench._stride("sqrt", n) for n in (4096, 8192, 16384, 65536, 131072)] == \
         [64, 64, 128, 256, 256]
-    assert benchmarks._stride("96", 4096) == 96
+    assert model_bench._stride("96", 4096) == 96

@@ -99,7 +99,7 @@ def test_rerun_reuses_finished_runs_without_training_or_overwriting(study_run, m
     def no_training(*args, **kwargs):
         raise AssertionError("a finished pattern was trained again")
 
-    monkeypatch.setattr(study.benchmarking, "run_isolated", no_training)
+    monkeypatch.setattr(study.tools, "run_isolated", no_training)
     again = run_study(workdir)
     assert again["patterns"] == result["patterns"]
     assert {p: files_under(os.path.join(workdir, p)) for p in PATTERNS} == runs
@@ -136,7 +136,7 @@ def test_bad_input_is_refused_before_anything_trains(study_run, tmp_path, monkey
     def no_training(*args, **kwargs):
         raise AssertionError("trained despite bad input")
 
-    monkeypatch.setattr(study.benchmarking, "run_isolated", no_training)
+    monkeypatch.setattr(study.tools, "run_isolated", no_training)
     workdir = str(tmp_path / "runs")
     cases = [
         (dict(patterns=["dense", "sparse"]), "unknown pattern"),

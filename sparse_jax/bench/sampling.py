@@ -13,14 +13,14 @@ import json
 import os
 import time
 
-from sparse_jax import benchmarking
-from sparse_jax.benchmarks import log_line
+from sparse_jax.bench import tools
+from sparse_jax.bench.tools import log_line
 
 EVAL_CONFIG = "quickstart.py:data=embedded"  # a spec for configs.load: the evaluated run
 
 
 def _seconds(timing: dict) -> tuple[float, float]:
-    """(first call s, median s of the repeats) of a `benchmarking.time_call` result."""
+    """(first call s, median s of the repeats) of a `tools.time_call` result."""
     return timing["compile_s"], timing["median_ms"] / 1e3
 
 
@@ -57,7 +57,7 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     if not 1 <= length <= n:
         raise ValueError(f"length must be in [1, seq_len={n}], got {length}")
     prompt = np.zeros((batch, 1), np.int32)
-    first, cached_s = _seconds(benchmarking.time_call(
+    first, cached_s = _seconds(tools.time_call(
         lambda: decode.generate(model, prompt, length, seed=0), repeats=2))
 
     graphdef, state = nnx.split(model)
@@ -80,7 +80,7 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     forward = nnx.jit(lambda m, x: m(x))
     bucket_s, lengths = {}, [min(2 ** k, n) for k in range(6, n.bit_length() + 1)]
     for m in sorted(set(lengths)):
-        bucket_s[m] = _seconds(benchmarking.time_call(
+        bucket_s[m] = _seconds(tools.time_call(
             forward, model, jnp.zeros((batch, m), jnp.int32), repeats=3))[1]
     fed = np.arange(1, length + 1)  # the smart naive sampler runs a forward over i + 1 bytes
     buckets = np.array(sorted(bucket_s))
@@ -131,13 +131,13 @@ def evaluation_speed(workdir: str, eval_mib: int = 1) -> dict:
              "mask": np.ones((batch_size, n), bool)}
     batch = jax.device_put(batch)
     forward = jax.jit(evaluate.make_eval_step(graphdef))
-    _, forward_s = _seconds(benchmarking.time_call(forward, params, batch, repeats=20))
+    _, forward_s = _seconds(tools.time_call(forward, params, batch, repeats=20))
 
     def loss(params, batch):
         return loss_bits(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
 
-    _, grad_s = _seconds(benchmarking.time_call(jax.jit(jax.value_and_grad(loss)), params, batch,
-                                                repeats=10))
+    _, grad_s = _seconds(tools.time_call(jax.jit(jax.value_and_grad(loss)), params, batch,
+                                         repeats=10))
     tokens_per_batch = batch_size * n
     return {
         "model": f"configs/quickstart.py ({model.cfg.num_layers} layers, d={model.cfg.d_model}, "
@@ -158,10 +158,10 @@ def benchmark_sampling(*, evaluation: bool = True, eval_mib: int = 1, output: st
     JSON to `output` and returns it."""
     import tempfile
 
-    results = {"machine": benchmarking.machine(), "sampling": sampling_speed(**sampling)}
+    results = {"machine": tools.machine(), "sampling": sampling_speed(**sampling)}
     s = results["sampling"]
     log(f"Sampling {s['length']} bytes x {s['batch_size']}, {s['model']}")
-    log(benchmarking.markdown_table([
+    log(tools.markdown_table([
         {"way": "cached (pattern-aware KV cache, one scan)", "ms": s["cached_ms_per_byte"],
          "total": s["cached_s"], "speedup": 1.0},
         {"way": f"naive full forward per byte (timed {s['naive_timed_steps']} steps, "
@@ -177,7 +177,7 @@ def benchmark_sampling(*, evaluation: bool = True, eval_mib: int = 1, output: st
         with tempfile.TemporaryDirectory() as workdir:
             results["evaluation"] = e = evaluation_speed(os.path.join(workdir, "run"), eval_mib)
         log(f"\nEvaluation of {e['split_bytes']:,} bytes, {e['model']}, batch {e['batch_size']}")
-        log(benchmarking.markdown_table([
+        log(tools.markdown_table([
             {"what": "evaluate() end to end (after the first batch)",
              "tps": e["eval_tokens_per_s"]},
             {"what": "forward only (same jitted step, batch on device)",

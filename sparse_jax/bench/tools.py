@@ -1,10 +1,12 @@
 """Tools of the benchmarks: one fresh process per case with its peak memory, timing after
-compile, the matmul ceiling of the machine, a description of the machine, tables and a plot.
+compile, the matmul ceiling of the machine, a description of the machine, console lines and a
+progress bar over the cases, tables and a plot.
 
 Each case runs in its own process (`run_isolated`) so that its peak resident memory (RSS
 high-water mark) is its own, and a case that runs out of memory is reported instead of taking
-the benchmark down. The benchmarks themselves are in `sparse_jax.benchmarks` and
-`sparse_jax.torch_benchmark`; the pattern study (`sparse_jax.study`) uses the same tools.
+the benchmark down. The benchmarks themselves are the other modules of `sparse_jax.bench`; the
+pattern study (`sparse_jax.study`) uses the same tools. Nothing here imports JAX at import
+time: a case sets up its devices first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ import subprocess
 import sys
 import threading
 import time
+
+from tqdm import tqdm
+
+
+def log_line(text: str) -> None:
+    """A console line (stdout) that leaves a progress bar intact: tqdm clears and redraws it."""
+    with tqdm.external_write_mode():
+        print(text, flush=True)
+
+
+def case_bar(total: int, desc: str) -> tqdm:
+    """A progress bar with ETA over a benchmark's cases, on a terminal only (a log file gets the
+    result lines alone); the rate is the average over the cases done, whatever their size."""
+    return tqdm(total=total, desc=desc, unit="case", smoothing=0, leave=False,
+                dynamic_ncols=True, disable=not sys.stderr.isatty())
 
 
 def time_call(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
@@ -96,12 +113,13 @@ def _rss_of(pid: int) -> float:
 
 def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dict | None = None,
                  timeout_s: float | None = 1800) -> dict:
-    """Runs ``python argv...`` (a module: ``["-m", "sparse_jax.benchmarks", CASE]``) in a fresh
-    process, which prints its result as a JSON object on a line of its own; returns the last such
-    object. A process that fails returns the last object it printed (or {}) plus "error": "out
-    of memory" when it was killed or XLA/Python ran out of memory, "out of memory (> X GB)" when
-    its RSS passed ``mem_limit_gb`` (polled every 0.1 s, Linux only), "timed out after N s",
-    or "exit CODE: last line of stderr". ``env`` adds to this process's environment."""
+    """Runs ``python argv...`` (a module: ``["-m", "sparse_jax.bench.attention", CASE_JSON]``)
+    in a fresh process, which prints its result as a JSON object on a line of its own; returns
+    the last such object. A process that fails returns the last object it printed (or {}) plus
+    "error": "out of memory" when it was killed or XLA/Python ran out of memory, "out of memory
+    (> X GB)" when its RSS passed ``mem_limit_gb`` (polled every 0.1 s, Linux only), "timed out
+    after N s", or "exit CODE: last line of stderr". ``env`` adds to this process's
+    environment."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
     killed = threading.Event()

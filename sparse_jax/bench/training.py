@@ -1,10 +1,10 @@
 """This project's trainer against a PyTorch eager twin of the same model
 (scripts/benchmark_training.py).
 
-`benchmark_training` runs, for each context length, the twin (`sparse_jax.torch_reference`,
+`benchmark_training` runs, for each context length, the twin (`sparse_jax.bench.torch_twin`,
 dense attention) and then `sparse_jax.train.train` with each attention pattern, every run in a
-fresh process (`benchmarking.run_isolated`). A run's process is
-`python -m sparse_jax.torch_benchmark CASE_JSON`; it prints the run's result as one JSON line.
+fresh process (`tools.run_isolated`). A run's process is
+`python -m sparse_jax.bench.training CASE_JSON`; it prints the run's result as one JSON line.
 Only the twin's runs import torch (`requirements-bench.txt`).
 """
 
@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 
-from sparse_jax import benchmarking
-from sparse_jax.benchmarks import case_bar, log_line
+from sparse_jax.bench import tools
+from sparse_jax.bench.tools import case_bar, log_line
 
 TRAINING_CONFIG = "bytes.py:size=tiny,pattern=dense"  # a spec for configs.load
 
@@ -40,7 +40,7 @@ def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str
 def run_training_case(case: dict) -> dict:
     """One benchmark run: {"impl": "jax"} trains with `sparse_jax.train.train` on
     `case["cpu_devices"]` CPU devices, {"impl": "torch"} the PyTorch eager twin
-    (`sparse_jax.torch_reference`) on the same batches from the same initial parameters."""
+    (`sparse_jax.bench.torch_twin`) on the same batches from the same initial parameters."""
     from sparse_jax import sharding
 
     if case["impl"] == "jax":
@@ -56,12 +56,12 @@ def run_training_case(case: dict) -> dict:
     config = configs.load(TRAINING_CONFIG, case["overrides"])
     cfg = check_config(config)
     if case["impl"] == "torch":
-        from sparse_jax import torch_reference
+        from sparse_jax.bench import torch_twin
 
         dataset = data_lib.make_dataset(config.data, cfg.seq_len)
         init = nnx.to_pure_dict(nnx.state(model_lib.SparseTransformer(
             cfg, rngs=nnx.Rngs(config.seed)), nnx.Param))
-        return torch_reference.train_and_evaluate(config, dataset, init)
+        return torch_twin.train_and_evaluate(config, dataset, init)
     import jax
 
     start = time.perf_counter()
@@ -100,8 +100,8 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                 case = {"impl": impl, "overrides": overrides, "workdir": workdir,
                         "cpu_devices": cpu_devices}
                 start = time.perf_counter()
-                out = benchmarking.run_isolated(
-                    ["-m", "sparse_jax.torch_benchmark", json.dumps(case)], timeout_s=None)
+                out = tools.run_isolated(
+                    ["-m", "sparse_jax.bench.training", json.dumps(case)], timeout_s=None)
                 shutil.rmtree(workdir, ignore_errors=True)
                 row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
                        "stride": None if pattern == "dense" else stride, "steps": num_steps,
@@ -118,20 +118,20 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                     f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
                 rows.append(row)
                 bar.update()
-    info = {"command": command, "machine": benchmarking.machine(), "data": data_path,
+    info = {"command": command, "machine": tools.machine(), "data": data_path,
             "rows": rows}
     if output_dir:
-        table = benchmarking.markdown_table(rows, [
+        table = tools.markdown_table(rows, [
             ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),
             ("stride", "stride"), ("steps", "steps"), ("steps_per_s", "steps/s"),
             ("tokens_per_s", "tokens/s"),
             ("vs_torch", "× PyTorch"), ("final_train_bits", "train bits"),
             ("valid_bits", "valid bits/byte"), ("wall_s", "wall s"), ("error", "error")])
-        benchmarking.write_results(output_dir, info, f"`{command}`\n\n{table}\n", indent=2)
+        tools.write_results(output_dir, info, f"`{command}`\n\n{table}\n", indent=2)
     return info
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m sparse_jax.torch_benchmark CASE_JSON")
+        raise SystemExit("usage: python -m sparse_jax.bench.training CASE_JSON")
     print(json.dumps(run_training_case(json.loads(sys.argv[1]))), flush=True)

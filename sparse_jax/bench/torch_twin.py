@@ -8,7 +8,8 @@ everywhere), final norm and head, and the same optimizer (global-norm clipping, 
 decay on matrices only, warmup + cosine decay). `load_jax_params` copies a JAX model's weights
 in, so a benchmark can check that both compute the same loss before it times them.
 
-Importing this module needs torch (`requirements-bench.txt`); nothing in the package imports it.
+Importing this module needs torch (`requirements-bench.txt`); only the twin's runs of
+`sparse_jax.bench.training` import it.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ after another, and the functions that measure one case.
   benchmark_compile     jit lower + compile of the 128-layer CIFAR-10 model's loss gradient
                         (scripts/benchmark_model.py --compile_cifar)
 
-The attention and model cases each run in a fresh process (`benchmarking.run_isolated`):
-`python -m sparse_jax.benchmarks KIND CASE_JSON` prints the case's result as one JSON line.
+The attention and model cases each run in a fresh process (`tools.run_isolated`):
+`python -m sparse_jax.bench.attention KIND CASE_JSON` prints the case's result as one JSON line.
 Nothing here imports JAX before a case has set up its devices. The trainer against a PyTorch
-twin (scripts/benchmark_training.py) is in `sparse_jax.torch_benchmark`, cached sampling and
-evaluation throughput (scripts/benchmark_sampling.py) in `sparse_jax.sampling_benchmark`.
+twin (scripts/benchmark_training.py) is in `sparse_jax.bench.training`, cached sampling and
+evaluation throughput (scripts/benchmark_sampling.py) in `sparse_jax.bench.sampling`.
 """
 
 from __future__ import annotations
@@ -26,29 +26,15 @@ import statistics
 import sys
 import time
 
-from tqdm import tqdm
-
-from sparse_jax import benchmarking
+from sparse_jax.bench import tools
+from sparse_jax.bench.tools import case_bar, log_line
 
 GIB = 2**30
 
 
-def log_line(text: str) -> None:
-    """A console line (stdout) that leaves a progress bar intact: tqdm clears and redraws it."""
-    with tqdm.external_write_mode():
-        print(text, flush=True)
-
-
-def case_bar(total: int, desc: str) -> tqdm:
-    """A progress bar with ETA over a benchmark's cases, on a terminal only (a log file gets the
-    result lines alone); the rate is the average over the cases done, whatever their size."""
-    return tqdm(total=total, desc=desc, unit="case", smoothing=0, leave=False,
-                dynamic_ncols=True, disable=not sys.stderr.isatty())
-
-
 def _isolated(kind: str, case: dict, **kwargs) -> dict:
-    return benchmarking.run_isolated(["-m", "sparse_jax.benchmarks", kind, json.dumps(case)],
-                                     **kwargs)
+    return tools.run_isolated(["-m", "sparse_jax.bench.attention", kind, json.dumps(case)],
+                              **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,8 +99,8 @@ def run_attention_case(case: dict) -> dict:
     from sparse_jax.attention import sparse_attention
 
     if case["matmul"]:
-        return {"gflops": benchmarking.matmul_gflops(dtype=case["dtype"]),
-                "size": benchmarking.matmul_size()}
+        return {"gflops": tools.matmul_gflops(dtype=case["dtype"]),
+                "size": tools.matmul_size()}
     n = case["seq_len"]
     spec, implementation, sizes = parse_pattern(case["pattern"], n)
     dtype = jnp.dtype(case["dtype"])
@@ -140,11 +126,11 @@ def run_attention_case(case: dict) -> dict:
     compiled = fn.lower(q, k, v).compile()
     compile_s = time.perf_counter() - start
     temp_gb = compiled.memory_analysis().temp_size_in_bytes * case["devices"] / 1e9  # per device
-    result = benchmarking.time_call(compiled, q, k, v, repeats=case["repeats"])
+    result = tools.time_call(compiled, q, k, v, repeats=case["repeats"])
     result["compile_s"] += compile_s  # compile, then the first run
-    return {**result, "peak_rss_gb": benchmarking.peak_rss_gb(), "xla_temp_gb": temp_gb,
+    return {**result, "peak_rss_gb": tools.peak_rss_gb(), "xla_temp_gb": temp_gb,
             "keys_per_query": spec.mean_keys(n), "spec": str(spec),
-            "device_memory_gb": benchmarking.device_peak_memory_gb()}
+            "device_memory_gb": tools.device_peak_memory_gb()}
 
 
 def default_devices() -> int:
@@ -224,10 +210,10 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                  and "median_ms" in r]
         if dense and "median_ms" in row:
             row["speedup_vs_dense"] = min(dense) / row["median_ms"]
-    summary = {"machine": benchmarking.machine(), "matmul_gflops": ceiling,
+    summary = {"machine": tools.machine(), "matmul_gflops": ceiling,
                "matmul_gflops_measured": ceilings, "settings": {**common, "rounds": rounds},
                "rows": rows, "growth": growth_exponents(rows)}
-    table = benchmarking.markdown_table([{**r, "result": r.get("error", "ok")} for r in rows], [
+    table = tools.markdown_table([{**r, "result": r.get("error", "ok")} for r in rows], [
         ("pattern", "pattern"), ("seq_len", "n"), ("pass", "pass"), ("median_ms", "ms"),
         ("peak_rss_gb", "peak RSS GB"), ("xla_temp_gb", "XLA temp GB"),
         ("device_memory_gb", "device peak GB"),
@@ -241,12 +227,12 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
               f"the round with the lowest median shown; {dot} = {ceiling:.0f} GFLOP/s (best of "
               f"{', '.join(f'{c:.0f}' for c in ceilings)}: each round's start and the end); "
               f"load: the 1-minute load average when the shown round started\n\n")
-    growth = benchmarking.markdown_table(summary["growth"], [
+    growth = tools.markdown_table(summary["growth"], [
         ("pattern", "pattern"), ("pass", "pass"), ("from", "from n"), ("to", "to n"),
         ("exponent", "time ∝ n^x, x =")])
-    benchmarking.write_results(output_dir, summary, header + table + "\n\n" + growth + "\n")
+    tools.write_results(output_dir, summary, header + table + "\n\n" + growth + "\n")
     log("\n" + header + table + "\n\n" + growth)
-    benchmarking.plot_time_vs_seq_len(rows, os.path.join(output_dir, "time_vs_seq_len.png"))
+    tools.plot_time_vs_seq_len(rows, os.path.join(output_dir, "time_vs_seq_len.png"))
     return summary
 
 
@@ -310,7 +296,7 @@ def _grad_fn(cfg, update: bool = False):
 
 
 def _peak_rss_gib() -> float:
-    return benchmarking.peak_rss_gb() * 1e9 / GIB
+    return tools.peak_rss_gb() * 1e9 / GIB
 
 
 def run_model_case(case: dict) -> dict:
@@ -351,7 +337,7 @@ def run_model_case(case: dict) -> dict:
               "estimated_activation_gib": info["activation_bytes" + (
                   "_remat" if cfg.remat != "none" else "")] / GIB}
     print(json.dumps(result), flush=True)  # survives if the steps run out of memory
-    available_gib = benchmarking.available_memory_gb() * 1e9 / GIB
+    available_gib = tools.available_memory_gb() * 1e9 / GIB
     if result["xla_temp_gib"] > 0.8 * available_gib:  # don't push a shared machine into OOM
         raise SystemExit(f"skipped: XLA plans {result['xla_temp_gib']:.1f} GiB of buffers, "
                          f"{available_gib:.1f} GiB available")
@@ -370,7 +356,7 @@ def run_model_case(case: dict) -> dict:
         times.append(time.perf_counter() - start)
     return {**result, "median_step_s": statistics.median(times), "step_s": times,
             "peak_rss_gib": _peak_rss_gib(),
-            "device_peak_gb": benchmarking.device_peak_memory_gb()}
+            "device_peak_gb": tools.device_peak_memory_gb()}
 
 
 def _fmt(result: dict, key: str, spec: str = ".2f") -> str:
@@ -470,5 +456,6 @@ CASES = {"attention": run_attention_case, "model": run_model_case}
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in CASES:
-        raise SystemExit(f"usage: python -m sparse_jax.benchmarks {{{','.join(CASES)}}} CASE_JSON")
+        raise SystemExit(f"usage: python -m sparse_jax.bench.attention {{{','.join(CASES)}}} "
+                         "CASE_JSON")
     print(json.dumps(CASES[sys.argv[1]](json.loads(sys.argv[2]))), flush=True)

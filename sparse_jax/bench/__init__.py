@@ -1,0 +1,16 @@
+"""The measuring tools, apart from the library: each benchmark driver runs its cases one after
+another, most of them each in a fresh process, and writes tables and JSON.
+
+  tools        process isolation with peak memory, timing after compile, the matmul ceiling,
+               the machine, console lines and a progress bar, tables and a plot (also used by
+               `sparse_jax.study`)
+  attention    block-sparse against dense attention          scripts/benchmark_attention.py
+               a model's training step; compile time         scripts/benchmark_model.py
+  sampling     cached sampling; evaluation throughput        scripts/benchmark_sampling.py
+  training     the trainer against a PyTorch eager twin      scripts/benchmark_training.py
+  torch_twin   that twin (needs torch: requirements-bench.txt)
+
+A case's process is `python -m sparse_jax.bench.attention KIND CASE_JSON` or
+`python -m sparse_jax.bench.training CASE_JSON`. Nothing here imports JAX (or torch) at import
+time: a case sets up its devices first.
+"""
