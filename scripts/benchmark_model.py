@@ -29,7 +29,7 @@ import json
 from absl import flags
 
 from sparse_jax import cli
-from sparse_jax.bench import attention
+from sparse_jax.bench import model
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 _SEQ_LEN = flags.DEFINE_list("seq_len", ["8192"], "Sequence lengths (a list runs each case at "
@@ -56,14 +56,14 @@ _COMPILE_CIFAR = flags.DEFINE_bool("compile_cifar", False,
 def main(argv):
     del argv
     if _COMPILE_CIFAR.value:
-        results = attention.benchmark_compile()
+        results = model.benchmark_compile()
     else:
         seq_lens = []
         for value in _SEQ_LEN.value:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"--seq_len: {value!r} is not a positive integer")
             seq_lens.append(int(value))
-        results = attention.benchmark_model(
+        results = model.benchmark_model(
             _CASES.value, seq_lens=seq_lens, num_layers=_LAYERS.value,
             d_model=_D_MODEL.value, num_heads=_HEADS.value, stride=_STRIDE.value,
             batch_size=_BATCH.value, steps=_STEPS.value, dtype=_DTYPE.value,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax.bench import attention as model_bench
+from sparse_jax.bench import model as model_bench
 from sparse_jax.model import ModelConfig, SparseTransformer
 
 

@@ -5,12 +5,11 @@ another, most of them each in a fresh process, and writes tables and JSON.
                the machine, console lines and a progress bar, tables and a plot (also used by
                `sparse_jax.study`)
   attention    block-sparse against dense attention          scripts/benchmark_attention.py
-               a model's training step; compile time         scripts/benchmark_model.py
+  model        a model's training step; compile time         scripts/benchmark_model.py
   sampling     cached sampling; evaluation throughput        scripts/benchmark_sampling.py
   training     the trainer against a PyTorch eager twin      scripts/benchmark_training.py
   torch_twin   that twin (needs torch: requirements-bench.txt)
 
-A case's process is `python -m sparse_jax.bench.attention KIND CASE_JSON` or
-`python -m sparse_jax.bench.training CASE_JSON`. Nothing here imports JAX (or torch) at import
-time: a case sets up its devices first.
+A case's process is `python -m sparse_jax.bench.MODULE CASE_JSON` (attention, model,
+training). Nothing here imports JAX (or torch) at import time: a case sets up its devices first.
 """
