@@ -47,4 +47,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, huge_pages=True)

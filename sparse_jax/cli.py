@@ -11,6 +11,13 @@ training run stopped by a non-finite loss (FloatingPointError). Ctrl-C outside t
 (which saves a checkpoint itself) ends with "interrupted" and status 130. Anything else is a bug
 and keeps its traceback. Set the environment variable SPARSE_JAX_TRACEBACK=1, or pass
 `--verbosity=1`, to see the traceback of a user error too.
+
+`run(main, huge_pages=True)` (the scripts that compute) first restarts the process, once, with
+glibc's malloc backing its large blocks with transparent huge pages (`huge_pages_env`). XLA:CPU
+allocates a step's buffers afresh on every call, and glibc maps blocks over 32 MB from the kernel
+and unmaps them on free, so every step touched them page by page again: ~390,000 page faults per
+training step at context 1,024, a third of the step. With 2 MB pages a step takes ~1,700 and runs
+1.5x faster (docs/benchmarks/training). Set SPARSE_JAX_HUGE_PAGES=0 to run without.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from absl import app, flags, logging
 
 USER_ERRORS = (ValueError, OSError, FloatingPointError)
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
+HUGE_PAGES_ENV = "SPARSE_JAX_HUGE_PAGES"
+_HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its maps
 
 
 def one_line(text: str) -> str:
@@ -88,8 +97,48 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(str(e), 2)
 
 
-def run(main) -> None:
-    """`absl.app.run(main)` with the one error path of the module docstring."""
+def huge_pages_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's environment) with glibc's malloc asked to use transparent
+    huge pages for the blocks it maps (GLIBC_TUNABLES, read when a process starts), where this
+    host supports it: Linux, glibc >= 2.35, transparent huge pages not "never", and
+    SPARSE_JAX_HUGE_PAGES not 0. Elsewhere `env` unchanged."""
+    env = dict(os.environ if env is None else env)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables or not _huge_pages_supported(env):
+        return env
+    env["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES_TUNABLE}" if tunables \
+        else _HUGE_PAGES_TUNABLE
+    return env
+
+
+def _huge_pages_supported(env: dict) -> bool:
+    if env.get(HUGE_PAGES_ENV, "") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except (ValueError, OSError, AttributeError):  # not glibc, or no THP
+        return False
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return name == "glibc" and (major, minor) >= (2, 35) and "[never]" not in mode
+
+
+def _restart_with_huge_pages() -> None:
+    """Replaces this process by the same command under `huge_pages_env`, once (the restarted
+    process finds the tunable set). Nothing has run yet but imports."""
+    env = huge_pages_env()
+    if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def run(main, huge_pages: bool = False) -> None:
+    """`absl.app.run(main)` with the one error path of the module docstring; `huge_pages`:
+    restart under `huge_pages_env` first."""
+    if huge_pages:
+        _restart_with_huge_pages()
 
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:  # Orbax and TFDS log at INFO

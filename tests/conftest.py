@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fake_cifar10
+from sparse_jax import cli
 
 # One persistent compilation cache for the session, shared with the subprocesses tests start:
 # runs of the same tiny config (in-process or scripts/train.py) compile once, not every time.
@@ -21,6 +22,10 @@ for _name, _value in [("jax_compilation_cache_dir", _JAX_CACHE),
                       ("jax_persistent_cache_min_entry_size_bytes", 0)]:
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)
+
+
+# The scripts that tests start find the huge-pages tunable set, so they do not restart for it.
+os.environ.update(cli.huge_pages_env())
 
 
 def pytest_sessionfinish(session, exitstatus):
