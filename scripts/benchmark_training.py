@@ -8,7 +8,8 @@ The model is nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW wit
 cosine decay, gradient clipping) on the shipped corpus. The twin
 (`sparse_jax/bench/torch_twin.py`) has the same architecture (dense causal attention), starts
 from the same parameters and reads the same batches. `scripts/train.py`'s trainer runs with
-dense attention and with the strided pattern (stride ~ sqrt(n)), each in a fresh process.
+dense attention and with the strided pattern (stride ~ sqrt(n)), each in a fresh process;
+`--baselines=eager,compile` adds the twin under `torch.compile` (needs a C++ compiler).
 Prints steps/s, tokens/s and validation bits of every run and writes results.md and
 results.json to --output_dir.
 """
@@ -25,6 +26,8 @@ _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one 
                            "per context length.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided"], "Attention of this project's "
                               "runs (the twin is always dense).")
+_BASELINES = flags.DEFINE_list("baselines", ["eager"], "The PyTorch twin's modes: eager and/or "
+                               "compile (torch.compile); x PyTorch is against the first.")
 _DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", -1, "CPU devices of this project's runs "
                                     "(-1: one per core).")
@@ -39,6 +42,7 @@ def main(argv):
         raise app.UsageError("--steps needs one number or one per --seq_lens")
     training.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
                                 data_path=_DATA.value, patterns=_PATTERNS.value,
+                                baselines=_BASELINES.value,
                                 cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
                                 command=" ".join(["python", *sys.argv]))
 

@@ -2,8 +2,8 @@
 
 * ``sparse_attention(q, k, v, spec)``: the fast block-sparse path (below; or, with
   ``implementation="pallas"``, the same block terms as a fused kernel, ``sparse_jax.kernel``),
-  and for ``PatternSpec("dense")`` causal attention with a custom backward that reuses the
-  forward's probabilities; ``multi_spec_attention`` splits the heads into groups.
+  and for ``PatternSpec("dense")`` causal attention in query chunks with a flash-style custom
+  backward; ``multi_spec_attention`` splits the heads into groups.
 * ``dense_attention`` (a mask) and ``gather_attention`` (index arrays): the references the tests
   hold the fast path to.
 * ``decode_attention``: one query per head over gathered keys, a step of the cached decoder.

@@ -889,6 +889,9 @@ def build_cases() -> list[Case]:
          "--output_dir={tmp}/t"], r"nope\.txt", timeout=120)
     err("bench/training: seq_lens not numbers",
         ["benchmark_training", "--seq_lens=short", "--output_dir={tmp}/t"], r"seq_lens|short")
+    err("bench/training: unknown baseline",
+        ["benchmark_training", "--seq_lens=64", "--steps=1", "--baselines=jit",
+         "--output_dir={tmp}/t"], r"baselines.*jit")
     return cases
 
 

@@ -125,15 +125,18 @@ def make_optimizer(module: Transformer, opt, total_steps: int):
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, factor), opt.grad_clip
 
 
-def train_and_evaluate(config, dataset, init_params) -> dict:
+def train_and_evaluate(config, dataset, init_params, compile: bool = False) -> dict:
     """Trains the twin of `config`'s model on `dataset` as `sparse_jax.train` would (the same
     batches, steps, optimizer and initial parameters `init_params`), then scores the valid split
-    over at most config.eval_batches batches. Returns timings, losses and valid bits."""
+    over at most config.eval_batches batches. Returns timings, losses and valid bits. `compile`:
+    the module runs through `torch.compile` (its compilation falls in the first step, which the
+    steps/s leave out)."""
     import time
 
     cfg = model_lib.model_config(config.model)
     module = Transformer(cfg)
     load_jax_params(module, init_params)
+    forward = torch.compile(module) if compile else module
     adamw, schedule, clip = make_optimizer(module, config.optimizer, config.total_steps)
     iterator = dataset.train_batches(config.batch_size)
     losses, window, start = {}, [], time.perf_counter()
@@ -141,7 +144,7 @@ def train_and_evaluate(config, dataset, init_params) -> dict:
     module.train()
     for step in range(1, config.total_steps + 1):
         batch = next(iterator)
-        loss = loss_bits(module(torch.from_numpy(batch["inputs"]).long()),
+        loss = loss_bits(forward(torch.from_numpy(batch["inputs"]).long()),
                          torch.from_numpy(batch["targets"]).long())
         adamw.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,7 +164,7 @@ def train_and_evaluate(config, dataset, init_params) -> dict:
         for i, batch in enumerate(dataset.eval_batches("valid", config.batch_size)):
             if 0 < config.eval_batches <= i:
                 break
-            logits = module(torch.from_numpy(batch["inputs"]).long())
+            logits = forward(torch.from_numpy(batch["inputs"]).long())
             nll = F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch["targets"]).long()
                                   .flatten(), reduction="none") / math.log(2)
             mask = torch.from_numpy(batch["mask"]).flatten().float()
@@ -169,4 +172,4 @@ def train_and_evaluate(config, dataset, init_params) -> dict:
     return {"train_s": train_s, "first_step_s": first_step_s,
             "steps_per_s": (config.total_steps - 1) / (train_s - first_step_s),
             "train_bits": losses, "valid_bits": total / max(count, 1.0),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "compiled": compile}

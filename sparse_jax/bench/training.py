@@ -2,8 +2,9 @@
 (scripts/benchmark_training.py).
 
 `benchmark_training` runs, for each context length, the twin (`sparse_jax.bench.torch_twin`,
-dense attention) and then `sparse_jax.train.train` with each attention pattern, every run in a
-fresh process (`tools.run_isolated`). A run's process is
+dense attention; in eager mode, and with `torch.compile` if asked) and then
+`sparse_jax.train.train` with each attention pattern, every run in a fresh process
+(`tools.run_isolated`). A run's process is
 `python -m sparse_jax.bench.training CASE_JSON`; it prints the run's result as one JSON line.
 Only the twin's runs import torch (`requirements-bench.txt`).
 """
@@ -21,6 +22,7 @@ from sparse_jax.bench import tools
 from sparse_jax.bench.tools import case_bar, log_line
 
 TRAINING_CONFIG = "bytes.py:size=tiny,pattern=dense"  # a spec for configs.load
+BASELINES = {"eager": "torch", "compile": "torch.compile"}  # the twin's modes, as rows name them
 
 
 def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str, stride: int
@@ -40,7 +42,8 @@ def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str
 def run_training_case(case: dict) -> dict:
     """One benchmark run: {"impl": "jax"} trains with `sparse_jax.train.train` on
     `case["cpu_devices"]` CPU devices, {"impl": "torch"} the PyTorch eager twin
-    (`sparse_jax.bench.torch_twin`) on the same batches from the same initial parameters."""
+    (`sparse_jax.bench.torch_twin`) on the same batches from the same initial parameters,
+    through `torch.compile` if case["compile"]."""
     from sparse_jax import sharding
 
     if case["impl"] == "jax":
@@ -61,7 +64,8 @@ def run_training_case(case: dict) -> dict:
         dataset = data_lib.make_dataset(config.data, cfg.seq_len)
         init = nnx.to_pure_dict(nnx.state(model_lib.SparseTransformer(
             cfg, rngs=nnx.Rngs(config.seed)), nnx.Param))
-        return torch_twin.train_and_evaluate(config, dataset, init)
+        return torch_twin.train_and_evaluate(config, dataset, init,
+                                             compile=case.get("compile", False))
     import jax
 
     start = time.perf_counter()
@@ -76,20 +80,25 @@ def run_training_case(case: dict) -> dict:
 
 
 def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
-                       patterns=("dense", "strided"), cpu_devices: int = -1,
+                       patterns=("dense", "strided"), baselines=("eager",), cpu_devices: int = -1,
                        output_dir: str | None = None, command: str = "", log=log_line) -> dict:
-    """For each context length (and its number of steps): the PyTorch eager twin (dense
-    attention), then this project's trainer with each of `patterns` (stride ~ sqrt(n)), each in
-    a fresh process, one after another. Writes results.md and results.json to `output_dir`;
+    """For each context length (and its number of steps): the PyTorch twin (dense attention) in
+    each of `baselines` ("eager", "compile": `torch.compile`), then this project's trainer with
+    each of `patterns` (stride ~ sqrt(n)), each in a fresh process, one after another. "×
+    PyTorch" is against the first baseline. Writes results.md and results.json to `output_dir`;
     returns the JSON."""
     import shutil
     import tempfile
 
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown or not baselines:
+        raise ValueError(f"--baselines: {', '.join(unknown) or 'none given'}; choose from "
+                         f"{', '.join(BASELINES)}")
     if not os.path.isfile(data_path):
         raise FileNotFoundError(f"--data: {data_path} is not a file; the shipped corpus is "
                                 "data/kjv.html.gz")
     rows = []
-    cases = [("torch", "dense")] + [("jax", p) for p in patterns]
+    cases = [(BASELINES[b], "dense") for b in baselines] + [("jax", p) for p in patterns]
     with case_bar(len(seq_lens) * len(cases), "training runs") as bar:
         for seq_len, num_steps in zip(seq_lens, steps, strict=True):
             stride = 2 ** round(math.log2(math.sqrt(seq_len)))
@@ -97,8 +106,8 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                 overrides = training_overrides(seq_len, pattern, steps=num_steps,
                                                data_path=data_path, stride=stride)
                 workdir = tempfile.mkdtemp(prefix="sparse_jax_bench_")
-                case = {"impl": impl, "overrides": overrides, "workdir": workdir,
-                        "cpu_devices": cpu_devices}
+                case = {"impl": impl.split(".")[0], "compile": impl == "torch.compile",
+                        "overrides": overrides, "workdir": workdir, "cpu_devices": cpu_devices}
                 start = time.perf_counter()
                 out = tools.run_isolated(
                     ["-m", "sparse_jax.bench.training", json.dumps(case)], timeout_s=None)
@@ -109,7 +118,7 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                 if "error" not in out:
                     row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
                     torch_row = next((r for r in rows if r["seq_len"] == seq_len
-                                      and r["impl"] == "torch"), row)
+                                      and r["impl"] == BASELINES[baselines[0]]), row)
                     if "steps_per_s" in torch_row:
                         row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
                     row["final_train_bits"] = list(out["train_bits"].values())[-1]
