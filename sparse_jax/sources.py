@@ -26,6 +26,8 @@ import zlib
 
 import numpy as np
 
+from sparse_jax.files import atomic_write
+
 SPLITS = ("train", "valid", "test")
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 ENWIK8_SIZE = 100_000_000
@@ -69,7 +71,13 @@ def _checksum(path: str) -> tuple[str, str] | None:
     return None
 
 
-def _vouched(path: str, key: dict) -> bool:
+# A check that passed, or a cache that was written, is recorded ("vouched for") in
+# `<file>.verified` as a JSON key that names the very version of the file (`file_key`: size and
+# mtime) and what was checked; later starts compare keys instead of redoing the work. Byte files,
+# enwik8 and the decoded cache of image folders (`sparse_jax.images`) share this.
+
+
+def vouched(path: str, key: dict) -> bool:
     """Whether `<path>.verified` records `key` (a check that passed for this very file)."""
     try:
         with open(path + ".verified") as f:
@@ -78,15 +86,19 @@ def _vouched(path: str, key: dict) -> bool:
         return False
 
 
-def _vouch(path: str, key: dict) -> None:
+def vouch(path: str, key: dict) -> None:
+    """Records `key` in `<path>.verified` (whole or not at all; a name unique to the process,
+    since several may vouch at once). A read-only folder records nothing: checked again next
+    time."""
     try:
-        with open(path + ".verified", "w") as f:
+        with atomic_write(path + ".verified", suffix=f".part{os.getpid()}") as f:
             json.dump(key, f)
-    except OSError:  # read-only folder: check again next time
+    except OSError:
         pass
 
 
-def _file_key(path: str, **extra) -> dict:
+def file_key(path: str, **extra) -> dict:
+    """{"size", "mtime_ns", **extra} of `path`: what identifies one version of a file."""
     stat = os.stat(path)
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
 
@@ -95,15 +107,15 @@ def _check_digest(path: str, algorithm: str, expected: str, fix: str) -> None:
     """Hashes `path` and compares with `expected` (ValueError that ends with `fix`); a passing
     result is recorded in `<path>.verified`, keyed by size and mtime, so each version of a file
     is hashed once."""
-    key = _file_key(path, **{algorithm: expected})
-    if _vouched(path, key):
+    key = file_key(path, **{algorithm: expected})
+    if vouched(path, key):
         return
     with open(path, "rb") as f:
         got = hashlib.file_digest(f, algorithm).hexdigest()
     if got != expected:
         raise ValueError(f"{path} is damaged or not the expected file: {algorithm.upper()} "
                          f"{got[:12]}..., expected {expected[:12]}...; {fix}")
-    _vouch(path, key)
+    vouch(path, key)
 
 
 def _check_listed(path: str) -> None:
@@ -124,10 +136,10 @@ def _gunzip_cached(path: str) -> str:
     replaced."""
     _check_listed(path)
     raw = path[:-3]
-    source = _file_key(path)
+    source = file_key(path)
     key = {"source_size": source["size"], "source_mtime_ns": source["mtime_ns"]}
     if os.path.exists(raw):
-        if _vouched(raw, {**key, **_file_key(raw)}):
+        if vouched(raw, {**key, **file_key(raw)}):
             return raw
         if not os.path.exists(raw + ".verified"):
             raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
@@ -147,7 +159,7 @@ def _gunzip_cached(path: str) -> str:
                              f"{path})")
         # Vouched for before it appears, so another process never sees it unvouched (a rename
         # keeps the size and mtime the key records).
-        _vouch(raw, {**key, **_file_key(tmp)})
+        vouch(raw, {**key, **file_key(tmp)})
         os.replace(tmp, raw)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
