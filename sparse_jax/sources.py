@@ -12,6 +12,7 @@ one-line error naming it and the fix; no file of the user's is ever replaced or 
 - enwik8 (`load_enwik8`) is the raw file or `enwik8.zip`, checked by size and MD5.
 - CIFAR-10 (`prepare_cifar10`, `cifar10_source`) is the real TFDS builder prepared as
   array_record, read without TensorFlow; TFDS is imported only when CIFAR-10 is used.
+- Folders of pictures are `sparse_jax.images`, which caches them with the machinery here.
 - The "embedded" stream (`embedded_bytes`) is generated in-process: no download.
 """
 
