@@ -1,6 +1,6 @@
 """Folders of pictures (`sparse_jax.images`), written here with Pillow: H, W and C from the
 pictures, train/ and test/ folders or a fixed-seed split (recorded, reproducible), the decoded
-cache, and one-line errors naming the file."""
+cache, one-line errors naming the file, and train -> evaluate -> completion grid on a folder."""
 
 import json
 import os
@@ -11,7 +11,10 @@ from PIL import Image
 
 from conftest import one_line_error, write_pictures
 from sparse_jax import data as D
-from sparse_jax import images
+from sparse_jax import evaluate as E
+from sparse_jax import images, train
+from sparse_jax import sample as S
+from test_train import get_config
 
 
 def names(prefix, n, ext=".png"):
@@ -254,3 +257,43 @@ def test_a_model_of_another_shape_is_refused_before_decoding(tmp_path, monkeypat
                    "image_shape=(8, 6, 3)", *fix)  # as many sub-pixels, another shape
     with pytest.raises(ValueError, match="needs a folder of pictures"):
         D.data_config({"name": "images"})
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole path on a folder: train a few steps, bits/dim, the completion grid.
+
+
+TINY_PICTURES = dict(model__image_shape=(8, 8, 3), model__seq_len=192, model__stride=24,
+                     model__d_model=16, total_steps=3, eval_every=3, checkpoint_every=3,
+                     data__split_fractions=(0.75, 0.25, 0.0))  # valid: 3 of the 12 in train/
+
+
+def test_train_evaluate_and_complete_pictures_of_a_folder(tmp_path):
+    folder = tmp_path / "pics"
+    write_pictures(folder, [f"train/{n}" for n in names("t", 12)] + [f"test/{n}" for n in
+                                                                      names("s", 5)], (8, 8, 3))
+    config = get_config("images", "size=tiny", data__path=str(folder), **TINY_PICTURES)
+    workdir = str(tmp_path / "run")
+    result = train.train(config, workdir)
+    assert result["step"] == 3 and 0 < result["valid_bits"] < 9
+    scored = E.evaluate(workdir, "test", progress=False)
+    assert scored["unit"] == "dim" and scored["num_scored"] == 5 * 192
+    assert 0 < scored["bits"] < 9 and "bits/dim" in E.format_table(scored)
+    done = S.sample(workdir, complete=3, seed=2)
+    test = images.load_folder(folder, config.data.split_fractions).splits["test"]
+    assert list(done["picked"]) == [0, 2, 4]  # spread over the split, first and last included
+    originals = test.images(done["picked"]).reshape(3, 8, 8, 3)
+    np.testing.assert_array_equal(done["samples"][:, :4], originals[:, :4])  # the top halves
+    assert done["path"].endswith("3_complete_test_seed2.png")
+    zoom = S.completion_zoom(8, 8)
+    grid = np.asarray(Image.open(done["path"]))  # rows: originals, top halves shown, completions
+    assert zoom == 12 and grid.shape == (zoom * (3 * 10 + 2), zoom * (3 * 10 + 2), 3)
+    tile = lambda r, c: grid[zoom * (2 + 10 * r):][:8 * zoom:zoom, zoom * (2 + 10 * c):][  # noqa
+        :, :8 * zoom:zoom]
+    for c in range(3):
+        np.testing.assert_array_equal(tile(0, c), originals[c])
+        np.testing.assert_array_equal(tile(1, c)[:4], originals[c, :4])
+        assert np.all(tile(1, c)[4:] == S.HIDDEN)
+        np.testing.assert_array_equal(tile(2, c), done["samples"][c])
+    with pytest.raises(ValueError, match="exceeds the 5 test images"):
+        S.sample(workdir, complete=6)
