@@ -1,6 +1,7 @@
 """Folders of pictures (`sparse_jax.images`), written here with Pillow: H, W and C from the
 pictures, train/ and test/ folders or a fixed-seed split (recorded, reproducible), the decoded
-cache, one-line errors naming the file, and train -> evaluate -> completion grid on a folder."""
+cache, one-line errors naming the file, train -> evaluate -> completion grid on a folder, and the
+lossless baselines."""
 
 import json
 import os
@@ -10,9 +11,9 @@ import pytest
 from PIL import Image
 
 from conftest import one_line_error, write_pictures
+from sparse_jax import baselines, images, train
 from sparse_jax import data as D
 from sparse_jax import evaluate as E
-from sparse_jax import images, train
 from sparse_jax import sample as S
 from test_train import get_config
 
@@ -260,7 +261,7 @@ def test_a_model_of_another_shape_is_refused_before_decoding(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole path on a folder: train a few steps, bits/dim, the completion grid.
+# The whole path on a folder: train a few steps, bits/dim, the completion grid, the baselines.
 
 
 TINY_PICTURES = dict(model__image_shape=(8, 8, 3), model__seq_len=192, model__stride=24,
@@ -297,3 +298,23 @@ def test_train_evaluate_and_complete_pictures_of_a_folder(tmp_path):
         np.testing.assert_array_equal(tile(2, c), done["samples"][c])
     with pytest.raises(ValueError, match="exceeds the 5 test images"):
         S.sample(workdir, complete=6)
+
+
+def test_lossless_baselines_in_bits_per_dim(tmp_path):
+    folder = tmp_path / "pics"
+    flat = np.zeros((6, 8, 3), np.uint8)
+    write_pictures(folder, [f"train/{n}" for n in names("t", 4)] + [f"test/{n}" for n in
+                                                                     names("s", 3)])
+    Image.fromarray(flat).save(folder / "test" / "flat.png")  # compresses far better than noise
+    result = baselines.baselines(str(folder), split="test")
+    assert result["num_images"] == 4 and result["subpixels"] == 4 * 144
+    for codec in ("png", "webp"):
+        row = result["codecs"][codec]
+        assert row["bits_per_dim"] == pytest.approx(8 * row["bytes"] / (4 * 144))
+        assert 0 < row["bits_per_dim"] and row["lossless"]
+    one = baselines.baselines(str(folder), split="test", limit=1)  # the first picture: flat
+    assert one["num_images"] == 1
+    for codec in ("png", "webp"):  # a flat picture costs little more than the file's headers
+        assert one["codecs"][codec]["bytes"] * 2 < result["codecs"][codec]["bytes"] / 4
+    table = baselines.format_table(result)
+    assert "PNG" in table and "WebP" in table and "bits/dim" in table
