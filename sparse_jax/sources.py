@@ -11,7 +11,8 @@ one-line error naming it and the fix; no file of the user's is ever replaced or 
   `<file>.verified`, keyed by size and mtime).
 - enwik8 (`load_enwik8`) is the raw file or `enwik8.zip`, checked by size and MD5.
 - CIFAR-10 (`prepare_cifar10`, `cifar10_source`) is the real TFDS builder prepared as
-  array_record, read without TensorFlow; TFDS is imported only when CIFAR-10 is used.
+  array_record, read without TensorFlow; TFDS, an optional extra (`sparse_jax[tfds]`), is
+  imported only when CIFAR-10 is used (`tfds()`: a one-line error saying how to install it).
 - Folders of pictures are `sparse_jax.images`, which caches them with the machinery here.
 - The "embedded" stream (`embedded_bytes`) is generated in-process: no download.
 """
@@ -292,13 +293,27 @@ def load_enwik8(path: str, *, download: bool = False, expected_size: int | None 
 
 
 # ---------------------------------------------------------------------------------------------
-# CIFAR-10 through TFDS (imported lazily: byte datasets never pay for it).
+# CIFAR-10 through TFDS: an optional extra (`pip install 'sparse_jax[tfds]'`), imported only here
+# and only when CIFAR-10 is used, so byte data and image folders never need TensorFlow.
+
+TFDS_EXTRA = "pip install 'sparse_jax[tfds]'"
+
+
+def tfds():
+    """The `tensorflow_datasets` module, or a one-line ModuleNotFoundError saying how to install
+    it (the default install has no TensorFlow)."""
+    try:
+        import tensorflow_datasets
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            f"CIFAR-10 through TFDS needs tensorflow-datasets, which is not installed ({e}): "
+            f"{TFDS_EXTRA} (or pip install -r requirements.txt), or train on a folder of "
+            "pictures instead (configs/images.py)", name="tensorflow_datasets") from e
+    return tensorflow_datasets
 
 
 def _cifar10_builder(data_dir):
-    import tensorflow_datasets as tfds
-
-    return tfds.builder("cifar10", data_dir=data_dir, file_format="array_record")
+    return tfds().builder("cifar10", data_dir=data_dir, file_format="array_record")
 
 
 def _check_array_record(builder) -> None:
@@ -319,10 +334,9 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
     TFDS's minutes of download retries; one of the wrong size or SHA-256 fails in one line too.
     Preparation needs TensorFlow; reading does not.
     """
-    import tensorflow_datasets as tfds
+    builder = _cifar10_builder(data_dir)  # a missing TFDS fails here, in one line
     from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
-    builder = _cifar10_builder(data_dir)
     if builder.is_prepared():
         _check_array_record(builder)
         return os.fspath(builder.data_dir)
@@ -345,7 +359,7 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
         raise ValueError(f"CIFAR-10 archive {archive} has {os.path.getsize(archive):,} bytes, "
                          f"expected {expected:,}: truncated or not the official file; download "
                          f"{CIFAR10_URL} again")
-    config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
+    config = tfds().download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
     try:
         builder.download_and_prepare(download_config=config, file_format="array_record")
     except NonMatchingChecksumError as e:  # TFDS's message spans lines: the one fact it states
@@ -385,8 +399,6 @@ def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | No
     fixed CIFAR10_SPLIT_SEED; both index sets are kept in TFDS's stored order. `valid_size`
     defaults to CIFAR10_VALID_SIZE.
     """
-    import tensorflow_datasets as tfds
-
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     builder = _cifar10_builder(data_dir)
@@ -396,7 +408,7 @@ def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | No
                                 f"with {CIFAR10_URL.rsplit('/', 1)[1]} in the manual dir")
     _check_array_record(builder)
     tfds_split = "test" if split == "test" else "train"
-    records = tfds.data_source("cifar10", split=tfds_split, data_dir=data_dir, download=False)
+    records = tfds().data_source("cifar10", split=tfds_split, data_dir=data_dir, download=False)
     if split == "test":
         return Cifar10Source(records, np.arange(len(records)))
     valid_size = CIFAR10_VALID_SIZE if valid_size is None else valid_size
