@@ -1,8 +1,8 @@
 """Fields every training config shares, and the parser of config arguments.
 
-Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py` and `quickstart.py` import it
-(`from configs import common`) and set what differs. `base()` returns an unlocked ConfigDict
-with every field the trainer (`sparse_jax.config.check_config`), the data
+Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py`, `images.py` and `quickstart.py`
+import it (`from configs import common`) and set what differs. `base()` returns an unlocked
+ConfigDict with every field the trainer (`sparse_jax.config.check_config`), the data
 (`sparse_jax.data.DataConfig`) and the model (`sparse_jax.model.ModelConfig`) read; the config
 files call `finish()` on it, which locks it so a mistyped override fails.
 """
@@ -59,12 +59,13 @@ def base() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # parameter-sharding devices (FSDP: parameters split along the width)
 
     c.data = ml_collections.ConfigDict()  # sparse_jax.data.DataConfig: exactly its fields
-    c.data.name = "embedded"  # enwik8 | bytes | cifar10 | embedded
-    c.data.path = config_dict.placeholder(str)  # enwik8 raw file or .zip; "bytes": a file (.gz ok)
+    c.data.name = "embedded"  # enwik8 | bytes | cifar10 | images | embedded
+    # enwik8: raw file or .zip; "bytes": a file (.gz ok); "images": a folder of pictures
+    c.data.path = config_dict.placeholder(str)
     c.data.download = False  # enwik8, cifar10: fetch a missing archive (needs network)
     c.data.data_dir = config_dict.placeholder(str)  # TFDS data dir for cifar10 (None: TFDS default)
     c.data.manual_dir = config_dict.placeholder(str)  # where cifar-10-binary.tar.gz is (cifar10)
-    c.data.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test of "bytes" and "embedded"
+    c.data.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test of bytes, embedded, images
     c.data.seed = 0  # training order (windows / epoch permutations)
     c.data.embedded_bytes = 2**21  # size of the generated "embedded" stream
     c.data.embedded_seed = 0  # generator seed of the "embedded" stream
@@ -88,7 +89,7 @@ def base() -> ml_collections.ConfigDict:
     c.model.schedule = ""
     c.model.distinct_summaries = False  # fixed + multihead: each head group its own summary block
     c.model.pos_emb = "text"  # image (row, column, channel) | text (row, column of grid) | single
-    c.model.image_shape = (32, 32, 3)  # (rows, columns, channels) for pos_emb "image"
+    c.model.image_shape = (32, 32, 3)  # (rows, columns, channels): pos_emb "image", image data
     c.model.remat = "none"  # none | full | dots: recompute blocks in the backward pass
     c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay param_dtype)

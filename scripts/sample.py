@@ -3,14 +3,15 @@ r"""Samples from a checkpoint of a training run; all logic lives in `sparse_jax.
   python scripts/sample.py --workdir=workdirs/quickstart --num_samples=4 --length=512 \
       --temperature=0.9 --top_p=0.95 --prompt="eta"
   python scripts/sample.py --workdir=workdirs/cifar10 --num_samples=16     # a PNG grid
-  python scripts/sample.py --workdir=workdirs/cifar10 --complete=8         # original | completion
+  python scripts/sample.py --workdir=workdirs/cifar10 --complete=8         # completions grid
 
 Text: prints the samples and writes them (raw bytes, a header line before each) to
 DIR/samples/<step>_seed<S>.txt. --prompt is UTF-8 text; --prompt_file is read as raw bytes.
-Images: DIR/samples/<step>_seed<S>.png, or with --complete=N the top halves of the first N
-images of --split completed, DIR/samples/<step>_complete_<split>_seed<S>.png. --output sets the
-path. The same --seed gives the same samples. Decoding uses a pattern-aware key/value cache: each
-new byte costs O(|S_i| d) per layer, not a forward pass over the context.
+Images: DIR/samples/<step>_seed<S>.png, or with --complete=N the bottom halves of N images of
+--split (spread evenly over it) completed from their top halves, in one PNG grid of three rows
+(originals, the top halves shown, completions): DIR/samples/<step>_complete_<split>_seed<S>.png.
+--output sets the path. The same --seed gives the same samples. Decoding uses a pattern-aware
+key/value cache: each new byte costs O(|S_i| d) per layer, not a forward pass over the context.
 """
 
 from absl import app, flags
@@ -29,7 +30,8 @@ _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompt read as raw byte
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the samples (.txt / .png).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a step number.")
-_COMPLETE = flags.DEFINE_integer("complete", 0, "Images: complete the top halves of N images.")
+_COMPLETE = flags.DEFINE_integer("complete", 0, "Images: complete the bottom halves of N "
+                                 "images (e.g. 8) of --split from their top halves.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Images for --complete.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing output file.")
 flags.mark_flags_as_required(["workdir"])

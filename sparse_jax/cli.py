@@ -6,11 +6,12 @@ error ends the command with ONE line on stderr and exit status 1:
   error: <what is wrong, the path or field, what to do>
 
 User errors are bad flags and `--config.FIELD` overrides, bad config arguments and values
-(ValueError), missing or damaged files, unusable workdirs and full disks (OSError), and a
-training run stopped by a non-finite loss (FloatingPointError). Ctrl-C outside the training loop
-(which saves a checkpoint itself) ends with "interrupted" and status 130. Anything else is a bug
-and keeps its traceback. Set the environment variable SPARSE_JAX_TRACEBACK=1, or pass
-`--verbosity=1`, to see the traceback of a user error too.
+(ValueError), missing or damaged files, unusable workdirs and full disks (OSError), a
+training run stopped by a non-finite loss (FloatingPointError), and a missing optional
+dependency (ModuleNotFoundError, e.g. TFDS for CIFAR-10: the message says what to install).
+Ctrl-C outside the training loop (which saves a checkpoint itself) ends with "interrupted" and
+status 130. Anything else is a bug and keeps its traceback. Set the environment variable
+SPARSE_JAX_TRACEBACK=1, or pass `--verbosity=1`, to see the traceback of a user error too.
 
 `run(main, huge_pages=True)` (the scripts that compute) first restarts the process, once, with
 glibc's malloc backing its large blocks with transparent huge pages (`huge_pages_env`). XLA:CPU
@@ -28,7 +29,7 @@ import sys
 
 from absl import app, flags, logging
 
-USER_ERRORS = (ValueError, OSError, FloatingPointError)
+USER_ERRORS = (ValueError, OSError, FloatingPointError, ModuleNotFoundError)
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
 HUGE_PAGES_ENV = "SPARSE_JAX_HUGE_PAGES"
 _HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its maps

@@ -1,20 +1,22 @@
 """The data config, the byte and image datasets, and their batch iterators.
 
 `data_config(config.data)` turns the config section into a frozen, validated `DataConfig`;
-`make_dataset` reads its splits (through `sparse_jax.sources`) into a `ByteDataset` (enwik8, any
-byte file, the generated "embedded" stream; bits per byte) or an `ImageDataset` (CIFAR-10; bits
-per dim). `DataConfig.is_image` is the one answer to "is this an image model". Everything here
-is NumPy on the host. Data that cannot serve a run (a missing or damaged file, a split too small
-for its use, a token outside the vocabulary) fails in `prepare` / `make_dataset`, before anything
-is compiled, with a one-line error naming the file and the fix; `fingerprint` /
-`check_fingerprint` detect a data file that changed since a run started. Every batch is a dict
-of `[batch, seq_len]` arrays:
+`make_dataset` reads its splits (through `sparse_jax.sources` and `sparse_jax.images`) into a
+`ByteDataset` (enwik8, any byte file, the generated "embedded" stream; bits per byte) or an
+`ImageDataset` (CIFAR-10, or any folder of same-size pictures; bits per dim).
+`DataConfig.is_image` is the one answer to "is this an image model". Everything here is NumPy on
+the host. Data that cannot serve a run (a missing or damaged file, a split too small for its
+use, a token outside the vocabulary) fails in `prepare` / `make_dataset`, before anything is
+compiled, with a one-line error naming the file and the fix; `fingerprint` / `check_fingerprint`
+detect a data file that changed since a run started. Every batch is a dict of `[batch, seq_len]`
+arrays:
 
 - `inputs` int32, `targets` int32: the model reads `inputs` and predicts `targets` position by
   position. Byte streams: a window starting at s has inputs x[s:s+L] and targets x[s+1:s+L+1].
-  Images (3,072 sub-pixels, raster order row, column, channel): targets are the whole image and
-  inputs are the image shifted right by one with the constant 0 in front, so all 3,072 dims are
-  scored; since position 0 always reads 0, its output is an unconditional first-sub-pixel model.
+  Images (H x W x C sub-pixels, e.g. CIFAR-10's 3,072, raster order row, column, channel):
+  targets are the whole image and inputs are the image shifted right by one with the constant 0
+  in front, so every dim is scored; since position 0 always reads 0, its output is an
+  unconditional first-sub-pixel model.
 - `mask` bool (evaluation batches only): which targets count. Summing -log2 p over `mask` and
   dividing by `mask.sum()` gives bits per byte / per dim.
 
@@ -35,22 +37,24 @@ from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import numpy as np
 
-from sparse_jax import sources
+from sparse_jax import images, sources
 from sparse_jax.sources import SPLITS
 
-DATASETS = ("enwik8", "bytes", "cifar10", "embedded")
-IMAGE_SHAPES = {"cifar10": (32, 32, 3)}  # image datasets: (rows, columns, channels)
+DATASETS = ("enwik8", "bytes", "cifar10", "images", "embedded")
+IMAGE_DATASETS = ("cifar10", "images")  # bits per dim; "images": a folder of pictures
+IMAGE_SHAPES = {"cifar10": (32, 32, 3)}  # (rows, columns, channels) where the dataset fixes it
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The `config.data` section; validated on construction (one-line ValueError per field)."""
-    name: str  # enwik8 | bytes | cifar10 | embedded
-    path: str | None = None  # enwik8: raw file or .zip; bytes: any file (a .gz is decompressed)
+    name: str  # enwik8 | bytes | cifar10 | images | embedded
+    # enwik8: raw file or .zip; bytes: any file (a .gz is decompressed); images: a folder
+    path: str | None = None
     download: bool = False  # enwik8, cifar10: fetch a missing archive (needs network)
     data_dir: str | None = None  # cifar10: TFDS data dir (None: TFDS default)
     manual_dir: str | None = None  # cifar10: the archive's folder (None: data_dir/downloads/manual)
-    split_fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)  # bytes, embedded
+    split_fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)  # bytes, embedded, images
     seed: int = 0  # training order (window offsets / epoch permutations)
     embedded_bytes: int = 2**21  # size of the generated "embedded" stream
     embedded_seed: int = 0  # generator seed of the "embedded" stream
@@ -67,8 +71,10 @@ class DataConfig:
                 if not isinstance(value, (str, os.PathLike)):
                     fail(name, "must be None or a path")
                 object.__setattr__(self, name, os.fspath(value))
-        if self.name in ("enwik8", "bytes") and not self.path:
-            fail("path", f"data {self.name!r} needs a file: set --config.data.path=FILE")
+        if self.name in ("enwik8", "bytes", "images") and not self.path:
+            what = "a folder of pictures: set --config.data.path=FOLDER" if self.name == \
+                "images" else "a file: set --config.data.path=FILE"
+            fail("path", f"data {self.name!r} needs {what}")
         if not isinstance(self.download, bool):
             fail("download", "must be True or False")
         for name, low in (("seed", 0), ("embedded_bytes", 1), ("embedded_seed", 0)):
@@ -87,11 +93,12 @@ class DataConfig:
     @property
     def is_image(self) -> bool:
         """Whether examples are images (bits per dim), not windows of a byte stream."""
-        return self.name in IMAGE_SHAPES
+        return self.name in IMAGE_DATASETS
 
     @property
     def image_shape(self) -> tuple[int, int, int] | None:
-        """(rows, columns, channels) of an image dataset, None for byte data."""
+        """(rows, columns, channels) where the dataset fixes it (CIFAR-10); None for byte data
+        and image folders, whose pictures say (`ImageDataset.image_shape`)."""
         return IMAGE_SHAPES.get(self.name)
 
     @property
@@ -119,8 +126,7 @@ def data_config(config) -> DataConfig:
     if unknown:
         raise ValueError(f"unknown data config field(s) {unknown}; valid: {sorted(fields)}")
     if "name" not in config:
-        raise ValueError("missing data config field 'name' (one of enwik8, bytes, cifar10, "
-                         "embedded)")
+        raise ValueError(f"missing data config field 'name' (one of {', '.join(DATASETS)})")
     return DataConfig(**config)
 
 
@@ -274,12 +280,16 @@ class Dataset:
 
     name: str
     seq_len: int
-    splits: dict[str, Any]  # split name -> uint8 array (bytes) or Cifar10Source (images)
+    # split name -> uint8 array (bytes), or Cifar10Source / images.ImageSplit (images)
+    splits: dict[str, Any]
     seed: int = 0
     process_index: int = 0
     process_count: int = 1
     source: str = "the data"  # what errors name: the file, the generated stream, the TFDS folder
     fractions: tuple[float, ...] | None = None  # bytes: the stream's train/valid/test fractions
+    image_shape: tuple[int, int, int] | None = None  # images: (rows, columns, channels)
+    # image folders: the `images.Folder` read (for its fingerprint)
+    folder: Any = dataclasses.field(default=None, repr=False)
     unit: ClassVar[str]  # "byte" (bits per byte) or "dim" (bits per dim)
     items: ClassVar[str]  # what a split holds: "bytes" or "images"
     min_eval: ClassVar[int]  # the fewest items of a split that can be scored
@@ -401,7 +411,22 @@ _FIXES = {  # what to do about a split too small for its use
     "enwik8": "use the complete enwik8",
     "bytes": "raise its share in --config.data.split_fractions or use a larger file",
     "embedded": "raise --config.data.embedded_bytes or its share in --config.data.split_fractions",
-    "cifar10": "prepare the complete CIFAR-10 (sources.prepare_cifar10)"}
+    "cifar10": "prepare the complete CIFAR-10 (sources.prepare_cifar10)",
+    "images": "add pictures to the folder, or raise the split's share in "
+              "--config.data.split_fractions"}
+
+
+def _check_image_shape(what: str, shape, seq_len: int, model_shape=None) -> None:
+    """A one-line ValueError, with the overrides that fix it, unless images of `shape` are what
+    a model of `seq_len` sub-pixels (and `model_shape`, if given) reads."""
+    (h, w, c), size = shape, math.prod(shape)
+    if seq_len == size and model_shape in (None, tuple(shape)):
+        return
+    reads = f"seq_len={seq_len}" + (f", image_shape={tuple(model_shape)}" if model_shape else "")
+    raise ValueError(f"{what} are {h} x {w} x {c} (rows x columns x channels) = {size} "
+                     f"sub-pixels, but the model reads {reads}: set --config.model.seq_len={size} "
+                     f"--config.model.image_shape=({h},{w},{c}) (and a strided pattern's stride "
+                     f"to one row: --config.model.stride={w * c})")
 
 
 def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
@@ -415,13 +440,17 @@ def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
 
 
 def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1, *,
-                 vocab_size: int | None = None) -> Dataset:
+                 vocab_size: int | None = None,
+                 image_shape: tuple[int, int, int] | None = None) -> Dataset:
     """The dataset of `config` (a DataConfig, or a ConfigDict / mapping for `data_config`).
 
     enwik8: `path` names the raw file or the .zip (`download` fetches a missing archive), split
     90M/5M/5M. bytes: any file at `path` (plain or .gz), split by `split_fractions`. embedded:
     `embedded_bytes` bytes generated with `embedded_seed`, split by `split_fractions`. cifar10:
-    the prepared TFDS builder in `data_dir` (see `prepare`); seq_len must be 3,072.
+    the prepared TFDS builder in `data_dir` (see `prepare`). images: the pictures of the folder
+    `path` (`images.load_folder`; train/ and test/ subfolders, or `split_fractions`). An image's
+    sub-pixels must number seq_len, and with `image_shape` (the model's) its shape must be that;
+    a folder's pictures are checked before they are decoded.
 
     Before anything is compiled, it refuses (one-line errors naming the file and the split)
     data that cannot serve a run: a byte train split shorter than one window (seq_len + 1
@@ -431,14 +460,19 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
     """
     cfg = data_config(config)
     kwargs = dict(seed=cfg.seed, process_index=process_index, process_count=process_count)
-    if cfg.is_image:
-        size = math.prod(cfg.image_shape)
-        if seq_len != size:
-            raise ValueError(f"{cfg.name} images are {size} sub-pixels long "
-                             f"({' x '.join(map(str, cfg.image_shape))}), got seq_len {seq_len}")
+    if cfg.name == "images":
+        what = f"the pictures in {cfg.path}"
+        folder = images.load_folder(cfg.path, cfg.split_fractions, lambda shape: (
+            _check_image_shape(what, shape, seq_len, image_shape)))
+        ds = ImageDataset(cfg.name, seq_len, folder.splits, **kwargs, source=what,
+                          image_shape=folder.shape, folder=folder)
+    elif cfg.is_image:
+        _check_image_shape("CIFAR-10 images", cfg.image_shape, seq_len, image_shape)
         splits = {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS}
         where = cfg.data_dir or "the TFDS default data dir"
-        ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}")
+        ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}",
+                          image_shape=cfg.image_shape)
+    if cfg.is_image:
         for split in SPLITS:
             ds.require(split, 1, "training" if split == "train" else "evaluation")
     else:
@@ -484,8 +518,12 @@ def fingerprint(config, dataset: Dataset | None = None) -> dict:
     (`check_fingerprint`). Byte data: {"name", "path", "size", "sha256"} of the whole stream the
     model reads (of a .gz file: the decompressed bytes), hashed in full (~0.06 s per 100 MB);
     `dataset` (from `make_dataset`) spares loading it again. enwik8: the size and MD5 that
-    `load_enwik8` verifies, not hashed again. cifar10: `sources.cifar10_fingerprint`."""
+    `load_enwik8` verifies, not hashed again. cifar10: `sources.cifar10_fingerprint`. images:
+    `images.fingerprint` (the pixels of every split, hashed in full, and how they were split)."""
     cfg = data_config(config)
+    if cfg.name == "images":
+        return images.fingerprint(dataset.folder if dataset is not None else
+                                  images.load_folder(cfg.path, cfg.split_fractions))
     if cfg.is_image:
         return sources.cifar10_fingerprint(cfg.data_dir)
     if cfg.name == "enwik8":
@@ -503,7 +541,8 @@ def check_fingerprint(recorded: dict | None, config, dataset: Dataset | None = N
     the same data). `recorded` None checks nothing."""
     current, cfg = fingerprint(config, dataset), data_config(config)
     what = {"embedded": "the generated 'embedded' stream", "cifar10": "CIFAR-10 in "
-            f"{cfg.data_dir or 'the TFDS default data dir'}"}.get(cfg.name, cfg.path)
+            f"{cfg.data_dir or 'the TFDS default data dir'}",
+            "images": f"the pictures in {cfg.path}"}.get(cfg.name, cfg.path)
     if recorded is not None:
         sources.check_unchanged(recorded, current, what)
     return current

@@ -196,7 +196,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
 
     check_output(checkpoints.step_of(workdir, checkpoint))
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
-                                    vocab_size=cfg.vocab_size)
+                                    vocab_size=cfg.vocab_size, image_shape=cfg.image_shape)
     split_data = dataset.splits[split]
     count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
     checkpoints.check_data(workdir, config.data, dataset, record=False)  # the data trained on

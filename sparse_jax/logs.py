@@ -116,8 +116,8 @@ class Progress:
     """Progress with rate and ETA on stderr (tqdm): a bar redrawn on a terminal, else a line
     every 10%. Rates are measured from the first update on (so compilation does not count)."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.enabled = total, label, enabled
+    def __init__(self, total: int, label: str, enabled: bool = True, unit: str = "batch"):
+        self.total, self.label, self.enabled, self.unit = total, label, enabled, unit
         self.bar, self.first = None, None
 
     def update(self, done: int, amount: float, unit: str) -> None:
@@ -134,7 +134,7 @@ class Progress:
                 bar_format="{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) "
                            "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
             self.bar = (tqdm if tty else _Lines)(
-                total=self.total, initial=done, desc=self.label, unit="batch", smoothing=0,
+                total=self.total, initial=done, desc=self.label, unit=self.unit, smoothing=0,
                 delay=0 if tty else 1e-6, **options)  # a log file skips the 0% line
         else:
             t0, amount0 = self.first

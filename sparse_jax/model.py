@@ -84,7 +84,7 @@ class ModelConfig:
     schedule: str = ""  # cycle of parts per layer, e.g. "local,local,local,strided"
     distinct_summaries: bool = False  # fixed + multihead: head group h uses summary block h
     pos_emb: str = "text"  # image | text | single
-    image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels) for "image"
+    image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels): data, "image"
     remat: str = "none"  # none | full | dots (see module docstring)
     scan_layers: bool = False  # jax.lax.scan over groups of layers
     dtype: str = "float32"  # compute: float32 | bfloat16

@@ -13,10 +13,13 @@ raw bytes, any values); position 0 always reads a real byte, so without a prompt
 from a newline. A prompt of P bytes followed by L new bytes feeds P + L - 1 positions, which
 must fit the context n. Images: position 0 reads the constant 0 (as in training), so a sample is
 n new sub-pixels after the prompt [0]; completion prompts with [0] + the top half of an image.
-A fixed seed gives the same samples for the same model, batch and length. Outputs:
-``DIR/samples/<step>_seed<S>.txt`` (raw bytes, each sample after a header line),
-``<step>_seed<S>.png`` (a grid of images), ``<step>_complete_<split>_seed<S>.png`` (rows of
-original | completion); ``--output`` overrides the path.
+Completion takes N images spread evenly over the split (its first and last included) and
+samples their bottom halves. A fixed seed gives the same samples for the same model, batch and
+length. Outputs: ``DIR/samples/<step>_seed<S>.txt`` (raw bytes, each sample after a header
+line), ``<step>_seed<S>.png`` (a grid of images), ``<step>_complete_<split>_seed<S>.png`` (three
+rows: the originals, what the model was shown (bottom halves grey), its completions; small
+pictures are enlarged to 96 pixels or more a side, each pixel a square: ``completion_zoom``);
+``--output`` overrides the path.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from sparse_jax.decode import check_length, check_sampling, generate
 from sparse_jax.files import atomic_write
 
 DEFAULT_TEXT_LENGTH = 256
+HIDDEN = 128  # the grey that stands for the hidden bottom half in a completion grid
+
+
+def completion_zoom(rows: int, columns: int) -> int:
+    """Pixels per image pixel in a completion grid: 96 or more on the longer side."""
+    return max(1, -(-96 // max(rows, columns)))
 
 
 def prompt_bytes(prompt: str | bytes | None = None, prompt_file: str | None = None) -> bytes:
@@ -106,9 +115,10 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     an existing output file is replaced only with ``overwrite``.
 
     Text: ``num_samples`` continuations of the prompt by ``length`` bytes (default 256 or as many
-    as fit). Images: ``num_samples`` whole images, or with ``complete=N`` the bottom halves of the
-    first N images of ``split``. Returns {"samples", "path", "step", "seconds", ...}: samples are
-    bytes (prompt included) or uint8 images [N, rows, columns, channels].
+    as fit). Images: ``num_samples`` whole images, or with ``complete=N`` the bottom halves of N
+    images of ``split`` spread evenly over it (``picked``). Returns {"samples", "path", "step",
+    "seconds", ...}: samples are bytes (prompt included) or uint8 images [N, rows, columns,
+    channels].
     """
     # Every argument is checked before parameters or data are read.
     checkpoints.check_workdir(workdir)
@@ -149,7 +159,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     path = output_path(step)
     checkpoints.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
     settings = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
-    rows, columns, channels = data_cfg.image_shape or (0, 0, 0)
+    rows, columns, channels = cfg.image_shape  # of an image model: its data's (make_dataset)
     shape = (-1, rows, columns, channels)
     start = time.time()
     if not image:  # the same prompt for every sample
@@ -159,18 +169,22 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         _write_text(path, samples, f"step {step}, seed {seed}, prompt {len(text)} bytes + "
                                    f"{length} new")
     elif complete:  # [0] + the top half of each image, then the bottom half sampled
-        source = data_lib.make_dataset(config.data, cfg.seq_len,
-                                       vocab_size=cfg.vocab_size).splits[split]
+        source = data_lib.make_dataset(config.data, cfg.seq_len, vocab_size=cfg.vocab_size,
+                                       image_shape=cfg.image_shape).splits[split]
         if complete > len(source):
             raise ValueError(f"complete={complete} exceeds the {len(source)} {split} images")
-        originals = source.images(np.arange(complete)).astype(np.int32)
+        picked = np.round(np.linspace(0, len(source) - 1, complete)).astype(np.int64)
+        originals = source.images(picked).astype(np.int32)
         half = rows // 2 * columns * channels
         prompt_BP = np.concatenate([np.zeros((complete, 1), np.int32), originals[:, :half]], 1)
         tokens = generate(model, prompt_BP, cfg.seq_len - half, **settings)
         samples = tokens[:, 1:].reshape(shape).astype(np.uint8)
-        gap = np.full((complete, rows, 2, channels), 255, np.uint8)
-        pairs = np.concatenate([originals.reshape(shape).astype(np.uint8), gap, samples], axis=2)
-        save_png(image_grid(pairs, columns=max(1, int(math.sqrt(complete / 2)))), path)
+        shown = originals.reshape(shape).astype(np.uint8)
+        hidden = shown.copy()
+        hidden[:, rows // 2:] = HIDDEN
+        grid = image_grid(np.concatenate([shown, hidden, samples]), columns=complete)
+        zoom = completion_zoom(rows, columns)
+        save_png(grid.repeat(zoom, axis=0).repeat(zoom, axis=1), path)
     else:  # whole images after the constant 0 that position 0 reads
         prompt_BP = np.zeros((num_samples, 1), np.int32)
         tokens = generate(model, prompt_BP, cfg.seq_len, **settings)
@@ -178,5 +192,8 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         save_png(image_grid(samples), path)
     seconds = time.time() - start
     new_tokens = tokens.shape[0] * (tokens.shape[1] - prompt_BP.shape[1])
-    return {"samples": samples, "path": path, "step": step, "seconds": seconds,
-            "tokens_per_s": new_tokens / seconds, "image": image, **settings}
+    result = {"samples": samples, "path": path, "step": step, "seconds": seconds,
+              "tokens_per_s": new_tokens / seconds, "image": image, **settings}
+    if image and complete:
+        result["picked"] = picked  # the completed images' indices in the split
+    return result

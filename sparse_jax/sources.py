@@ -11,7 +11,9 @@ one-line error naming it and the fix; no file of the user's is ever replaced or 
   `<file>.verified`, keyed by size and mtime).
 - enwik8 (`load_enwik8`) is the raw file or `enwik8.zip`, checked by size and MD5.
 - CIFAR-10 (`prepare_cifar10`, `cifar10_source`) is the real TFDS builder prepared as
-  array_record, read without TensorFlow; TFDS is imported only when CIFAR-10 is used.
+  array_record, read without TensorFlow; TFDS, an optional extra (`sparse_jax[tfds]`), is
+  imported only when CIFAR-10 is used (`tfds()`: a one-line error saying how to install it).
+- Folders of pictures are `sparse_jax.images`, which caches them with the machinery here.
 - The "embedded" stream (`embedded_bytes`) is generated in-process: no download.
 """
 
@@ -25,6 +27,8 @@ import zipfile
 import zlib
 
 import numpy as np
+
+from sparse_jax.files import atomic_write
 
 SPLITS = ("train", "valid", "test")
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -69,7 +73,13 @@ def _checksum(path: str) -> tuple[str, str] | None:
     return None
 
 
-def _vouched(path: str, key: dict) -> bool:
+# A check that passed, or a cache that was written, is recorded ("vouched for") in
+# `<file>.verified` as a JSON key that names the very version of the file (`file_key`: size and
+# mtime) and what was checked; later starts compare keys instead of redoing the work. Byte files,
+# enwik8 and the decoded cache of image folders (`sparse_jax.images`) share this.
+
+
+def vouched(path: str, key: dict) -> bool:
     """Whether `<path>.verified` records `key` (a check that passed for this very file)."""
     try:
         with open(path + ".verified") as f:
@@ -78,15 +88,19 @@ def _vouched(path: str, key: dict) -> bool:
         return False
 
 
-def _vouch(path: str, key: dict) -> None:
+def vouch(path: str, key: dict) -> None:
+    """Records `key` in `<path>.verified` (whole or not at all; a name unique to the process,
+    since several may vouch at once). A read-only folder records nothing: checked again next
+    time."""
     try:
-        with open(path + ".verified", "w") as f:
+        with atomic_write(path + ".verified", suffix=f".part{os.getpid()}") as f:
             json.dump(key, f)
-    except OSError:  # read-only folder: check again next time
+    except OSError:
         pass
 
 
-def _file_key(path: str, **extra) -> dict:
+def file_key(path: str, **extra) -> dict:
+    """{"size", "mtime_ns", **extra} of `path`: what identifies one version of a file."""
     stat = os.stat(path)
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
 
@@ -95,15 +109,15 @@ def _check_digest(path: str, algorithm: str, expected: str, fix: str) -> None:
     """Hashes `path` and compares with `expected` (ValueError that ends with `fix`); a passing
     result is recorded in `<path>.verified`, keyed by size and mtime, so each version of a file
     is hashed once."""
-    key = _file_key(path, **{algorithm: expected})
-    if _vouched(path, key):
+    key = file_key(path, **{algorithm: expected})
+    if vouched(path, key):
         return
     with open(path, "rb") as f:
         got = hashlib.file_digest(f, algorithm).hexdigest()
     if got != expected:
         raise ValueError(f"{path} is damaged or not the expected file: {algorithm.upper()} "
                          f"{got[:12]}..., expected {expected[:12]}...; {fix}")
-    _vouch(path, key)
+    vouch(path, key)
 
 
 def _check_listed(path: str) -> None:
@@ -124,10 +138,10 @@ def _gunzip_cached(path: str) -> str:
     replaced."""
     _check_listed(path)
     raw = path[:-3]
-    source = _file_key(path)
+    source = file_key(path)
     key = {"source_size": source["size"], "source_mtime_ns": source["mtime_ns"]}
     if os.path.exists(raw):
-        if _vouched(raw, {**key, **_file_key(raw)}):
+        if vouched(raw, {**key, **file_key(raw)}):
             return raw
         if not os.path.exists(raw + ".verified"):
             raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
@@ -147,7 +161,7 @@ def _gunzip_cached(path: str) -> str:
                              f"{path})")
         # Vouched for before it appears, so another process never sees it unvouched (a rename
         # keeps the size and mtime the key records).
-        _vouch(raw, {**key, **_file_key(tmp)})
+        vouch(raw, {**key, **file_key(tmp)})
         os.replace(tmp, raw)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
@@ -279,13 +293,27 @@ def load_enwik8(path: str, *, download: bool = False, expected_size: int | None 
 
 
 # ---------------------------------------------------------------------------------------------
-# CIFAR-10 through TFDS (imported lazily: byte datasets never pay for it).
+# CIFAR-10 through TFDS: an optional extra (`pip install 'sparse_jax[tfds]'`), imported only here
+# and only when CIFAR-10 is used, so byte data and image folders never need TensorFlow.
+
+TFDS_EXTRA = "pip install 'sparse_jax[tfds]'"
+
+
+def tfds():
+    """The `tensorflow_datasets` module, or a one-line ModuleNotFoundError saying how to install
+    it (the default install has no TensorFlow)."""
+    try:
+        import tensorflow_datasets
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            f"CIFAR-10 through TFDS needs tensorflow-datasets, which is not installed ({e}): "
+            f"{TFDS_EXTRA} (or pip install -r requirements.txt), or train on a folder of "
+            "pictures instead (configs/images.py)", name="tensorflow_datasets") from e
+    return tensorflow_datasets
 
 
 def _cifar10_builder(data_dir):
-    import tensorflow_datasets as tfds
-
-    return tfds.builder("cifar10", data_dir=data_dir, file_format="array_record")
+    return tfds().builder("cifar10", data_dir=data_dir, file_format="array_record")
 
 
 def _check_array_record(builder) -> None:
@@ -306,10 +334,9 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
     TFDS's minutes of download retries; one of the wrong size or SHA-256 fails in one line too.
     Preparation needs TensorFlow; reading does not.
     """
-    import tensorflow_datasets as tfds
+    builder = _cifar10_builder(data_dir)  # a missing TFDS fails here, in one line
     from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
-    builder = _cifar10_builder(data_dir)
     if builder.is_prepared():
         _check_array_record(builder)
         return os.fspath(builder.data_dir)
@@ -332,7 +359,7 @@ def prepare_cifar10(data_dir: str | None = None, manual_dir: str | None = None,
         raise ValueError(f"CIFAR-10 archive {archive} has {os.path.getsize(archive):,} bytes, "
                          f"expected {expected:,}: truncated or not the official file; download "
                          f"{CIFAR10_URL} again")
-    config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
+    config = tfds().download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
     try:
         builder.download_and_prepare(download_config=config, file_format="array_record")
     except NonMatchingChecksumError as e:  # TFDS's message spans lines: the one fact it states
@@ -372,8 +399,6 @@ def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | No
     fixed CIFAR10_SPLIT_SEED; both index sets are kept in TFDS's stored order. `valid_size`
     defaults to CIFAR10_VALID_SIZE.
     """
-    import tensorflow_datasets as tfds
-
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     builder = _cifar10_builder(data_dir)
@@ -383,7 +408,7 @@ def cifar10_source(split: str, data_dir: str | None = None, valid_size: int | No
                                 f"with {CIFAR10_URL.rsplit('/', 1)[1]} in the manual dir")
     _check_array_record(builder)
     tfds_split = "test" if split == "test" else "train"
-    records = tfds.data_source("cifar10", split=tfds_split, data_dir=data_dir, download=False)
+    records = tfds().data_source("cifar10", split=tfds_split, data_dir=data_dir, download=False)
     if split == "test":
         return Cifar10Source(records, np.arange(len(records)))
     valid_size = CIFAR10_VALID_SIZE if valid_size is None else valid_size

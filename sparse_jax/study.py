@@ -213,7 +213,8 @@ def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> 
     config = config_lib.read_record(run_dir)
     cfg = model_config(config.model)
     mesh = train_lib.make_mesh(config)
-    dataset = data_lib.make_dataset(config.data, cfg.seq_len, vocab_size=cfg.vocab_size)
+    dataset = data_lib.make_dataset(config.data, cfg.seq_len, vocab_size=cfg.vocab_size,
+                                    image_shape=cfg.image_shape)
     batches = dataset.train_batches(config.batch_size)
     jitted = train_lib.make_jitted(config, cfg, mesh)
     state, rng = jitted.init(), jax.random.key(config.seed)

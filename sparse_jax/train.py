@@ -175,7 +175,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     with checkpoints.lock(workdir) if primary else contextlib.nullcontext():
         data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
         dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
-                                        jax.process_count(), vocab_size=cfg.vocab_size)
+                                        jax.process_count(), vocab_size=cfg.vocab_size,
+                                        image_shape=cfg.image_shape)
         checkpoints.check_data(workdir, config.data, dataset)  # the same data on resume
         iterator = dataset.train_batches(config.batch_size // jax.process_count())
         if primary and changes is None:

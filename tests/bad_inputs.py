@@ -58,7 +58,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train", "evaluate", "sample", "describe", "plot_pattern", "compare_patterns",
-           "benchmark_attention", "benchmark_model", "benchmark_sampling", "benchmark_training")
+           "image_baselines", "benchmark_attention", "benchmark_model", "benchmark_sampling",
+           "benchmark_training")
 TRACEBACK = "Traceback (most recent call last)"
 MAX_ERROR_CHARS = 500  # "short": the error line, with the case folder written as {tmp}
 
@@ -74,6 +75,20 @@ TINY = ["--config.data.embedded_bytes=20000", "--config.model.seq_len=64",
 def tiny(*extra, workdir="{work}", config=CONFIG):
     """argv of scripts/train.py on the tiny config; `extra` flags come last (the last wins)."""
     return ["train", f"--config={config}", f"--workdir={workdir}", *TINY, *extra]
+
+
+# configs/images.py on {tmp}/pics: pictures of 4 x 4 x 3, a 2-layer d=16 model, 4 steps.
+IMAGES = ["--config.data.path={tmp}/pics", "--config.model.d_model=16",
+          "--config.data.split_fractions=(0.5,0.25,0.25)", "--cpu_devices=1"]
+
+
+def tiny_images(*extra, workdir="{work}", shape=(4, 4, 3)):
+    """argv of scripts/train.py on configs/images.py:size=tiny and the folder {tmp}/pics, for
+    a model of pictures of `shape` (a tuple override given twice would be concatenated)."""
+    h, w, c = shape
+    return ["train", "--config={root}/configs/images.py:size=tiny", f"--workdir={workdir}",
+            *IMAGES, f"--config.model.image_shape=({h},{w},{c})",
+            f"--config.model.seq_len={h * w * c}", f"--config.model.stride={w * c}", *extra]
 
 
 def on_bytes(path="{tmp}/data.txt"):
@@ -226,11 +241,11 @@ def trained(dest: str = "work"):
     return run
 
 
-def train_here(*extra, workdir="{work}"):
-    """Trains the tiny config in the case folder now (a run whose config.json names files
-    there), with `extra` flags."""
+def train_here(*extra, workdir="{work}", argv=tiny):
+    """Trains the tiny config (`argv`: `tiny` or `tiny_images`) in the case folder now (a run
+    whose config.json names files there), with `extra` flags."""
     def run(ctx):
-        run_command(tiny(*extra, workdir=workdir), ctx.tmp, ctx.env, what="training in setup")
+        run_command(argv(*extra, workdir=workdir), ctx.tmp, ctx.env, what="training in setup")
     return run
 
 
@@ -318,6 +333,26 @@ def zip_bytes(members: dict[str, bytes]) -> bytes:
         data = f.read()
     os.remove(path)
     return data
+
+
+def picture(shape=(4, 4, 3), seed=0, fmt="PNG", cut: int = 0) -> bytes:
+    """A picture of random pixels, uint8 [H, W, C] = `shape`, as PNG or JPEG bytes; `cut`
+    bytes taken off its end (its header whole, its pixels damaged)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels[..., 0] if shape[-1] == 1 else pixels).save(out, format=fmt)
+    return out.getvalue()[:len(out.getvalue()) - cut]
+
+
+def pictures(n: int = 8, folder: str = "pics", **kwargs):
+    """n pictures (`picture(seed=i, **kwargs)`) in {tmp}/<folder>/<class>/: a usable folder."""
+    return seq(*(write(f"{folder}/{'ab'[i % 2]}/{i:02d}.png", picture(seed=i, **kwargs))
+                 for i in range(n)))
 
 
 def modify_byte(rel: str, offset: int = 10_000):
@@ -536,6 +571,44 @@ def build_cases() -> list[Case]:
        may_change=("work/checkpoints/*", "work/config.json", "work/data_fingerprint*",
                    *RUN_FILES),
        rule="data.path may change on resume when the content is the same")
+
+    # -- image folders (configs/images.py) -----------------------------------------------------
+    err("images/folder missing", tiny_images(), r"pics.*not found")
+    err("images/a file, not a folder", tiny_images("--config.data.path={tmp}/one.png"),
+        r"one\.png.*not a folder", setup=write("one.png", picture()))
+    err("images/no path", ["train", "--config={root}/configs/images.py:size=tiny",
+                           "--workdir={work}"], r"data\.path")
+    err("images/no pictures", tiny_images(), r"no PNG or JPEG pictures.*pics",
+        setup=write("pics/notes.txt", "my notes\n"))
+    err("images/mixed sizes", tiny_images(), r"differ in size.*b/99\.png",
+        setup=seq(pictures(), write("pics/b/99.png", picture((5, 4, 3)))))
+    err("images/grayscale among RGB", tiny_images(), r"b/99\.png.*grayscale",
+        setup=seq(pictures(), write("pics/b/99.png", picture((4, 4, 1)))))
+    err("images/not a picture", tiny_images(), r"b/99\.png.*not a readable",
+        setup=seq(pictures(), write("pics/b/99.png", b"<html>404 Not Found</html>")))
+    err("images/picture damaged past its header", tiny_images(), r"99\.jpg.*damaged",
+        setup=seq(pictures(), write("pics/b/99.jpg", picture(fmt="JPEG", cut=40))))
+    err("images/train/ without test/", tiny_images(), r"train/ folder but no test/",
+        setup=pictures(folder="pics/train"))
+    err("images/pictures of another shape than the model",
+        tiny_images(shape=(8, 8, 3)), r"4 x 4 x 3.*image_shape=\(4,4,3\)",
+        setup=pictures())
+    err("images/folder changed since the run started", tiny_images("--config.total_steps=6"),
+        r"pictures in .*pics.*changed", setup=seq(pictures(), train_here(argv=tiny_images),
+                                                  write("pics/a/new.png", picture(seed=99))),
+        may_change=("pics.sparse_jax/*",),
+        rule="a data file changed since the run started is detected on resume")
+    ba = ["image_baselines", "--path={tmp}/pics", "--split_fractions=0.5,0.25,0.25"]
+    err("image_baselines/folder missing", ba, r"pics.*not found")
+    err("image_baselines/limit 0", [*ba, "--limit=0"], r"limit", setup=pictures())
+    err("image_baselines/empty split", [*ba, "--split_fractions=0.5,0.5,0"], r"test split.*0",
+        setup=pictures())
+    err("image_baselines/split fractions not numbers", [*ba, "--split_fractions=a,b,c"],
+        r"split_fractions", setup=pictures())
+    err("image_baselines/mixed sizes", ba, r"differ in size.*b/99\.png",
+        setup=seq(pictures(), write("pics/b/99.png", picture((5, 4, 3)))))
+    ok("image_baselines/a folder", [*ba, "--output={tmp}/b.json"],
+       all_of(exists("b.json"), output_matches(r"WebP lossless")), setup=pictures())
 
     # -- the workdir --------------------------------------------------------------------------
     err("workdir/is a file", tiny(), r"work", setup=write("work", "my notes\n"))

@@ -103,3 +103,22 @@ def cifar(tmp_path_factory):
     """Prepares the real `cifar10` builder once from a tiny archive of random pixels; yields
     (data_dir, {TFDS example key: image in raster order})."""
     return fake_cifar10.prepare(str(tmp_path_factory.mktemp("cifar")), TRAIN_PER_FILE, NUM_TEST)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders of pictures (sparse_jax.images), written with Pillow.
+
+
+def write_pictures(folder, names, shape=(6, 8, 3), seed=0):
+    """A picture of random pixels, uint8 [H, W, C] = `shape`, at folder/<name> for each name
+    (PNG, or JPEG for .jpg / .jpeg, which is lossy); returns {name: pixels}."""
+    from PIL import Image
+
+    rng, written = np.random.default_rng(seed), {}
+    for name in names:
+        pixels = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        path = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        Image.fromarray(pixels[..., 0] if shape[-1] == 1 else pixels).save(path)
+        written[name] = pixels
+    return written

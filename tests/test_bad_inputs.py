@@ -10,13 +10,15 @@ import pytest
 import bad_inputs
 
 # A config field, damaged data, a foreign workdir, a refused rerun of a trained run (config.json
-# left byte-identical) and a script other than train.py; the library tests cover the rest.
+# left byte-identical), a script other than train.py and a folder of pictures of two sizes; the
+# library tests cover the rest.
 SUBSET = [
     "config/unknown field",
     "data/truncated .gz",
     "workdir/foreign files",
     "rerun/forbidden change: seed",
     "sample/workdir empty",
+    "images/mixed sizes",
 ]
 
 

@@ -25,6 +25,7 @@ VARIANTS = {
                  "size": ["cpu", "cpu_long", "paper", "small", "tiny"]},
     "cifar10.py": {"pattern": ["strided", "fixed", "dense"],
                    "size": ["paper", "small", "mini", "tiny"]},
+    "images.py": {"pattern": ["strided", "fixed", "dense"], "size": ["cpu", "tiny"]},
     "quickstart.py": {"pattern": ["strided", "dense", "fixed", "local"],
                       "data": ["kjv", "embedded"]},
 }
@@ -58,11 +59,11 @@ def test_every_variant_loads_locked_and_builds_a_model_config(name):
             config.optimizer.learning_rate = 1.0  # a typo cannot add a field
         with pytest.raises(TypeError):
             config.total_steps = "many"
-        if config.data.name == "bytes":
+        if config.data.name in ("bytes", "images"):  # a file or a folder to read
             path, config.data.path = config.data.path, None
             with pytest.raises(ValueError, match="data.path"):
                 check_config(config)
-            config.data.path = path
+            config.data.path = path or "pictures"  # images: no default folder
         assert check_config(config) == cfg
         assert config.eval_every > 0 and config.checkpoint_every > 0
         if arg and "size=tiny" in arg:  # a smoke test: tiny model, few steps

@@ -178,11 +178,13 @@ def test_images_and_completion(cifar, tmp_path, monkeypatch):
     assert result["samples"].shape == (2, 32, 32, 3) and result["path"].endswith("1_seed5.png")
     assert Image.open(result["path"]).size == (2 * 34 + 2, 36)
     done = S.sample(workdir, complete=2, seed=5)
-    originals = sources.cifar10_source("test", data_dir).images([0, 1]).reshape(2, 32, 32, 3)
+    assert list(done["picked"]) == [0, 4]  # the first and the last of the 5 test images
+    originals = sources.cifar10_source("test", data_dir).images([0, 4]).reshape(2, 32, 32, 3)
     np.testing.assert_array_equal(done["samples"][:, :16], originals[:, :16])  # the top halves
     assert not np.array_equal(done["samples"][:, 16:], originals[:, 16:])
     assert done["path"].endswith("1_complete_test_seed5.png")
-    assert Image.open(done["path"]).size == (66 + 4, 2 * 34 + 2)
+    zoom = S.completion_zoom(32, 32)  # 3 rows (originals, shown, completed) x 2, enlarged
+    assert zoom == 3 and Image.open(done["path"]).size == (zoom * (2 * 34 + 2), zoom * (3 * 34 + 2))
     with pytest.raises(ValueError, match="no text prompt"):
         S.sample(workdir, prompt="a")
     with pytest.raises(ValueError, match="exceeds the 5 test images"):

@@ -1,0 +1,78 @@
+r"""Any folder of same-size PNG or JPEG pictures (bits per dim): a CPU preset and a smoke test.
+
+Command (the folder is searched recursively; train/ and test/ subfolders are the splits if
+present, else a fixed-seed split by --config.data.split_fractions; see sparse_jax/images.py):
+  python scripts/train.py --config=configs/images.py:size=cpu --workdir=workdirs/images_cpu \
+      --config.data.path=/work/data/cifar10_jpeg
+  python scripts/evaluate.py --workdir=workdirs/images_cpu --split=test
+  python scripts/sample.py --workdir=workdirs/images_cpu --complete=8
+The first run decodes the pictures once into <folder>.sparse_jax/pixels.npy (CIFAR-10's 60,000
+JPEGs: seconds); later runs map that file. The presets read 32 x 32 x 3 pictures (context
+3,072, stride 96 = one row of 32 pixels x 3 channels); pictures of another size are refused
+with the overrides that fit them (--config.model.image_shape, seq_len and stride).
+Variants: pattern = strided (default) | fixed | dense; size = cpu (default) | tiny.
+
+size=cpu: sized for a 2-core CPU and a 30-minute budget on 50,000 pictures of 32 x 32 x 3:
+  4 layers, d=128, 2 heads, half-size feed-forward and query/key (paper), merged strided
+  attention with l=96 (each head sees the last 97 sub-pixels and the same sub-pixel of every
+  row above), 0.54M parameters, 1,500 steps of 8 pictures (12,000 pictures: a quarter of an
+  epoch of CIFAR-10's 48,000). Hardware: a 2-core CPU. Wall time: about 25 minutes from process
+  start on an idle 2-core AMD EPYC (decoding, compilation, four validation passes of 256
+  pictures and checkpoints included), estimated from 1.03 steps/s measured over short runs;
+  longer while other jobs share the cores (0.7 steps/s measured then). Not yet run to the end.
+  Target: test bits per dim below lossless WebP's on the same pictures
+  (scripts/image_baselines.py: 4.2 bits/dim on the JPEG copy's test pictures, measured on
+  2,000 of them; PNG 6.0). On the public JPEG copy of CIFAR-10 (lossy, so not comparable with
+  the paper's 2.80 bits/dim on the original pictures) the model's figures are to be measured.
+size=tiny: 2 layers, d=32, 4 steps of 2 pictures: a smoke test that runs in seconds on a 2-core
+  CPU (the loss barely moves).
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+    args = common.parse_args(arg, pattern=("strided", "fixed", "dense"), size=("cpu", "tiny"))
+    c = common.base()
+    c.data.name = "images"  # a folder of pictures: --config.data.path=FOLDER
+    # train / valid / test of a folder without train/ and test/; with them, valid is this share
+    # of train/ (CIFAR-10: 2,000 of 50,000, as the paper's 48,000 / 2,000 / 10,000)
+    c.data.split_fractions = (0.92, 0.04, 0.04)
+
+    c.model.seq_len = 3072  # 32 x 32 x 3 sub-pixels in raster order
+    c.model.pos_emb = "image"  # row, column and channel tables
+    c.model.image_shape = (32, 32, 3)  # rows, columns, channels: the pictures' shape
+    c.model.pattern = args["pattern"]  # strided (default) | fixed | dense
+    c.model.stride = 96  # l: one picture row (32 pixels x 3 channels)
+    c.model.c = 24  # summary width of the fixed variant, l / 4
+    c.model.ff_mult = 2.0  # half-size feed-forward (paper, CIFAR-10)
+    c.model.qk_ratio = 0.5  # half-size query/key projections (paper, CIFAR-10)
+    if args["size"] == "cpu":
+        c.model.num_layers = 4  # residual blocks
+        c.model.d_model = 128  # width
+        c.model.num_heads = 2  # heads (paper, CIFAR-10)
+        c.model.mode = "merged"  # every head attends both parts
+        c.batch_size = 8  # pictures per step (24,576 sub-pixels; 4 per core)
+        c.total_steps = 1500  # optimizer steps
+        c.optimizer.lr = 3e-3  # peak learning rate (small model, short run)
+        c.optimizer.warmup_steps = 100  # linear warmup
+        c.optimizer.min_lr_ratio = 0.1  # the cosine ends at lr / 10
+        c.log_every = 50  # steps between train-loss lines
+        c.eval_every = 375  # steps between validation passes
+        c.eval_batches = 32  # 256 valid pictures per pass during training
+        c.checkpoint_every = 375  # steps between checkpoints
+    else:  # tiny
+        c.model.num_layers = 2  # residual blocks
+        c.model.d_model = 32  # width
+        c.model.num_heads = 2  # heads
+        if args["pattern"] == "strided":
+            c.model.schedule = "local,strided"  # both parts in two layers
+        c.batch_size = 2  # pictures per step
+        c.total_steps = 4  # a smoke test
+        c.optimizer.lr = 1e-3  # peak learning rate
+        c.optimizer.warmup_steps = 1  # linear warmup
+        c.log_every = 1  # steps between train-loss lines
+        c.eval_every = 2  # steps between validation passes
+        c.eval_batches = 1  # validation batches per pass
+        c.checkpoint_every = 2  # steps between checkpoints
+    return common.finish(c)

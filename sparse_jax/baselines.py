@@ -1,0 +1,115 @@
+"""What general-purpose lossless image codecs cost on a split of a folder of pictures, in bits
+per dim: the figures a model's bits/dim should be read against (`scripts/image_baselines.py`).
+
+Each picture is compressed alone (as a file of its own would be) by
+
+  png   Pillow's PNG writer with optimize=True (zlib at its best setting, filters chosen)
+  webp  lossless WebP (lossless=True, quality=100, method=6: the slowest, smallest)
+
+and decoded again to check that it is lossless. Bits per dim = 8 x total bytes / total
+sub-pixels of the pictures (H x W x C each), so a codec's file headers count, as they would for
+files on a disk. The pictures are read as the model reads them (`sparse_jax.images`): on a
+folder of JPEGs, the decoded pixels, not the JPEG files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+
+from sparse_jax import images
+from sparse_jax.files import atomic_write
+from sparse_jax.sources import SPLITS
+
+CODECS = {  # name -> (label, Pillow save options)
+    "png": ("PNG (optimize)", dict(format="PNG", optimize=True)),
+    "webp": ("WebP lossless (method 6)", dict(format="WEBP", lossless=True, quality=100,
+                                              method=6)),
+}
+
+
+def compressed_size(pixels_HWC: np.ndarray, codec: str) -> tuple[int, bool]:
+    """(bytes of one picture compressed by `codec`, whether it decodes to the same pixels)."""
+    from PIL import Image
+
+    mode = images.READ_MODE[pixels_HWC.shape[-1]]
+    picture = Image.fromarray(pixels_HWC[..., 0] if mode == "L" else pixels_HWC, mode)
+    buffer = io.BytesIO()
+    picture.save(buffer, **CODECS[codec][1])
+    decoded = Image.open(io.BytesIO(buffer.getvalue())).convert(mode)
+    same = np.array_equal(np.asarray(decoded).reshape(pixels_HWC.shape), pixels_HWC)
+    return buffer.tell(), same
+
+
+def baselines(path: str, split: str = "test", split_fractions=(0.92, 0.04, 0.04),
+              limit: int | None = None, codecs=tuple(CODECS), progress=None) -> dict:
+    """Bits per dim of each codec over the pictures of `split` of the folder `path` (split as
+    `images.load_folder` splits it; the default fractions are configs/images.py's). `limit`: N
+    pictures spread evenly over the split (its first and last included) instead of all.
+    `progress(done, total)` is called after each picture."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    unknown = sorted(set(codecs) - set(CODECS))
+    if unknown:
+        raise ValueError(f"unknown codec(s) {unknown}; known: {sorted(CODECS)}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive number of pictures, got {limit!r}")
+    folder = images.load_folder(path, split_fractions)
+    source = folder.splits[split]
+    count = len(source) if limit is None else min(limit, len(source))
+    if not count:
+        raise ValueError(f"the {split} split of {folder.path} has 0 pictures ({folder.layout} "
+                         f"split, split_fractions={tuple(split_fractions)}); choose another "
+                         "--split or raise its share in --split_fractions")
+    picked = np.round(np.linspace(0, len(source) - 1, count)).astype(np.int64)
+    totals = {c: 0 for c in codecs}
+    lossless = {c: True for c in codecs}
+    start = time.time()
+    for k, i in enumerate(picked):
+        pixels = source.images([i]).reshape(folder.shape)
+        for codec in codecs:
+            size, same = compressed_size(pixels, codec)
+            totals[codec] += size
+            lossless[codec] &= same
+        if progress is not None:
+            progress(k + 1, count)
+    subpixels = count * int(np.prod(folder.shape))
+    return {"folder": folder.path, "split": split, "layout": folder.layout,
+            "shape": list(folder.shape), "num_images": count, "split_size": len(source),
+            "subpixels": subpixels, "seconds": time.time() - start,
+            "codecs": {c: {"label": CODECS[c][0], "bytes": totals[c],
+                           "bits_per_dim": 8 * totals[c] / subpixels, "lossless": lossless[c]}
+                       for c in codecs}}
+
+
+def format_table(result: dict) -> str:
+    """Markdown table of a `baselines` result."""
+    n, total = result["num_images"], result["split_size"]
+    rows = [f"{result['split']} split of {result['folder']}: {n:,} of {total:,} pictures of "
+            f"{' x '.join(map(str, result['shape']))}", "",
+            "| codec | bytes | bytes/picture | bits/dim | lossless |", "|---|---|---|---|---|"]
+    rows += [f"| {r['label']} | {r['bytes']:,} | {r['bytes'] / n:,.1f} | "
+             f"{r['bits_per_dim']:.3f} | {'yes' if r['lossless'] else 'NO'} |"
+             for r in result["codecs"].values()]
+    return "\n".join(rows)
+
+
+def default_output(path: str, split: str, limit: int | None = None) -> str:
+    """Where the result goes by default: the folder's cache folder (`images.cache_dir`)."""
+    return os.path.join(images.cache_dir(path), f"baselines_{split}"
+                        + (f"_limit{limit}" if limit else "") + ".json")
+
+
+def save(result: dict, path: str) -> None:
+    """Writes `result` as JSON to `path` (whole or not at all); one-line OSError naming it."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_write(path) as f:
+            json.dump(result, f, indent=1)
+    except OSError as e:
+        raise OSError(e.errno, f"could not write {path}: {e.strerror or e}; free some space or "
+                               "choose another --output") from e
