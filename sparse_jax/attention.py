@@ -164,12 +164,25 @@ class _Piece:
     keep: Callable
     transposed: bool = False
     split: int = 1
+    window: int = 0
 
     def layout(self, x):
         """A grid array ``[B, H, R, block, ...]`` in this piece's layout (all tiles)."""
         if self.transposed:
             return x.swapaxes(2, 3)
         return x.reshape(*x.shape[:2], -1, x.shape[3] // self.split, *x.shape[4:])
+
+    def key_layout(self, x):
+        """The keys (values) of a grid array in this piece's layout: with a ``window``, tile t
+        holds tiles t - window .. t side by side (zeros before tile 0), built once for all tiles
+        so that no scan step copies keys around."""
+        x = self.layout(x)
+        if not self.window:
+            return x
+        padded = jnp.pad(x, ((0, 0), (0, 0), (self.window, 0)) + ((0, 0),) * (x.ndim - 3))
+        tiles = x.shape[2]
+        return jnp.concatenate([padded[:, :, p:p + tiles] for p in range(self.window + 1)],
+                               axis=3)
 
     def to_grid(self, x):
         """Inverse of ``layout`` (for arrays covering tiles ``[t0, t1)``)."""
@@ -218,18 +231,14 @@ def _band_pieces(term: patterns.BandTerm, rows: int):
     prev, block = term.prev, term.block
     tile = term.tile_mask()
 
-    def window(x):  # slab of prev + c rows -> keys of rows r - prev .. r side by side
-        c = x.shape[2] - prev
-        return jnp.concatenate([x[:, :, p:p + c] for p in range(prev + 1)], axis=3)
-
     def keep(t, c):  # the tile mask, and no key in the rows before row 0
         key_row = t + jnp.arange(c)[:, None] - prev + jnp.arange(tile.shape[1])[None] // block
         return jnp.asarray(tile)[None] & (key_row >= 0)[:, None, :]
 
     return [_Piece(
-        0, rows * split, halo=prev, chunk=_chunk(tile.size), split=split,
-        scores=lambda q, k: _dot("bhrqd,bhrkd->bhrqk", q, window(k)),
-        values=lambda p, v: _dot("bhrqk,bhrkd->bhrqd", p, window(v)),
+        0, rows * split, halo=0, chunk=_chunk(tile.size), split=split, window=prev,
+        scores=lambda q, k: _dot("bhrqd,bhrkd->bhrqk", q, k),
+        values=lambda p, v: _dot("bhrqk,bhrkd->bhrqd", p, v),
         keep=keep)]
 
 
@@ -298,7 +307,7 @@ def _slabs(piece: _Piece, q_g, k_g, v_g):
     """The piece's layout of q, and of k, v with zero tiles in front so every key slab exists.
     Returns q, k, v and ``slab(x, t, c)``, the keys of tiles ``t .. t + c - 1``."""
     pad = max(0, piece.halo - piece.t0)
-    q, k, v = (piece.layout(x) for x in (q_g, k_g, v_g))
+    q, k, v = piece.layout(q_g), piece.key_layout(k_g), piece.key_layout(v_g)
     k, v = (jnp.pad(x, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) if pad else x for x in (k, v))
 
     def slab(x, t, c):
@@ -348,7 +357,11 @@ def _piece_backward(piece: _Piece, q_g, k_g, v_g, d_out, lse, delta):
 
     d_kv = [jnp.zeros_like(x, jnp.float32) for x in (k, v)]  # zeros_like: also under shard_map
     d_kv, d_q = _over_chunks(step, d_kv, piece)
-    d_k, d_v = (piece.to_grid(x[:, :, pad:]) for x in d_kv)
+    if piece.window:  # back from the windows: the transpose of key_layout (a sum of shifts)
+        d_k, d_v = (jax.vjp(piece.key_layout, jnp.zeros_like(x, jnp.float32))[1](d)[0]
+                    for x, d in zip((k_g, v_g), d_kv))
+    else:
+        d_k, d_v = (piece.to_grid(x[:, :, pad:]) for x in d_kv)
     return piece.to_grid(d_q), d_k, d_v
 
 
