@@ -20,14 +20,18 @@ import time
 from sparse_jax.bench import tools
 from sparse_jax.bench.tools import case_bar, log_line
 
-DENSE_IMPLEMENTATIONS = ("xla", "cudnn")  # of jax.nn.dot_product_attention
+# dense@xla / dense@cudnn: jax.nn.dot_product_attention's implementations; dense@chunked: this
+# project's dense path (sparse_attention with PatternSpec("dense")); dense@torch: PyTorch's
+# fused scaled_dot_product_attention on the CPU, one thread per device, what a user would pick.
+DENSE_IMPLEMENTATIONS = ("xla", "cudnn", "chunked", "torch")
 
 
 def parse_pattern(name: str, seq_len: int):
     """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n)),
     optionally followed by ``@IMPL``, as (PatternSpec, implementation, kernel tiles or None):
     for dense ``@xla`` or ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default
-    choice), for the sparse patterns ``@xla`` (the default), ``@pallas`` or ``@auto``
+    choice), ``@chunked`` (this project's dense path) or ``@torch`` (PyTorch's SDPA), for the
+    sparse patterns ``@xla`` (the default), ``@pallas`` or ``@auto``
     (``attention.sparse_attention``); ``@pallas:QxK`` also sets the kernel's tiles (Q queries by
     K keys, e.g. ``strided:128@pallas:128x64``), to compare tile sizes in one sweep."""
     from sparse_jax.attention import IMPLEMENTATIONS
@@ -83,18 +87,20 @@ def run_attention_case(case: dict) -> dict:
                 "size": tools.matmul_size()}
     n = case["seq_len"]
     spec, implementation, sizes = parse_pattern(case["pattern"], n)
+    if implementation == "torch":
+        return _run_torch_case(case, spec)
     dtype = jnp.dtype(case["dtype"])
     shape = (case["batch"], n, case["heads"], case["head_dim"])
     mesh = Mesh(jax.devices()[:case["devices"]], ("heads",))
     heads = P(None, None, "heads", None)
     q, k, v = (jax.device_put(jax.random.normal(key, shape, dtype), NamedSharding(mesh, heads))
                for key in jax.random.split(jax.random.PRNGKey(0), 3))
-    if spec.kind == "dense":
+    if spec.kind == "dense" and implementation != "chunked":
         attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, is_causal=True, implementation=implementation)
     else:
         attend = lambda q, k, v: sparse_attention(  # noqa: E731
-            q, k, v, spec, implementation, sizes)
+            q, k, v, spec, "xla" if implementation == "chunked" else implementation, sizes)
     if case["devices"] > 1:  # each device attends with its own heads
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)
     if case["pass"] == "fwd":
@@ -111,6 +117,31 @@ def run_attention_case(case: dict) -> dict:
     return {**result, "peak_rss_gb": tools.peak_rss_gb(), "xla_temp_gb": temp_gb,
             "keys_per_query": spec.mean_keys(n), "spec": str(spec),
             "device_memory_gb": tools.device_peak_memory_gb()}
+
+
+def _run_torch_case(case: dict, spec) -> dict:
+    """The case with PyTorch's causal ``scaled_dot_product_attention`` on the CPU, with as many
+    threads as the case has devices; the same result fields (no XLA plan)."""
+    import torch
+
+    torch.set_num_threads(case["devices"])
+    dtype = getattr(torch, case["dtype"])
+    shape = (case["batch"], case["heads"], case["seq_len"], case["head_dim"])
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator, dtype=dtype,
+                           requires_grad=case["pass"] != "fwd") for _ in range(3))
+    attend = torch.nn.functional.scaled_dot_product_attention
+    if case["pass"] == "fwd":
+        def fn():
+            with torch.no_grad():
+                return attend(q, k, v, is_causal=True)
+    else:
+        def fn():
+            attend(q, k, v, is_causal=True).float().sum().backward()
+    result = tools.time_call(fn, repeats=case["repeats"])
+    return {**result, "peak_rss_gb": tools.peak_rss_gb(), "xla_temp_gb": None,
+            "keys_per_query": spec.mean_keys(case["seq_len"]), "spec": str(spec),
+            "device_memory_gb": None, "torch": torch.__version__}
 
 
 def default_devices() -> int:
@@ -172,7 +203,8 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                 r = results[-1]
                 log(f"{case['pattern']:>14} n={case['seq_len']:>6} {case['pass']:>6}: " + (
                     f"{r['median_ms']:9.1f} ms  {r['peak_rss_gb']:5.2f} GB RSS  "
-                    f"{r['xla_temp_gb']:5.2f} GB temp  load {load:.1f}"
+                    + (f"{r['xla_temp_gb']:5.2f} GB temp  " if r["xla_temp_gb"] is not None
+                       else "") + f"load {load:.1f}"
                     if "median_ms" in r else r["error"]))
                 bar.update()
     dot = measure_ceiling()
