@@ -8,13 +8,15 @@ leaves each file either as it was or whole, never torn.
   read_jsonl(path)        the rows of a .jsonl log, without a torn last line (a write cut short
                           by a full disk or a crash), which a reader never sees as a row
 
-The data cache (`sparse_jax.sources`) writes its decompressed files the same way, under a name
-unique to the process, since several processes may prepare the same file at once.
+The data cache (`sparse_jax.sources`, `sparse_jax.images`) writes its files the same way, under
+a name unique to the process (`part_suffix`), since several processes may prepare the same file
+at once; the parts that a killed process left behind are removed by the next writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 
@@ -37,6 +39,27 @@ def atomic_write(path: str, mode: str = "w", suffix: str = TEMPORARY):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def part_suffix(path: str) -> str:
+    """".part<pid>": the temporary suffix of this process for `path`, after removing the parts of
+    `path` whose process is gone (killed mid-write: nothing else would ever remove them)."""
+    for name in glob.glob(glob.escape(path) + ".part*"):
+        pid = name[len(path) + len(".part"):]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(name)
+    return f".part{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def append_line(path: str, row: dict) -> None:

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from sparse_jax import sources
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, part_suffix
 from sparse_jax.sources import SPLITS
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")  # compared in lower case
@@ -256,7 +256,7 @@ def _write_cache(folder: str, files: list[str], shape, npy: str, key: dict) -> n
     header = {"descr": "|u1", "fortran_order": False, "shape": (len(files), *shape)}
     try:
         os.makedirs(os.path.dirname(npy), exist_ok=True)
-        with atomic_write(npy, "wb", suffix=f".part{os.getpid()}") as f:
+        with atomic_write(npy, "wb", suffix=part_suffix(npy)) as f:
             np.lib.format.write_array_header_1_0(f, header)
             for rel in files:
                 f.write(_decode(os.path.join(folder, rel), folder, shape).tobytes())
@@ -281,7 +281,7 @@ def _record_split(cache: str, record: dict) -> None:
     except (OSError, ValueError):
         pass
     try:
-        with atomic_write(path, suffix=f".part{os.getpid()}") as f:
+        with atomic_write(path, suffix=part_suffix(path)) as f:
             json.dump(record, f, indent=0)
     except OSError:
         pass

@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, part_suffix
 
 SPLITS = ("train", "valid", "test")
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -45,7 +45,7 @@ CORPUS = "data/kjv.html.gz"  # the corpus shipped with the repository (see data/
 
 def _download(url: str, dest: str, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
     """Fetches `url` to `dest` through a temporary file, so `dest` is either complete or absent."""
-    tmp = f"{dest}.part{os.getpid()}"
+    tmp = dest + part_suffix(dest)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             shutil.copyfileobj(response, f, 1 << 20)
@@ -93,7 +93,7 @@ def vouch(path: str, key: dict) -> None:
     since several may vouch at once). A read-only folder records nothing: checked again next
     time."""
     try:
-        with atomic_write(path + ".verified", suffix=f".part{os.getpid()}") as f:
+        with atomic_write(path + ".verified", suffix=part_suffix(path + ".verified")) as f:
             json.dump(key, f)
     except OSError:
         pass
@@ -147,7 +147,7 @@ def _gunzip_cached(path: str) -> str:
             raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
                              f"away, or set --config.data.path={raw} to read it instead")
     expected = _checksum(raw)
-    tmp = f"{raw}.part{os.getpid()}"
+    tmp = raw + part_suffix(raw)
     try:
         digest = hashlib.sha256()
         with gzip.open(path, "rb") as src, open(tmp, "wb") as out:
@@ -218,7 +218,7 @@ def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) 
     """Unzips `member` to `dest` via a checked temporary file; never replaces an existing file
     and never touches the archive. A damaged or wrong archive (or an unwritable folder) raises
     a one-line ValueError (OSError) that names it."""
-    tmp = f"{dest}.part{os.getpid()}"
+    tmp = dest + part_suffix(dest)
     fix = f"fetch {ENWIK8_URL} again (or unzip it yourself and set --config.data.path={dest})"
     try:
         with zipfile.ZipFile(zip_path) as z:

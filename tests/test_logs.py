@@ -6,6 +6,8 @@ is never read as a row."""
 
 import glob
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +95,13 @@ def test_jsonl_lines_are_whole_and_a_torn_one_is_not_read(tmp_path):
     with open(path, "a") as f:
         f.write('{"step": 3, "bi')  # cut short by a full disk
     assert files.read_jsonl(path) == [{"step": 1, "bits": 2.5}, {"step": 2, "bits": 2.25}]
+
+
+def test_a_part_left_by_a_killed_writer_is_removed_by_the_next(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    path = str(tmp_path / "data.txt")
+    for pid in (dead, "1", "x"):  # gone; alive (init); not a part of ours
+        open(f"{path}.part{pid}", "w").close()
+    assert files.part_suffix(path) == f".part{os.getpid()}"
+    assert sorted(os.listdir(tmp_path)) == ["data.txt.part1", "data.txt.partx"]
