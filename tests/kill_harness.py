@@ -1,0 +1,245 @@
+"""Random-kill harness: runs killed with SIGKILL at random instants, restarted until they finish.
+
+Two subjects, each checked against the same work done without a kill:
+
+* training: `scripts/train.py` (tiny model, the shipped corpus copied to a fresh folder, a
+  checkpoint every 4 steps, validation every 10, a log line every 2) is started on one workdir
+  and killed at a random instant of its run, again and again (start-up, steps, validation,
+  checkpoint saves and log writes all get hit), then run to the end. Pass: every start that was
+  not killed exits 0 (no start needs a repair), the final parameters equal the uninterrupted
+  run's bit for bit, `metrics.jsonl` has the same rows with the same values (none lost, none
+  twice), and nothing is left next to the workdir or the data but what the uninterrupted run
+  leaves there.
+* the data cache: `sources.load_bytes` of a 200 MB .gz (decompressed next to it, hashed and
+  vouched for) killed mid-way, again and again. Pass: the next load returns the right bytes and
+  the folder holds only the file, its copy and the copy's record.
+
+  python tests/kill_harness.py --kills=50 [--data_kills=20] [--seed=0] [--output=results.json]
+
+`tests/test_kill_harness.py` runs a quick version in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 40
+
+
+def _train_args(workdir: str, data: str) -> list[str]:
+    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+            f"--config={os.path.join(ROOT, 'configs', 'bytes.py')}:size=tiny",
+            f"--workdir={workdir}", f"--config.data.path={data}",
+            f"--config.total_steps={STEPS}", "--config.checkpoint_every=4",
+            "--config.eval_every=10", "--config.eval_batches=4", "--config.log_every=2",
+            "--config.model.dropout=0.1", "--config.optimizer.warmup_steps=4"]
+
+
+def _env(cache: str) -> dict:
+    """The runs share a compilation cache (restarts compile in a moment) and see no GPU."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _files(folder: str, skip: tuple[str, ...] = ()) -> set[str]:
+    """Every file and folder under `folder` (relative paths), not descending into `skip`."""
+    found = set()
+    for top, dirs, files in os.walk(folder):
+        rel = os.path.relpath(top, folder)
+        dirs[:] = [d for d in dirs if os.path.normpath(os.path.join(rel, d)) not in skip]
+        found.update(os.path.normpath(os.path.join(rel, name)) for name in dirs + files)
+    return found
+
+
+def _run(args, env, log_path, kill_after: float | None) -> tuple[int | None, float]:
+    """Starts `args`; SIGKILLs it after `kill_after` seconds if still running. Returns (exit
+    status, or None if killed; seconds it ran)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            status = proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            status = None
+    return status, time.perf_counter() - start
+
+
+def _metrics(workdir: str) -> list[dict]:
+    """metrics.jsonl's rows without their timings (which differ from run to run)."""
+    keep = ("step", "split", "bits", "grad_norm", "lr", "count")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: row[k] for k in keep if k in row} for row in map(json.loads, f)]
+
+
+def _params(workdir: str) -> dict:
+    import jax
+    from flax import nnx
+
+    from sparse_jax import checkpoints
+
+    model, _, step = checkpoints.restore_model(workdir)
+    assert step == STEPS, f"the last checkpoint of {workdir} is step {step}, not {STEPS}"
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def _last_line(path) -> str:
+    lines = [line for line in open(path, errors="replace").read().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
+    """The training subject: campaigns of killed starts on a fresh workdir, each run to its end
+    (a start that finishes ends a campaign; the next starts over), until `kills` kills are
+    done; each campaign is compared with one uninterrupted run. Returns counts and problems (an
+    empty list: passed)."""
+    data = os.path.join(tmp, "data")
+    os.makedirs(data)
+    for name in ("kjv.html.gz", "SHA256SUMS"):
+        shutil.copy(os.path.join(ROOT, "data", name), data)
+    corpus = os.path.join(data, "kjv.html.gz")
+    env = _env(os.path.join(tmp, "jax_cache"))
+    logs = os.path.join(tmp, "logs")
+    os.makedirs(logs)
+    reference = os.path.join(tmp, "reference")
+    for name in ("reference", "probe"):  # the second start compiles nothing: a start's length
+        status, duration = _run(_train_args(os.path.join(tmp, name), corpus), env,
+                                os.path.join(logs, f"{name}.log"), None)
+        if status != 0:
+            reason = _last_line(os.path.join(logs, f"{name}.log"))
+            raise RuntimeError(f"the uninterrupted run failed: {reason}")
+    shutil.rmtree(os.path.join(tmp, "probe"))
+    skip = ("reference", "logs", "jax_cache")
+    outside = _files(tmp, skip=skip)
+    want_metrics, want_params = _metrics(reference), _params(reference)
+    log(f"training: an uninterrupted start takes {duration:.1f} s; {kills} kills at random "
+        "instants of it")
+    problems, killed, starts, campaigns = [], 0, 0, 0
+    while killed < kills:
+        workdir = os.path.join(tmp, f"killed{campaigns}")
+        campaigns += 1
+        args = _train_args(workdir, corpus)
+        while True:
+            kill_after = float(rng.uniform(0.0, duration)) if killed < kills else None
+            status, _ = _run(args, env, os.path.join(logs, f"{starts}.log"), kill_after)
+            starts += 1
+            killed += status is None
+            if status not in (None, 0):
+                reason = _last_line(os.path.join(logs, f"{starts - 1}.log"))
+                problems.append(f"start {starts - 1} failed by itself: {reason}")
+                return {"kills": killed, "starts": starts, "campaigns": campaigns,
+                        "problems": problems}
+            if status == 0:
+                break
+        got = _metrics(workdir)
+        if got != want_metrics:
+            steps = lambda rows: [(r["step"], r["split"]) for r in rows]  # noqa: E731
+            problems.append(f"{workdir}: metrics.jsonl rows {steps(got)} against "
+                            f"{steps(want_metrics)}" if steps(got) != steps(want_metrics)
+                            else f"{workdir}: metrics.jsonl values differ")
+        import jax
+
+        same = jax.tree.map(np.array_equal, _params(workdir), want_params)
+        if not all(jax.tree.leaves(same)):
+            problems.append(f"{workdir}: the final parameters differ from the uninterrupted "
+                            "run's")
+        skip += (os.path.basename(workdir),)
+    left = _files(tmp, skip=skip) - outside
+    if left:
+        problems.append(f"left behind outside the workdirs: {sorted(left)}")
+    return {"kills": killed, "starts": starts, "campaigns": campaigns, "problems": problems,
+            "bit_exact": not problems}
+
+
+SIZE = 200_000_000  # bytes of the decompressed data: ~1 s to decompress and hash, most of a load
+LOAD = ("import sys; from sparse_jax import sources; "
+        "print(sources.load_bytes(sys.argv[1])[:0].size)")
+
+
+def data_cache(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
+    """The data-cache subject: loads of a .gz killed mid-way, then one to the end."""
+    folder = os.path.join(tmp, "cache")
+    os.makedirs(folder)
+    with gzip.open(os.path.join(ROOT, "data", "kjv.html.gz"), "rb") as f:
+        text = f.read()
+    want = (text * (SIZE // len(text) + 1))[:SIZE]
+    path = os.path.join(folder, "big.txt.gz")
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(want)
+    args = [sys.executable, "-c", LOAD, path]
+    env = _env(os.path.join(tmp, "jax_cache"))
+    logs = os.path.join(tmp, "logs")
+    os.makedirs(logs, exist_ok=True)
+    probe = os.path.join(tmp, "probe")  # how long one load takes, on another copy
+    os.makedirs(probe)
+    shutil.copy(path, probe)
+    status, duration = _run(args[:-1] + [os.path.join(probe, "big.txt.gz")], env,
+                            os.path.join(logs, "load_probe.log"), None)
+    if status != 0:
+        reason = _last_line(os.path.join(logs, "load_probe.log"))
+        raise RuntimeError(f"loading the .gz failed: {reason}")
+    shutil.rmtree(probe)
+    log(f"data cache: one load {duration:.1f} s; {kills} kills at random instants")
+    problems, killed = [], 0
+    for i in range(kills):
+        status, _ = _run(args, env, os.path.join(logs, f"load{i}.log"),
+                         float(rng.uniform(0.0, duration)))
+        killed += status is None
+        if status not in (None, 0):
+            reason = _last_line(os.path.join(logs, f"load{i}.log"))
+            problems.append(f"load {i} failed by itself: {reason}")
+        if status == 0:  # the copy is complete: later loads map it; start over
+            os.remove(os.path.join(folder, "big.txt"))
+            os.remove(os.path.join(folder, "big.txt.verified"))
+    status, _ = _run(args, env, os.path.join(logs, "load_final.log"), None)
+    if status != 0:
+        reason = _last_line(os.path.join(logs, "load_final.log"))
+        problems.append(f"the final load failed: {reason}")
+    elif open(os.path.join(folder, "big.txt"), "rb").read() != want:
+        problems.append("the decompressed copy differs from the data")
+    left = _files(folder) - {"big.txt.gz", "big.txt", "big.txt.verified"}
+    if left:
+        problems.append(f"left behind next to the data: {sorted(left)}")
+    return {"kills": killed, "starts": kills + 1, "problems": problems}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=50, help="kills of the training run")
+    parser.add_argument("--data_kills", type=int, default=20, help="kills of the data load")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    tmp = tempfile.mkdtemp(prefix="sparse_jax_kills_")
+    try:
+        results = {"training": training(args.kills, rng, tmp),
+                   "data_cache": data_cache(args.data_kills, rng, tmp)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for name, result in results.items():
+        verdict = "; ".join(result["problems"]) if result["problems"] else "passed"
+        print(f"{name}: {result['kills']} kills in {result.get('starts', result['kills'] + 1)} "
+              f"starts, {verdict}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"seed": args.seed, **results}, f, indent=1)
+    return 0 if all(not r["problems"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
