@@ -365,10 +365,15 @@ def check_output(path: str, overwrite: bool, what: str = "") -> None:
                                "output") from e
 
 
+_LISTINGS = 20  # times a reader lists the checkpoints again when the one it read was removed
+
+
 def restore_model(workdir: str, checkpoint="latest", mesh=None):
     """(model, config, step): the run's config and the parameters of one checkpoint.
 
-    Only the `params` item is read (never the optimizer state). With a `mesh` ("data", "fsdp"
+    Only the `params` item is read (never the optimizer state). Safe beside a run that is
+    saving: Orbax lists only finalized checkpoints, and one that the run's rotation removes
+    while it is read sends the reader back to the newest that exists. With a `mesh` ("data", "fsdp"
     axes), the parameters land sharded as in training (`sparse_jax.sharding`: split over
     "fsdp", copied over "data"); without one, whole on this process's first device.
     """
@@ -389,21 +394,33 @@ def restore_model(workdir: str, checkpoint="latest", mesh=None):
             shardings = sharding_lib.state_shardings(pure, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               pure, shardings)
-        candidates = sorted(mgr.all_steps(), reverse=True) if checkpoint == "latest" else [step]
-        for k, step in enumerate(candidates):
-            try:
-                restored = mgr.restore(step, args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(target)))
+        restored = None
+        for _ in range(_LISTINGS):  # a run that saves meanwhile may rotate a checkpoint away
+            candidates = (sorted(mgr.all_steps(read=True), reverse=True)
+                          if checkpoint == "latest" else [step])
+            for k, step in enumerate(candidates):
+                try:
+                    restored = mgr.restore(step, args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(target)))
+                    break
+                except Exception as e:  # noqa: BLE001  (Orbax and TensorStore fail in many types)
+                    if checkpoint == "latest" and not os.path.isdir(
+                            os.path.join(str(mgr.directory), str(step))):
+                        break  # removed while read by the run's rotation: list them again
+                    if k + 1 == len(candidates):
+                        raise OSError(errno.EIO, f"checkpoint {step} in {mgr.directory} cannot "
+                                      f"be read ({_reason(e)}); "
+                                      + ("no older checkpoint can be read either" if k else
+                                         f"choose another with --checkpoint (steps: "
+                                         f"{sorted(mgr.all_steps())})")) from e
+                    warn(f"checkpoint {step} in {mgr.directory} cannot be read ({_reason(e)}); "
+                         f"using step {candidates[k + 1]}")
+            if restored is not None:
                 break
-            except Exception as e:  # noqa: BLE001  (Orbax and TensorStore fail in many types)
-                if k + 1 == len(candidates):
-                    raise OSError(errno.EIO, f"checkpoint {step} in {mgr.directory} cannot be "
-                                  f"read ({_reason(e)}); "
-                                  + ("no older checkpoint can be read either" if k else
-                                     f"choose another with --checkpoint (steps: "
-                                     f"{sorted(mgr.all_steps())})")) from e
-                warn(f"checkpoint {step} in {mgr.directory} cannot be read ({_reason(e)}); "
-                     f"using step {candidates[k + 1]}")
+        else:
+            raise OSError(errno.EBUSY, f"the checkpoints in {mgr.directory} were removed while "
+                          f"being read, {_LISTINGS} times over (a run saving every few "
+                          "seconds?); run again, or read --checkpoint=best")
     finally:
         mgr.close()
     nnx.replace_by_pure_dict(abstract, restored["params"])
