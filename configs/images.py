@@ -27,51 +27,33 @@ size=tiny: 2 layers, d=32, 4 steps of 2 pictures: a smoke test that runs in seco
   CPU (the loss barely moves).
 """
 
-from configs import common
+from configs import (
+    cifar10,  # the image model (shape, position tables, stride, half-size layers) and size=tiny
+    common,
+)
 
 
 def get_config(arg=None):
     args = common.parse_args(arg, pattern=("strided", "fixed", "dense"), size=("cpu", "tiny"))
-    c = common.base()
+    c = cifar10.get_config(f"pattern={args['pattern']},size=tiny")  # pictures of 32 x 32 x 3
     c.data.name = "images"  # a folder of pictures: --config.data.path=FOLDER
     # train / valid / test of a folder without train/ and test/; with them, valid is this share
     # of train/ (CIFAR-10: 2,000 of 50,000, as the paper's 48,000 / 2,000 / 10,000)
     c.data.split_fractions = (0.92, 0.04, 0.04)
-
-    c.model.seq_len = 3072  # 32 x 32 x 3 sub-pixels in raster order
-    c.model.pos_emb = "image"  # row, column and channel tables
-    c.model.image_shape = (32, 32, 3)  # rows, columns, channels: the pictures' shape
-    c.model.pattern = args["pattern"]  # strided (default) | fixed | dense
-    c.model.stride = 96  # l: one picture row (32 pixels x 3 channels)
-    c.model.c = 24  # summary width of the fixed variant, l / 4
-    c.model.ff_mult = 2.0  # half-size feed-forward (paper, CIFAR-10)
-    c.model.qk_ratio = 0.5  # half-size query/key projections (paper, CIFAR-10)
-    if args["size"] == "cpu":
-        c.model.num_layers = 4  # residual blocks
-        c.model.d_model = 128  # width
-        c.model.num_heads = 2  # heads (paper, CIFAR-10)
-        c.model.mode = "merged"  # every head attends both parts
-        c.batch_size = 8  # pictures per step (24,576 sub-pixels; 4 per core)
-        c.total_steps = 2400  # optimizer steps
-        c.optimizer.lr = 3e-3  # peak learning rate (small model, short run)
-        c.optimizer.warmup_steps = 100  # linear warmup
-        c.optimizer.min_lr_ratio = 0.1  # the cosine ends at lr / 10
-        c.log_every = 50  # steps between train-loss lines
-        c.eval_every = 600  # steps between validation passes
-        c.eval_batches = 32  # 256 valid pictures per pass during training
-        c.checkpoint_every = 600  # steps between checkpoints
-    else:  # tiny
-        c.model.num_layers = 2  # residual blocks
-        c.model.d_model = 32  # width
-        c.model.num_heads = 2  # heads
-        if args["pattern"] == "strided":
-            c.model.schedule = "local,strided"  # both parts in two layers
-        c.batch_size = 2  # pictures per step
-        c.total_steps = 4  # a smoke test
-        c.optimizer.lr = 1e-3  # peak learning rate
-        c.optimizer.warmup_steps = 1  # linear warmup
-        c.log_every = 1  # steps between train-loss lines
-        c.eval_every = 2  # steps between validation passes
-        c.eval_batches = 1  # validation batches per pass
-        c.checkpoint_every = 2  # steps between checkpoints
-    return common.finish(c)
+    if args["size"] == "tiny":
+        return c
+    c.model.schedule = common.base().model.schedule  # every layer alike (mode below)
+    c.model.num_layers = 4  # residual blocks
+    c.model.d_model = 128  # width
+    c.model.num_heads = 2  # heads (paper, CIFAR-10)
+    c.model.mode = "merged"  # every head attends both parts
+    c.batch_size = 8  # pictures per step (24,576 sub-pixels; 4 per core)
+    c.total_steps = 2400  # optimizer steps
+    c.optimizer.lr = 3e-3  # peak learning rate (small model, short run)
+    c.optimizer.warmup_steps = 100  # linear warmup
+    c.optimizer.min_lr_ratio = 0.1  # the cosine ends at lr / 10
+    c.log_every = 50  # steps between train-loss lines
+    c.eval_every = 600  # steps between validation passes
+    c.eval_batches = 32  # 256 valid pictures per pass during training
+    c.checkpoint_every = 600  # steps between checkpoints
+    return c

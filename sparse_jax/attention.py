@@ -153,7 +153,9 @@ class _Piece:
     tiles ``t - halo .. t + c - 1`` (``[B, H, halo + c, ., d]``), to scores ``[B, H, c, Q, K]``;
     ``values(p, v)``: probabilities and the value slab to ``[B, H, c, Q, dv]``; both linear, with
     float32 results. ``keep(t, c)``: boolean mask of tiles ``t .. t + c - 1``, broadcastable to
-    the scores (``t`` may be traced). ``chunk``: tiles per scan step.
+    the scores (``t`` may be traced). ``chunk``: tiles per scan step. ``window``: the keys of
+    a tile are it and the ``window`` tiles before it, laid side by side once (``key_layout``),
+    so the key slab of tile t is tile t of that layout.
     """
     t0: int
     t1: int
