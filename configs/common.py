@@ -43,6 +43,9 @@ def base() -> ml_collections.ConfigDict:
     c.checkpoint_every = 500  # steps between checkpoints (also one at every validation and the end)
     c.keep_checkpoints = 2  # most recent checkpoints kept, plus the best by validation bits
     c.profile_steps = ()  # (first, last): profiler trace of these steps in WORKDIR/profile; (): off
+    # ((until_step, seq_len, batch_size), ...): steps before until_step train on shorter windows
+    # (byte streams), the rest on batch_size x model.seq_len; (): the full context throughout
+    c.context_stages = ()
 
     c.optimizer = ml_collections.ConfigDict()  # AdamW with warmup and cosine decay (paper §6)
     c.optimizer.lr = 3.5e-4  # peak learning rate of AdamW (paper: 3.5e-4 on CIFAR-10)

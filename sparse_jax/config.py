@@ -39,6 +39,8 @@ RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoi
              "keep_checkpoints", "profile_steps", "mesh.", "data.path",
              "model.attention", *LOCATION_FIELDS)
 SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
+# Fields added after runs were recorded, with the value a record without them trained with.
+ADDED = {"context_stages": []}
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -66,7 +68,37 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
                          f"{jax.process_count()} processes")
     data_lib.data_config(config.data)  # ValueError for a missing file path or a bad data field
     logs.check_profile_steps(config.profile_steps, config.total_steps)
+    context_stages(config, cfg)
     return cfg
+
+
+def context_stages(config, cfg: ModelConfig | None = None) -> tuple[tuple[int, int, int], ...]:
+    """config.context_stages as ((until_step, seq_len, batch_size), ...), checked (ValueError):
+    until_step increasing within (0, total_steps), seq_len within [1, model.seq_len), batch
+    sizes as batch_size's rules (a positive multiple of grad_accum and of the processes)."""
+    cfg = cfg or model_config(config.model)
+    stages = tuple(tuple(s) for s in (config.get("context_stages") or ()))
+    previous = 0
+    for stage in stages:
+        if len(stage) != 3 or not all(isinstance(x, int) and x > 0 for x in stage):
+            raise ValueError(f"config.context_stages: {stage!r} is not (until_step, seq_len, "
+                             "batch_size) of positive integers")
+        until, seq_len, batch = stage
+        if not previous < until < config.total_steps:
+            raise ValueError(f"config.context_stages: until_step {until} must lie after "
+                             f"{previous} and before total_steps={config.total_steps}")
+        if seq_len >= cfg.seq_len:
+            raise ValueError(f"config.context_stages: seq_len {seq_len} must be below "
+                             f"model.seq_len={cfg.seq_len} (the context of the last stage)")
+        if batch % config.optimizer.grad_accum or batch % jax.process_count():
+            raise ValueError(f"config.context_stages: batch_size {batch} must be divisible by "
+                             f"optimizer.grad_accum={config.optimizer.grad_accum} and the "
+                             f"{jax.process_count()} processes")
+        previous = until
+    if stages and data_lib.data_config(config.data).is_image:
+        raise ValueError("config.context_stages: shorter windows need a byte stream, not "
+                         f"images (data.name={config.data.name!r}); set context_stages=()")
+    return stages
 
 
 def flat(config) -> dict:
@@ -79,7 +111,7 @@ def flat(config) -> dict:
                 yield f"{prefix}{key}", value
 
     d = config if isinstance(config, dict) else json.loads(config.to_json())
-    return dict(walk(d, ""))
+    return {**ADDED, **dict(walk(d, ""))}
 
 
 def differences(old, new, sections: tuple[str, ...] | None = None) -> dict[str, tuple]:

@@ -241,6 +241,27 @@ class ByteWindows(StepIterator):
         return read_windows(self.data, self.starts_at(step), self.seq_len)
 
 
+class StagedBatches(StepIterator):
+    """Context stages: step k's batch comes from the first stage whose `until` exceeds k,
+    else from `last` (the full context). Every iterator draws step k's batch from its own
+    (seed, k), so the state stays (seed, step) and a resume lands in the right stage."""
+
+    def __init__(self, stages: list[tuple[int, StepIterator]], last: StepIterator):
+        super().__init__(last.seed)
+        self.stages, self.last = stages, last
+
+    def iterator_at(self, step: int) -> StepIterator:
+        return next((it for until, it in self.stages if step < until), self.last)
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        return self.iterator_at(step).batch_at(step)
+
+    def set_state(self, state: dict[str, int]) -> None:
+        super().set_state(state)
+        for it in (*(it for _, it in self.stages), self.last):
+            it.seed = self.seed
+
+
 class ImageBatches(StepIterator):
     """Epochs of shuffled images (each a permutation from default_rng([seed, epoch])), read in
     global batches of batch_size x process_count of which this process takes its slice; the
@@ -294,9 +315,21 @@ class Dataset:
     items: ClassVar[str]  # what a split holds: "bytes" or "images"
     min_eval: ClassVar[int]  # the fewest items of a split that can be scored
 
-    def train_batches(self, batch_size: int, state: dict | None = None) -> StepIterator:
-        """Endless per-process batches; `.get_state()` / `.set_state()` checkpoint the position."""
+    def train_batches(self, batch_size: int, state: dict | None = None,
+                      stages: tuple = ()) -> StepIterator:
+        """Endless per-process batches; `.get_state()` / `.set_state()` checkpoint the position.
+
+        `stages`: ((until_step, seq_len, batch_size), ...), the training run's
+        `context_stages` with per-process batch sizes: steps before `until_step` read windows
+        of `seq_len` (byte streams only), the rest full windows of `batch_size`."""
         it = self._train_iterator(batch_size)
+        if stages:
+            if self.items != "bytes":
+                raise ValueError(f"context stages need a byte stream; {self.source} holds "
+                                 f"{self.items}: set --config.context_stages=()")
+            it = StagedBatches([(until, ByteWindows(
+                self.splits["train"], n, b, self.seed, self.process_index, self.process_count))
+                for until, n, b in stages], it)
         if state is not None:
             it.set_state(state)
         return it

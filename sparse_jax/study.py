@@ -197,7 +197,7 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
 
 CALIBRATION_STEPS = 5  # timed training steps after the first (which compiles)
 BUDGET_FIELDS = ("total_steps", "eval_every", "checkpoint_every", "log_every",
-                 "optimizer.warmup_steps")  # what `budget_config` sets
+                 "optimizer.warmup_steps", "context_stages")  # what `budget_config` sets
 
 
 def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> dict:
@@ -258,7 +258,8 @@ def budget_steps(calibration: dict, seconds: float, evals: int) -> int:
 def budget_config(config, steps: int) -> ml_collections.ConfigDict:
     """`config` trained for `steps` steps with the same shape of run: as many validation passes
     and checkpoints as it has (one at the end included), warmup as the same share of the run,
-    and about 20 log windows."""
+    and about 20 log windows. The patterns are compared at the full context: context stages
+    (which `calibrate` does not time) are dropped."""
     evals = -(-config.total_steps // config.eval_every)
     every = -(-steps // evals)
     share = config.optimizer.warmup_steps / config.total_steps
@@ -266,6 +267,7 @@ def budget_config(config, steps: int) -> ml_collections.ConfigDict:
     config.total_steps, config.eval_every, config.checkpoint_every = steps, every, every
     config.log_every = max(1, steps // 20)
     config.optimizer.warmup_steps = max(1, round(share * steps))
+    config.context_stages = ()
     return config
 
 

@@ -55,13 +55,29 @@ BATCH_AXES = sharding_lib.MESH_AXES  # a batch is split over every device
 def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     """The ("data", "fsdp") mesh of config.mesh over all devices (see `sparse_jax.sharding`)."""
     mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp)
-    micro = config.batch_size // config.optimizer.grad_accum
-    if micro % mesh.size:
-        hint = (f"; choose a batch_size divisible by {mesh.size} or fewer CPU devices "
-                "(--cpu_devices=1)" if jax.default_backend() == "cpu" else "")
-        raise ValueError(f"the micro-batch of {micro} sequences (batch_size / grad_accum) does "
-                         f"not split evenly over {mesh.size} devices{hint}")
+    batches = {"batch_size": config.batch_size}
+    batches.update({f"context_stages[{i}] batch_size": b for i, (_, _, b) in
+                    enumerate(config_lib.context_stages(config))})
+    for name, batch in batches.items():
+        micro = batch // config.optimizer.grad_accum
+        if micro % mesh.size:
+            hint = (f"; choose a {name} divisible by {mesh.size} or fewer CPU devices "
+                    "(--cpu_devices=1)" if jax.default_backend() == "cpu" else "")
+            raise ValueError(f"the micro-batch of {micro} sequences ({name} / grad_accum) does "
+                             f"not split evenly over {mesh.size} devices{hint}")
     return mesh
+
+
+def stage_shapes(config, seq_len: int) -> list[tuple[int, int, int]]:
+    """[(until_step, batch_size, seq_len), ...] of the run: its context stages, then the full
+    context until total_steps."""
+    return ([(until, b, n) for until, n, b in config_lib.context_stages(config)]
+            + [(config.total_steps, config.batch_size, seq_len)])
+
+
+def shape_at(config, seq_len: int, step: int) -> tuple[int, int]:
+    """(batch_size, seq_len) of the batch that trains step `step` (0-based)."""
+    return next((b, n) for until, b, n in stage_shapes(config, seq_len) if step < until)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +194,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                         jax.process_count(), vocab_size=cfg.vocab_size,
                                         image_shape=cfg.image_shape)
         checkpoints.check_data(workdir, config.data, dataset)  # the same data on resume
-        iterator = dataset.train_batches(config.batch_size // jax.process_count())
+        processes = jax.process_count()
+        iterator = dataset.train_batches(config.batch_size // processes, stages=tuple(
+            (until, n, b // processes) for until, n, b in config_lib.context_stages(config)))
         if primary and changes is None:
             config_lib.write_record(workdir, config)
         return _run(config, cfg, mesh, dataset, iterator, workdir, changes)
@@ -217,8 +235,10 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
               f"{cfg.num_layers} layers, pattern {cfg.base_spec}, mesh {dict(mesh.shape)} "
               f"({sharding_lib.per_device_bytes(abstract, dict(mesh.shape)) / 2**20:,.1f} MiB "
               f"of parameters and optimizer state per device), "
-              f"batch {config.batch_size} x {cfg.seq_len}")
-    tokens_per_step = config.batch_size * cfg.seq_len
+              f"batch {config.batch_size} x {cfg.seq_len}" + "".join(
+                  f" (steps < {until}: {b} x {n})" for until, b, n in
+                  stage_shapes(config, cfg.seq_len)[:-1]))
+    tokens_per_step = math.prod(shape_at(config, cfg.seq_len, step))
     result = {"step": step, "valid_bits": None, "best_valid_bits": best, "interrupted": None}
     pending = None  # (step, metrics) of the last dispatched step, not yet fetched
     clock = {"time": time.time(), "steps": 0}  # throughput since the last log
@@ -252,6 +272,7 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                 if pending is not None:
                     fetch(pending)  # step n - 1, while step n runs
                 step, pending = step + 1, (step + 1, metrics)
+                tokens_per_step = math.prod(shape_at(config, cfg.seq_len, step - 1))
                 profiler.step(step, state)
                 clock["steps"] += 1
                 log.progress(step, tokens_per_step)

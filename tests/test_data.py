@@ -348,6 +348,24 @@ def test_train_batches_resume_exactly_and_differ_per_process():
     assert not np.array_equal(next(other)["inputs"], expected[0]["inputs"])
 
 
+def test_context_stages_switch_window_length_and_resume_in_the_right_stage():
+    """Steps before 3 read 4 windows of 16 bytes, the rest 2 of 64: each step's windows are
+    those of a plain iterator of its shape at that step, and a resume lands in the right stage."""
+    ds = D.make_dataset({"name": "embedded", "embedded_bytes": 20_000, "seed": 5}, seq_len=64)
+    it = ds.train_batches(batch_size=2, stages=((3, 16, 4),))
+    got = [next(it) for _ in range(5)]
+    assert [b["inputs"].shape for b in got] == [(4, 16)] * 3 + [(2, 64)] * 2
+    short = D.ByteWindows(ds.splits["train"], 16, 4, seed=5)
+    np.testing.assert_array_equal(got[1]["targets"], short.batch_at(1)["targets"])
+    np.testing.assert_array_equal(got[4]["inputs"], ds.train_batches(2).batch_at(4)["inputs"])
+    for step in (2, 4):
+        resumed = ds.train_batches(batch_size=2, stages=((3, 16, 4),),
+                                   state={"seed": 5, "step": step})
+        np.testing.assert_array_equal(next(resumed)["inputs"], got[step]["inputs"])
+    resumed.set_state({"seed": 6, "step": 0})  # a new seed reaches every stage's iterator
+    assert not np.array_equal(next(resumed)["inputs"], got[0]["inputs"])
+
+
 def test_global_training_batch_does_not_depend_on_the_process_count():
     """Two processes reading 4 windows each see the 8 windows that one process reads: a
     multi-host run trains on the same batches as a single-host run."""

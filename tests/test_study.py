@@ -185,7 +185,11 @@ def test_budget_steps_fill_the_minutes_and_keep_the_shape_of_the_run():
     assert (config.total_steps, config.eval_every, config.checkpoint_every, config.log_every,
             config.optimizer.warmup_steps) == (176, 44, 44, 8, 18)  # 4 passes, warmup 10%
     assert base.total_steps == 400 and base.eval_every == 100  # a copy
-    assert set(config_lib.differences(base, config)) == set(study.BUDGET_FIELDS)
+    assert set(config_lib.differences(base, config)) == set(study.BUDGET_FIELDS) - {
+        "context_stages"}  # the base has none to drop
+    staged = base.copy_and_resolve_references()
+    staged.context_stages = ((100, 64, 16),)
+    assert study.budget_config(staged, 176).context_stages == ()
 
 
 def test_calibrate_times_a_real_run_and_writes_nothing(tmp_path):

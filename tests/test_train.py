@@ -5,6 +5,8 @@ import errno
 import glob
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +159,57 @@ def test_resume_after_sigkill_and_sigterm_gives_the_same_losses(tmp_path, byte_f
         for key in ("bits", "grad_norm", "lr"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=0, abs=1e-6), (a, b)
+
+
+def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, capsys):
+    """Steps 0-2 on 8 windows of 16 bytes, then 4 of 64: the logged speed counts each stage's
+    tokens, and a run resumed from step 2 (before the switch) logs the same losses."""
+    config = get_config("quickstart", "data=embedded", **{
+        **TINY_TEXT, "total_steps": 6, "log_every": 1, "keep_checkpoints": 10,
+        "context_stages": ((3, 16, 8),)})
+    workdir = str(tmp_path / "run")
+    assert train.train(config, workdir)["step"] == 6
+    assert "batch 4 x 64 (steps < 3: 8 x 16)" in capsys.readouterr().out
+    rows = [r for r in read_metrics(workdir) if r["split"] == "train"]
+    per_step = [r["tokens_per_s"] / r["steps_per_s"] for r in rows]
+    assert per_step == pytest.approx([128] * 3 + [256] * 3)
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(workdir, resumed)
+    for step in checkpoint_steps(resumed):
+        if step != 2:
+            shutil.rmtree(os.path.join(resumed, "checkpoints", str(step)))
+    train.train(config, resumed)
+    assert "Resuming from step 2" in capsys.readouterr().out
+    for a, b in zip(read_metrics(resumed), read_metrics(workdir), strict=True):
+        assert (a["step"], a["split"]) == (b["step"], b["split"])
+        assert a["bits"] == pytest.approx(b["bits"], rel=0, abs=1e-6)
+
+
+@pytest.mark.parametrize("stages, message", [
+    (((4, 16, 8),), "until_step 4 must lie after 0 and before total_steps=4"),
+    (((2, 64, 8),), "seq_len 64 must be below model.seq_len=64"),
+    (((2, 16, 3),), "batch_size 3 must be divisible by"),
+    (((2, 16),), "is not (until_step, seq_len, batch_size)"),
+    (((2, 16, 8), (2, 32, 8)), "until_step 2 must lie after 2"),
+])
+def test_bad_context_stages_are_refused_before_anything_runs(tmp_path, stages, message):
+    config = get_config("quickstart", "data=embedded", **{**TINY_TEXT, "context_stages": stages,
+                                                          "optimizer__grad_accum": 2})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train.train(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_record_from_before_context_stages_resumes(tmp_path):
+    """config.json of a run recorded before the field existed reads as context_stages=()."""
+    config = get_config("quickstart", "data=embedded", **TINY_TEXT)
+    workdir = str(tmp_path / "run")
+    train.train(config, workdir)
+    path = os.path.join(workdir, "config.json")
+    record = json.load(open(path))
+    del record["context_stages"]
+    json.dump(record, open(path, "w"))
+    assert config_lib.resume_changes(config_lib.read_record(workdir), config, workdir) == {}
 
 
 # ---------------------------------------------------------------------------------------------
