@@ -1,5 +1,9 @@
-"""What general-purpose lossless image codecs cost on a split of a folder of pictures, in bits
-per dim: the figures a model's bits/dim should be read against (`scripts/image_baselines.py`).
+"""Figures a model's bits should be read against.
+
+Pictures (`scripts/image_baselines.py`): what general-purpose lossless image codecs cost on a
+split of a folder of pictures, in bits per dim. Byte streams (`repeat_reach`,
+`scripts/repeats.py`): how much of a split exact copying could predict at each context length,
+the ceiling of what a longer context can buy a model that copies.
 
 Each picture is compressed alone (as a file of its own would be) by
 
@@ -113,3 +117,27 @@ def save(result: dict, path: str) -> None:
     except OSError as e:
         raise OSError(e.errno, f"could not write {path}: {e.strerror or e}; free some space or "
                                "choose another --output") from e
+
+
+def repeat_reach(data, distances, k: int = 12) -> dict[int, dict[str, float]]:
+    """For each distance D (0: unlimited), the share of positions i >= k of `data` (uint8) whose
+    k preceding bytes last occurred at most D bytes earlier ("seen": a copier with a context of
+    D + k bytes finds them) and whose byte equals the byte after that occurrence ("copied": a
+    copier would have predicted it). Byte strings compared exactly; one pass with a dict."""
+    data = bytes(np.asarray(data, np.uint8))
+    limits = {d: d or len(data) for d in distances}
+    seen, copied = dict.fromkeys(limits, 0), dict.fromkeys(limits, 0)
+    last = {}
+    for i in range(k, len(data)):
+        key = data[i - k:i]
+        j = last.get(key)
+        last[key] = i
+        if j is None:
+            continue
+        hit = data[j] == data[i]
+        for d, limit in limits.items():
+            if i - j <= limit:
+                seen[d] += 1
+                copied[d] += hit
+    total = max(len(data) - k, 1)
+    return {d: {"seen": seen[d] / total, "copied": copied[d] / total} for d in distances}

@@ -58,8 +58,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train", "evaluate", "sample", "describe", "plot_pattern", "compare_patterns",
-           "image_baselines", "benchmark_attention", "benchmark_model", "benchmark_sampling",
-           "benchmark_training")
+           "image_baselines", "repeats", "benchmark_attention", "benchmark_model",
+           "benchmark_sampling", "benchmark_training")
 TRACEBACK = "Traceback (most recent call last)"
 MAX_ERROR_CHARS = 500  # "short": the error line, with the case folder written as {tmp}
 
@@ -609,6 +609,14 @@ def build_cases() -> list[Case]:
         setup=seq(pictures(), write("pics/b/99.png", picture((5, 4, 3)))))
     ok("image_baselines/a folder", [*ba, "--output={tmp}/b.json"],
        all_of(exists("b.json"), output_matches(r"WebP lossless")), setup=pictures())
+
+    rp = ["repeats", f"--config={CONFIG}", "--config.data.embedded_bytes=20000"]
+    err("repeats/negative distance", [*rp, "--distances=64,-1"], r"distances.*\[64, -1\]")
+    err("repeats/distances not numbers", [*rp, "--distances=a"], r"distances.*integers")
+    err("repeats/pictures", ["repeats", "--config={root}/configs/images.py:size=tiny",
+                             "--config.data.path={tmp}/pics"], r"pictures", setup=pictures())
+    ok("repeats/the generated stream", [*rp, "--output={tmp}/r.json"],
+       all_of(exists("r.json"), output_matches(r"\| 4,096 bytes \|")))
 
     # -- the workdir --------------------------------------------------------------------------
     err("workdir/is a file", tiny(), r"work", setup=write("work", "my notes\n"))

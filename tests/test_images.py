@@ -318,3 +318,20 @@ def test_lossless_baselines_in_bits_per_dim(tmp_path):
         assert one["codecs"][codec]["bytes"] * 2 < result["codecs"][codec]["bytes"] / 4
     table = baselines.format_table(result)
     assert "PNG" in table and "WebP" in table and "bits/dim" in table
+
+
+def test_repeat_reach_sees_a_copy_only_from_a_context_that_reaches_it():
+    """Random bytes, then the same bytes again 1,000 later: every position of the copy past its
+    first k is a repeat whose next byte is copied, within 1,000 bytes but not within 512."""
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 256, 1000, dtype=np.uint8)
+    data = np.concatenate([block, block])
+    reach = baselines.repeat_reach(data, [512, 1000, 0], k=12)
+    share = (1000 - 12) / (2000 - 12)
+    assert reach[512] == {"seen": 0.0, "copied": 0.0}
+    assert reach[1000]["seen"] == reach[1000]["copied"] == pytest.approx(share)
+    assert reach[0] == reach[1000]
+    data[1500] ^= 1  # a changed byte: not copied, and the 12 after it are no repeats
+    reach = baselines.repeat_reach(data, [1000], k=12)[1000]
+    assert reach["seen"] == pytest.approx((1000 - 12 - 12) / (2000 - 12))
+    assert reach["copied"] == pytest.approx(reach["seen"] - 1 / (2000 - 12))

@@ -1,0 +1,64 @@
+r"""How much of a byte split exact copying could predict at each context length: the share of
+bytes whose preceding k bytes occurred within D bytes before, and of those, the bytes that
+equal what followed that occurrence (`sparse_jax.baselines.repeat_reach`). A model that copies
+from its context can gain on those bytes, and only from a context that reaches them.
+
+  python scripts/repeats.py --config=configs/bytes.py:size=cpu_long --split=valid \
+      --distances=64,512,4096,0
+
+The split is read as training reads it (`sparse_jax.data`); distance 0: anywhere earlier in it.
+"""
+
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from sparse_jax import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.data.",
+                                          lock_config=True)
+_SPLIT = flags.DEFINE_enum("split", "valid", ["train", "valid", "test"], "Split to measure.")
+_DISTANCES = flags.DEFINE_list("distances", ["64", "512", "4096", "0"],
+                               "Bytes back a copier may look (0: unlimited).")
+_K = flags.DEFINE_integer("k", 12, "Bytes that must repeat before a copy is predicted.",
+                          lower_bound=1)
+_OUTPUT = flags.DEFINE_string("output", None, "Also write the result here as JSON.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        distances = [int(d) for d in _DISTANCES.value]
+    except ValueError:
+        raise app.UsageError(f"--distances: integers, got {_DISTANCES.value}") from None
+    if any(d < 0 for d in distances):
+        raise app.UsageError(f"--distances: 0 (unlimited) or positive, got {distances}")
+    from sparse_jax import baselines
+    from sparse_jax import data as data_lib
+
+    config = _CONFIG.value
+    if data_lib.data_config(config.data).is_image:
+        raise app.UsageError(f"{config.data.name} holds pictures; repeats measures byte streams")
+    dataset = data_lib.make_dataset(config.data, config.model.seq_len)
+    split = dataset.splits[_SPLIT.value]
+    reach = baselines.repeat_reach(split, distances, _K.value)
+    print(f"{_SPLIT.value} split of {dataset.source}: {len(split):,} bytes; a repeat = the "
+          f"{_K.value} bytes before a position occurred before\n")
+    print("| within | repeats seen | next byte copied |\n|---|---|---|")
+    for d, row in reach.items():
+        print(f"| {f'{d:,} bytes' if d else 'anywhere'} | {row['seen']:.2%} | "
+              f"{row['copied']:.2%} |")
+    if _OUTPUT.value:
+        from sparse_jax.files import atomic_write
+
+        with atomic_write(_OUTPUT.value) as f:
+            json.dump({"split": _SPLIT.value, "bytes": len(split), "k": _K.value,
+                       "reach": {str(d): row for d, row in reach.items()}}, f, indent=1)
+        print(f"Wrote {_OUTPUT.value}")
+
+
+if __name__ == "__main__":
+    cli.run(main)
