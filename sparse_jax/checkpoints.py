@@ -35,7 +35,7 @@ from flax import nnx
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, part_suffix
 from sparse_jax.model import SparseTransformer, model_config
 
 FOLDER = "checkpoints"
@@ -90,20 +90,31 @@ def steps(workdir: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
 
 
+PROBE = ".write_test"  # + part_suffix: the file that shows a folder is writable
+
+
+def _probe(folder: str) -> None:
+    """Creates `folder` if needed and writes and removes a small file in it (OSError if it
+    cannot). Its name is unique to the process (`part_suffix`), so the next probe removes one
+    that a process killed here left behind."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, PROBE)
+    probe += part_suffix(probe)
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
     """Creates `workdir` and checks that it is writable and holds nothing but a run of this
     project whose checkpoints `config` may resume. Returns None for a new run, else the config
     changes (`config.resume_changes`: {} when none); ValueError / OSError otherwise."""
     try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write_test.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _probe(workdir)
     except OSError as e:
         raise OSError(e.errno, f"cannot write to the workdir {workdir}: "
                                f"{e.strerror or e}; choose another --workdir") from e
-    entries = [n for n in os.listdir(workdir) if not n.startswith(".write_test.")]
+    entries = [n for n in os.listdir(workdir) if not n.startswith(PROBE + ".")]
     foreign = sorted(n for n in entries if n not in OURS  # a temporary file being written:
                      and not (n.endswith(".tmp") and n[:-4] in OURS))
     record = os.path.join(workdir, config_lib.RECORD)
@@ -356,10 +367,7 @@ def check_output(path: str, overwrite: bool, what: str = "") -> None:
                                             "it, or choose another output")
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".write_test.{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
+        _probe(folder)
     except OSError as e:
         raise OSError(e.errno, f"cannot write to {folder}: {e.strerror or e}; choose another "
                                "output") from e
