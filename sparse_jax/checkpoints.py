@@ -351,12 +351,6 @@ def step_of(workdir: str, checkpoint="latest") -> int:
         mgr.close()
 
 
-def write_error(path: str, error: OSError) -> OSError:
-    """A failed write of `path` as one line that names it."""
-    return OSError(error.errno, f"could not write {path}: {error.strerror or error}; free some "
-                                "space or choose another output")
-
-
 def check_output(path: str, overwrite: bool, what: str = "") -> None:
     """Before any work: FileExistsError if `path` exists and `overwrite` is not set; OSError if
     its folder cannot be created or written."""

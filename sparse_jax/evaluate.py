@@ -51,7 +51,7 @@ from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, write_error
 from sparse_jax.logs import Progress
 from sparse_jax.model import model_config, token_bits
 
@@ -246,7 +246,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
             with atomic_write(path) as f:                               # results or none
                 json.dump(result, f, indent=1)
         except OSError as e:
-            raise checkpoints.write_error(path, e) from e
+            raise write_error(path, e, "free some space or choose another output") from e
         result["path"] = path
     return result
 

@@ -35,7 +35,7 @@ from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import model as model_lib
 from sparse_jax.decode import check_length, check_sampling, generate
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, write_error
 
 DEFAULT_TEXT_LENGTH = 256
 HIDDEN = 128  # the grey that stands for the hidden bottom half in a completion grid
@@ -103,7 +103,7 @@ def _write(path: str, write) -> None:
         with atomic_write(path, "wb") as f:
             write(f)
     except OSError as e:
-        raise checkpoints.write_error(path, e) from e
+        raise write_error(path, e, "free some space or choose another output") from e
 
 
 def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
