@@ -108,10 +108,10 @@ def test_a_part_left_by_a_killed_writer_is_removed_by_the_next(tmp_path):
 
 
 def test_a_write_probe_left_by_a_killed_process_is_removed_by_the_next(tmp_path):
-    from sparse_jax import checkpoints
+    from sparse_jax import workdir
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     (tmp_path / f".write_test.part{dead}").write_text("ok")  # killed between write and remove
-    checkpoints.check_output(str(tmp_path / "result.json"), overwrite=False)
+    workdir.check_output(str(tmp_path / "result.json"), overwrite=False)
     assert os.listdir(tmp_path) == []

@@ -306,12 +306,12 @@ def test_a_torn_last_metrics_line_is_dropped_when_the_run_resumes(tmp_path):
 
 
 def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path):
-    from sparse_jax import checkpoints
+    from sparse_jax import workdir as workdir_lib
 
     workdir = str(tmp_path / "run")
     os.makedirs(workdir)
     config = get_config("quickstart", "data=embedded", **TINY_TEXT)
-    with checkpoints.lock(workdir):
+    with workdir_lib.lock(workdir):
         with pytest.raises(OSError,
                            match=f"in use by another training process \\(pid {os.getpid()}"):
             train.train(config, workdir)
