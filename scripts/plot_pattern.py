@@ -7,7 +7,7 @@
 import numpy as np
 from absl import flags
 
-from sparse_jax import checkpoints, cli, patterns
+from sparse_jax import cli, patterns, workdir
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
@@ -54,7 +54,7 @@ def main(argv):
     del argv
     if _QUERY.value is not None and not 0 <= _QUERY.value < _SEQ_LEN.value:
         raise ValueError(f"--query={_QUERY.value} is outside the sequence [0, {_SEQ_LEN.value})")
-    checkpoints.check_output(_OUTPUT.value, _OVERWRITE.value)
+    workdir.check_output(_OUTPUT.value, _OVERWRITE.value)
     spec = dict(stride=_STRIDE.value, local_width=_LOCAL_WIDTH.value)
     if _KIND.value == "fixed":
         spec.update(c=_C.value, summary=_SUMMARY.value, summary_block=_SUMMARY_BLOCK.value)

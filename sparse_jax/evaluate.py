@@ -51,7 +51,8 @@ from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.files import atomic_write
+from sparse_jax import workdir as workdir_lib
+from sparse_jax.files import atomic_write, write_error
 from sparse_jax.logs import Progress
 from sparse_jax.model import model_config, token_bits
 
@@ -173,7 +174,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     is replaced only with `overwrite`).
     """
     # Everything cheap is checked before restoring parameters or reading data.
-    checkpoints.check_workdir(workdir)
+    workdir_lib.check_workdir(workdir)
     checkpoint = checkpoints.parse_checkpoint(checkpoint)
     if split not in data_lib.SPLITS:
         raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
@@ -192,14 +193,14 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
 
     def check_output(step):
         if write and jax.process_index() == 0:
-            checkpoints.check_output(result_path(workdir, split, step, min_context), overwrite)
+            workdir_lib.check_output(result_path(workdir, split, step, min_context), overwrite)
 
     check_output(checkpoints.step_of(workdir, checkpoint))
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
                                     vocab_size=cfg.vocab_size, image_shape=cfg.image_shape)
     split_data = dataset.splits[split]
     count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
-    checkpoints.check_data(workdir, config.data, dataset, record=False)  # the data trained on
+    workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
     mesh = eval_mesh(config, devices)
     batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh)
@@ -246,7 +247,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
             with atomic_write(path) as f:                               # results or none
                 json.dump(result, f, indent=1)
         except OSError as e:
-            raise checkpoints.write_error(path, e) from e
+            raise write_error(path, e, "free some space or choose another output") from e
         result["path"] = path
     return result
 

@@ -7,6 +7,8 @@ leaves each file either as it was or whole, never torn.
   append_line(path, row)  one JSON object as one line of a .jsonl log, in a single write
   read_jsonl(path)        the rows of a .jsonl log, without a torn last line (a write cut short
                           by a full disk or a crash), which a reader never sees as a row
+  write_error(path, e, fix)  a failed write as one line that names the file, says when the
+                          disk is full, and what to do
 
 The data cache (`sparse_jax.sources`, `sparse_jax.images`) writes its files the same way, under
 a name unique to the process (`part_suffix`), since several processes may prepare the same file
@@ -16,6 +18,7 @@ at once; the parts that a killed process left behind are removed by the next wri
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -70,7 +73,8 @@ def append_line(path: str, row: dict) -> None:
     try:
         written = os.write(fd, data)
         if written != len(data):  # a short write: the disk filled up mid-line
-            raise OSError(28, f"No space left on device (wrote {written} of {len(data)} bytes)")
+            raise OSError(errno.ENOSPC, f"No space left on device (wrote {written} of "
+                                        f"{len(data)} bytes)")
     finally:
         os.close(fd)
 
@@ -87,3 +91,12 @@ def read_jsonl(path: str) -> list[dict]:
                     if isinstance(row, dict):
                         rows.append(row)
     return rows
+
+
+def write_error(path: str, error: OSError, fix: str) -> OSError:
+    """A failed write of `path` as one line (an OSError of the same errno) that names it, says
+    so when the disk is full, and ends with `fix`: what to do."""
+    reason = " ".join((error.strerror or str(error)).split())
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"the disk is full ({reason})"
+    return OSError(error.errno, f"could not write {path}: {reason}; {fix}")

@@ -9,11 +9,14 @@ and, if asked for, a profiler trace of chosen steps.
                          under plugins/profile/: HOST.xplane.pb (TensorBoard's profile plugin,
                          xprof) and perfetto_trace.json.gz (https://ui.perfetto.dev)
 
-Only the process with index 0 writes; the others stay silent.
+Only the process with index 0 writes; the others stay silent. A write that fails (a full disk)
+stops the run with one line that names the file (`files.write_error`); what was written before
+stays whole, and the same command run again resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,7 +26,10 @@ import time
 import jax
 from tqdm import tqdm
 
-from sparse_jax.files import append_line, atomic_write, read_jsonl
+from sparse_jax.files import append_line, atomic_write, read_jsonl, write_error
+
+AGAIN = ("free some space and run the same command again (it resumes from the last "
+         "checkpoint)")  # what to do when a log cannot be written
 
 
 def duration(seconds: float) -> str:
@@ -35,6 +41,36 @@ def duration(seconds: float) -> str:
         f"{minutes}:{secs:02d}"
 
 
+class _Events:
+    """A TensorBoard event file in `folder`, written in the calling thread, so that a failed
+    write raises where the run reports it. (tensorboardX's SummaryWriter writes from a thread of
+    its own: a failed write ended that thread with a traceback, its queue filled up, and the run
+    hung for good, deaf to SIGTERM.) TensorBoard hides the events of steps >= `purge_step` that
+    earlier files hold: what a killed run logged after its last checkpoint."""
+
+    def __init__(self, folder: str, purge_step: int):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.summary import scalar
+
+        self.folder, self._event, self._scalar = folder, Event, scalar
+        os.makedirs(folder, exist_ok=True)
+        self.writer = EventsWriter(os.path.join(folder, "events"))
+        self.writer.write_event(Event(wall_time=time.time(), step=purge_step,
+                                      session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.writer.write_event(self._event(wall_time=time.time(), step=step,
+                                            summary=self._scalar(tag, value)))
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Logger:
     """Console lines, a progress bar (on a terminal only), metrics.jsonl and TensorBoard of a
     run that starts (or resumes) at `start_step`."""
@@ -44,17 +80,25 @@ class Logger:
         self.total, self.since, self.bar = total_steps, None, None
         self.show_bar = self.active and sys.stderr.isatty()
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self.tb = None
+        self.tb, self.failed = None, False
         if not self.active:
             return
         if os.path.exists(self.path):  # drop what a killed run logged after its last checkpoint
             rows = [r for r in read_jsonl(self.path) if r.get("step", math.inf) <= start_step]
-            with atomic_write(self.path) as f:
+            with self._writing(self.path), atomic_write(self.path) as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
-        from tensorboardX import SummaryWriter
+        folder = os.path.join(workdir, "tensorboard")
+        with self._writing(folder):
+            self.tb = _Events(folder, purge_step=start_step + 1)
 
-        # Hides events a killed run wrote after start_step (purge_step must be positive).
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
+    @contextlib.contextmanager
+    def _writing(self, path: str):
+        """An OSError while writing `path` becomes one line that names it (`files.write_error`)."""
+        try:
+            yield
+        except OSError as e:
+            self.failed = True
+            raise write_error(path, e, AGAIN) from e
 
     def print(self, text: str) -> None:
         """One console line (stdout); the progress bar is cleared first and redrawn after."""
@@ -67,12 +111,15 @@ class Logger:
         metric that is a dict gives one scalar per key ("split/name/key")."""
         if not self.active:
             return
-        append_line(self.path, {"step": step, "split": split, "time": round(time.time(), 3),
-                                **metrics})
-        for name, value in metrics.items():
-            for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
-                self.tb.add_scalar(f"{split}/{name}" + (f"/{tag}" if tag else ""), scalar, step)
-        self.tb.flush()
+        with self._writing(self.path):
+            append_line(self.path, {"step": step, "split": split, "time": round(time.time(), 3),
+                                    **metrics})
+        with self._writing(self.tb.folder):
+            for name, value in metrics.items():
+                for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
+                    self.tb.add_scalar(f"{split}/{name}" + (f"/{tag}" if tag else ""), scalar,
+                                       step)
+            self.tb.flush()
 
     def progress(self, step: int, tokens_per_step: int) -> None:
         """Step `step` is done: moves the progress bar (on a terminal; tqdm redraws it at most
@@ -90,10 +137,13 @@ class Logger:
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
+        """Closes the progress bar and the event file; after a failed write, quietly (its error
+        is the one the run reports)."""
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
-            self.tb.close()
+            with contextlib.suppress(OSError) if self.failed else self._writing(self.tb.folder):
+                self.tb.close()
 
 
 class _Lines(tqdm):

@@ -34,8 +34,9 @@ from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import model as model_lib
+from sparse_jax import workdir as workdir_lib
 from sparse_jax.decode import check_length, check_sampling, generate
-from sparse_jax.files import atomic_write
+from sparse_jax.files import atomic_write, write_error
 
 DEFAULT_TEXT_LENGTH = 256
 HIDDEN = 128  # the grey that stands for the hidden bottom half in a completion grid
@@ -103,7 +104,7 @@ def _write(path: str, write) -> None:
         with atomic_write(path, "wb") as f:
             write(f)
     except OSError as e:
-        raise checkpoints.write_error(path, e) from e
+        raise write_error(path, e, "free some space or choose another output") from e
 
 
 def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
@@ -121,7 +122,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     channels].
     """
     # Every argument is checked before parameters or data are read.
-    checkpoints.check_workdir(workdir)
+    workdir_lib.check_workdir(workdir)
     checkpoint = checkpoints.parse_checkpoint(checkpoint)
     for name, value, low in (("num_samples", num_samples, 1), ("complete", complete, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -154,10 +155,10 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
                 f"{step}_seed{seed}.png" if image else f"{step}_seed{seed}.txt")
         return output or os.path.join(workdir, "samples", name)
 
-    checkpoints.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite)
+    workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite)
     model, config, step = checkpoints.restore_model(workdir, checkpoint)
     path = output_path(step)
-    checkpoints.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
+    workdir_lib.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
     settings = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
     rows, columns, channels = cfg.image_shape  # of an image model: its data's (make_dataset)
     shape = (-1, rows, columns, channels)

@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from sparse_jax.files import atomic_write, part_suffix
+from sparse_jax.files import atomic_write, part_suffix, write_error
 
 SPLITS = ("train", "valid", "test")
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -167,9 +167,9 @@ def _gunzip_cached(path: str) -> str:
         raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
                          f"this repository: git checkout -- {path})") from e
     except OSError as e:
-        raise OSError(e.errno, f"cannot write the decompressed copy of {path} next to it "
-                               f"({e.strerror or e}); decompress it somewhere writable (gunzip "
-                               "-k) and set --config.data.path to the copy") from e
+        raise write_error(raw, e, f"free some space or make the folder writable, or decompress "
+                                  f"{path} elsewhere (gunzip -k) and set --config.data.path to "
+                                  "the copy") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

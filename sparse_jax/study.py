@@ -64,9 +64,10 @@ import time
 import ml_collections
 
 import configs
-from sparse_jax import checkpoints, sharding
 from sparse_jax import config as config_lib
+from sparse_jax import sharding
 from sparse_jax import train as train_lib
+from sparse_jax import workdir as workdir_lib
 from sparse_jax.bench import tools
 from sparse_jax.files import atomic_write, read_jsonl
 from sparse_jax.model import PATTERNS, model_config
@@ -154,7 +155,7 @@ def _write_json(path: str, value) -> None:
 def run_status(run_dir: str, config) -> str:
     """"done" (finished and evaluated), "resume" (checkpoints of this config) or "new";
     ValueError if `run_dir` holds checkpoints of another config (they are never touched)."""
-    if not checkpoints.steps(run_dir):
+    if not workdir_lib.steps(run_dir):
         return "new"
     saved = _read_json(os.path.join(run_dir, config_lib.RECORD), {})
     differences = list(config_lib.differences(saved, config))
@@ -431,7 +432,7 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
     by_pattern = pattern_configs(config_spec, patterns, steps=steps, overrides=overrides)
     runs = {p: os.path.join(workdir, p) for p in by_pattern}
     if minutes:  # runs already in the folder keep their steps; the others are timed first
-        started = [p for p in by_pattern if checkpoints.steps(runs[p])]
+        started = [p for p in by_pattern if workdir_lib.steps(runs[p])]
         for p in started:
             by_pattern[p] = _recorded(runs[p], by_pattern[p])
             run_status(runs[p], by_pattern[p])  # refuses another config before any timing

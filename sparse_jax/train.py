@@ -3,7 +3,8 @@ checkpoints with exact resume.
 
 `train(config, workdir)` runs (or resumes) the run that `config` describes in `workdir`. What it
 writes there: config.json (`sparse_jax.config`), checkpoints/ (`sparse_jax.checkpoints`),
-metrics.jsonl and tensorboard/ (`sparse_jax.logs`).
+metrics.jsonl and tensorboard/ (`sparse_jax.logs`), data_fingerprint.json and .lock
+(`sparse_jax.workdir`, which also says what a workdir may hold before a run starts there).
 
 A workdir that holds checkpoints is resumed from its latest readable one and continues exactly
 as the uninterrupted run would have (same batches, dropout and losses); which config changes a
@@ -41,6 +42,7 @@ from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
+from sparse_jax import workdir as workdir_lib
 from sparse_jax.logs import Logger, Profiler, duration
 from sparse_jax.model import ModelConfig, loss_bits
 from sparse_jax.optim import state_builders
@@ -186,14 +188,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     check that can fail (config, mesh, workdir, data) runs before anything compiles."""
     cfg = config_lib.check_config(config)
     mesh = make_mesh(config)
-    changes = checkpoints.prepare_workdir(workdir, config)  # None: a new run
+    changes = workdir_lib.prepare_workdir(workdir, config)  # None: a new run
     primary = jax.process_index() == 0
-    with checkpoints.lock(workdir) if primary else contextlib.nullcontext():
+    with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
         data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
         dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
                                         jax.process_count(), vocab_size=cfg.vocab_size,
                                         image_shape=cfg.image_shape)
-        checkpoints.check_data(workdir, config.data, dataset)  # the same data on resume
+        workdir_lib.check_data(workdir, config.data, dataset)  # the same data on resume
         processes = jax.process_count()
         iterator = dataset.train_batches(config.batch_size // processes, stages=tuple(
             (until, n, b // processes) for until, n, b in config_lib.context_stages(config)))
@@ -217,9 +219,9 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
         step, state, meta = checkpoints.restore_latest(manager, abstract, workdir)
         if changes and jax.process_index() == 0:
             config_lib.record_changes(workdir, config, step, changes)
-        key_data = np.asarray(meta["rng"], np.uint32)
-        iterator.set_state(meta["data"])
-        window, best = meta["window"], meta["best_valid_bits"]
+        key_data = np.asarray(meta.rng, np.uint32)
+        iterator.set_state(meta.data)
+        window, best = meta.window, meta.best_valid_bits
     else:
         step, best = 0, None
         state = jitted.init()
@@ -258,9 +260,9 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
         return float(metrics["lr"])
 
     def save(valid_bits=None):
-        meta = {"step": step, "data": iterator.get_state(),
-                "rng": np.asarray(jax.random.key_data(rng)).tolist(), "window": window,
-                "best_valid_bits": best}
+        meta = checkpoints.Meta(step=step, data=iterator.get_state(),
+                                rng=np.asarray(jax.random.key_data(rng)).tolist(),
+                                window=window, best_valid_bits=best)
         checkpoints.save(manager, step, state, meta, valid_bits)
 
     first_step = step

@@ -1,5 +1,6 @@
 """Data loading on small files written here in the real formats (enwik8.zip, CIFAR-10 binary)."""
 
+import errno
 import json
 import os
 import time
@@ -200,6 +201,49 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
     # A listed plain file is checked too.
     with pytest.raises(ValueError, match="damaged"):
         sources.load_bytes(tmp_path / "text.txt")
+
+
+def test_full_disk_while_decompressing_is_one_line_and_the_next_load_succeeds(tmp_path,
+                                                                               monkeypatch):
+    """The disk fills up 256 KB into the decompressed copy of a listed .gz: one line that says
+    so and names the copy, no part of it left, the .gz and its sums untouched; with space freed,
+    the next load decompresses it whole."""
+    raw = sources.embedded_bytes(1 << 20, seed=3).tobytes()
+    gz = gz_with_sums(tmp_path, raw)
+    before = files_in(tmp_path)
+    real_open = open
+
+    class FullAfter:  # a file on a disk with `left` bytes free
+        def __init__(self, f, left):
+            self.f, self.left = f, left
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            if len(data) > self.left:
+                self.f.write(data[:self.left])
+                self.left = 0
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= len(data)
+            return self.f.write(data)
+
+    def opener(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullAfter(f, 1 << 18) if "w" in mode else f
+
+    monkeypatch.setattr(sources, "open", opener, raising=False)
+    one_line_error(OSError, lambda: sources.load_bytes(gz), tmp_path / "text.txt",
+                   "the disk is full", "free some space", "--config.data.path")
+    after = files_in(tmp_path)
+    assert {n: after[n] for n in before} == before  # nothing lost or changed
+    assert set(after) - set(before) <= {"text.txt.gz.verified"}  # the .gz's passing check
+    monkeypatch.undo()  # space freed
+    assert sources.load_bytes(gz).tobytes() == raw
+    assert (tmp_path / "text.txt").read_bytes() == raw
 
 
 # ---------------------------------------------------------------------------------------------

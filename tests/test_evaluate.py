@@ -204,8 +204,8 @@ def save_like_train(config, workdir, step=1):
     model = SparseTransformer(model_config(config.model), rngs=nnx.Rngs(config.seed))
     optimizer = nnx.Optimizer(model, optim.make_optimizer(config)[0], wrt=nnx.Param)
     manager = checkpoints.manager(workdir, keep=2)
-    meta = {"step": step, "data": {"seed": 0, "step": step}, "rng": [0, 0], "window": {},
-            "best_valid_bits": None}
+    meta = checkpoints.Meta(step=step, data={"seed": 0, "step": step}, rng=[0, 0], window={},
+                            best_valid_bits=None)
     checkpoints.save(manager, step, {"params": nnx.state(model), "opt": nnx.state(optimizer)},
                      meta, None)
     checkpoints.wait(manager, step)

@@ -1,6 +1,7 @@
 """The install without TensorFlow: TensorFlow Datasets is the optional `tfds` extra, so no module
 imports TensorFlow, and CIFAR-10 without it is a one-line error that says what to install (tested
-by hiding the installed package: `sys.modules[name] = None` makes its import fail)."""
+by hiding the installed package: `sys.modules[name] = None` makes its import fail). Importing a
+module installs no process-wide hook (`checkpoints.install_hooks` runs with the first manager)."""
 
 import os
 import subprocess
@@ -34,6 +35,8 @@ def test_no_module_imports_tensorflow_and_the_scripts_say_what_to_install(tmp_pa
             "for name in configs.names():\n    importlib.import_module('configs.' + name)\n"
             "loaded = sorted(k for k in sys.modules if k.split('.')[0] in "
             "('tensorflow', 'tensorflow_datasets'))\nassert not loaded, loaded[:5]\n"
+            "assert sys.excepthook is sys.__excepthook__, 'a hook installed at import'\n"
+            "assert sys.unraisablehook is sys.__unraisablehook__, 'a hook installed at import'\n"
             "print('ok', skipped)\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

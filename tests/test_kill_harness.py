@@ -1,6 +1,7 @@
-"""A quick run of the random-kill harness (`tests/kill_harness.py`): a training run and a data
-load, each killed at random instants and restarted, end where an uninterrupted one ends. The
-long run (50 kills and more) is manual: `python tests/kill_harness.py --kills=50`."""
+"""A quick run of the random-kill harness (`tests/kill_harness.py`): a training run, a data load,
+and evaluate.py / sample.py, each killed at random instants and restarted, end where an
+uninterrupted one ends. The long run (50 kills and more) is manual:
+`python tests/kill_harness.py --kills=50 --output_kills=20`."""
 
 import os
 import re
@@ -29,17 +30,25 @@ def test_data_cache_killed_at_random_instants_loads_whole(tmp_path):
 
 
 @pytest.mark.slow
+def test_evaluate_and_sample_killed_at_random_instants_leave_whole_outputs(tmp_path):
+    """Two kills of each (one at a random instant, one at a write): every output is absent or
+    whole after a kill, the same command then writes what an uninterrupted run writes, and
+    nothing the dead process was writing is left behind (`kill_harness.outputs`)."""
+    result = kill_harness.outputs(4, np.random.default_rng(3), str(tmp_path), log=lambda s: None)
+    assert result["problems"] == []
+    assert result["kills"] == 4 and result["starts"] >= 4
+
+
+@pytest.mark.slow
 def test_evaluate_and_sample_beside_a_training_run_use_a_complete_checkpoint(tmp_path,
                                                                              byte_file):
     """Readers started again and again on a workdir whose run is writing checkpoints (one every
     2 steps): each ends well, on a checkpoint that was whole, and says which step it used."""
     workdir, root = str(tmp_path / "run"), kill_harness.ROOT
-    longer = ["--config.total_steps=400", "--config.checkpoint_every=2",
-              "--config.eval_every=400", "--config.log_every=10"]
-    names = {a.split("=")[0] for a in longer}
-    args = [a for a in kill_harness._train_args(workdir, byte_file) if a.split("=")[0] not in names]
-    train = subprocess.Popen(args + longer, cwd=root, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.STDOUT)
+    args = kill_harness._train_args(workdir, byte_file, "--config.total_steps=400",
+                                    "--config.checkpoint_every=2", "--config.eval_every=400",
+                                    "--config.log_every=10")
+    train = subprocess.Popen(args, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):

@@ -1,8 +1,8 @@
 """Console progress and the profiler trace (`sparse_jax.logs`): the evaluation progress writes a
 line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
 steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
-ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, and a torn log line
-is never read as a row."""
+ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, a torn log line is
+never read as a row, and a write probe left by a killed process is removed by the next one."""
 
 import glob
 import os
@@ -105,3 +105,13 @@ def test_a_part_left_by_a_killed_writer_is_removed_by_the_next(tmp_path):
         open(f"{path}.part{pid}", "w").close()
     assert files.part_suffix(path) == f".part{os.getpid()}"
     assert sorted(os.listdir(tmp_path)) == ["data.txt.part1", "data.txt.partx"]
+
+
+def test_a_write_probe_left_by_a_killed_process_is_removed_by_the_next(tmp_path):
+    from sparse_jax import workdir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f".write_test.part{dead}").write_text("ok")  # killed between write and remove
+    workdir.check_output(str(tmp_path / "result.json"), overwrite=False)
+    assert os.listdir(tmp_path) == []

@@ -20,7 +20,7 @@ import configs
 from conftest import fake_enwik8
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
-from sparse_jax import optim, sources, train
+from sparse_jax import files, optim, sources, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,12 +359,12 @@ def test_a_torn_last_metrics_line_is_dropped_when_the_run_resumes(tmp_path):
 
 
 def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path):
-    from sparse_jax import checkpoints
+    from sparse_jax import workdir as workdir_lib
 
     workdir = str(tmp_path / "run")
     os.makedirs(workdir)
     config = get_config("quickstart", "data=embedded", **TINY_TEXT)
-    with checkpoints.lock(workdir):
+    with workdir_lib.lock(workdir):
         with pytest.raises(OSError,
                            match=f"in use by another training process \\(pid {os.getpid()}"):
             train.train(config, workdir)
@@ -413,3 +413,80 @@ def test_failed_checkpoint_write_is_a_clear_error_and_keeps_earlier_ones(tmp_pat
     monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", real)  # space freed: resume
     assert train.train(config, workdir)["step"] == 20
     assert checkpoint_steps(workdir) == [15, 20]
+
+
+def full_disk(monkeypatch, where: str, from_step: int) -> None:
+    """Makes the writes of `where` ("metrics.jsonl": `files.append_line`'s single write;
+    "tensorboard": the event file's records) fail as on a full disk from step `from_step` on."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "metrics.jsonl":
+        class Os:  # `os` as sparse_jax.files sees it
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+            @staticmethod
+            def write(fd, data):
+                if json.loads(data).get("step", 0) >= from_step:
+                    raise full
+                return os.write(fd, data)
+
+        monkeypatch.setattr(files, "os", Os())
+    else:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import RecordWriter
+
+        real = RecordWriter.write
+
+        def write(self, data):
+            if Event.FromString(data).step >= from_step:
+                raise full
+            return real(self, data)
+
+        monkeypatch.setattr(RecordWriter, "write", write)
+
+
+LOG_EVERY_STEP = {**TINY_TEXT, "log_every": 1}  # 4 steps, checkpoints at 2 and 4
+
+
+@pytest.fixture(scope="module")
+def resumed_to_8(tmp_path_factory):
+    """The metrics of a run trained to step 4, then resumed to step 8, without a failure."""
+    workdir = str(tmp_path_factory.mktemp("reference") / "run")
+    train.train(get_config("quickstart", "data=embedded", **LOG_EVERY_STEP), workdir)
+    train.train(get_config("quickstart", "data=embedded", **{**LOG_EVERY_STEP, "total_steps": 8}),
+                workdir)
+    return read_metrics(workdir)
+
+
+@pytest.mark.parametrize("where", ["metrics.jsonl", "tensorboard"])
+def test_full_disk_at_a_log_is_one_line_and_the_next_start_resumes(tmp_path, monkeypatch, where,
+                                                                    resumed_to_8):
+    """The disk fills up as a resumed run logs step 6 (metrics.jsonl, or TensorBoard's event
+    file): one line that says so, names the file and what to do; every file written before is
+    whole (the logs only grew); with space freed, the same command resumes and logs what a run
+    that never failed logs."""
+    workdir = str(tmp_path / "run")
+    train.train(get_config("quickstart", "data=embedded", **LOG_EVERY_STEP), workdir)
+    longer = get_config("quickstart", "data=embedded", **{**LOG_EVERY_STEP, "total_steps": 8})
+
+    def files_now():  # relative path -> bytes; config.json is rewritten by the longer run
+        paths = glob.glob(os.path.join(workdir, "**"), recursive=True)
+        return {os.path.relpath(p, workdir): open(p, "rb").read() for p in paths
+                if os.path.isfile(p) and not p.endswith("config.json")}
+
+    before = files_now()
+    full_disk(monkeypatch, where, from_step=6)
+    with pytest.raises(OSError) as e:
+        train.train(longer, workdir)
+    message = str(e.value)
+    assert "\n" not in message and os.path.join(workdir, where) in message
+    assert "the disk is full" in message and "run the same command again" in message
+    after = files_now()
+    assert all(after[p][:len(content)] == content for p, content in before.items())
+    assert checkpoint_steps(workdir) == [2, 4]
+
+    monkeypatch.undo()  # space freed
+    assert train.train(longer, workdir)["step"] == 8
+    got = read_metrics(workdir)
+    assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in resumed_to_8]
+    assert [r["bits"] for r in got] == pytest.approx([r["bits"] for r in resumed_to_8], abs=1e-6)

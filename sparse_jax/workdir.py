@@ -1,0 +1,168 @@
+"""A run's workdir: what may be in it, the checks before a run starts there or reads it, the lock
+of its training process, the record of the data it trains on, and the checks of the files that
+evaluation and sampling write.
+
+  WORKDIR/config.json             the config the run trains with (`sparse_jax.config`)
+  WORKDIR/checkpoints/<step>      its checkpoints (`sparse_jax.checkpoints`)
+  WORKDIR/damaged_checkpoints/    checkpoints that could not be read, set aside, never deleted
+  WORKDIR/data_fingerprint.json   what data the run trains on (`check_data`)
+  WORKDIR/.lock                   held by the one training process that uses the workdir
+  WORKDIR/metrics.jsonl ...       logs (`sparse_jax.logs`); eval/ and samples/: outputs
+
+`prepare_workdir` admits a training run: a new, empty or writable folder, or a run of this
+project that the config may resume; anything else there is refused, untouched.
+`check_workdir` admits a reader (evaluation, sampling): a config.json and a checkpoint.
+`check_output` admits an output file before any work is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+
+import jax
+
+from sparse_jax import config as config_lib
+from sparse_jax import data as data_lib
+from sparse_jax.files import atomic_write, part_suffix
+
+FOLDER = "checkpoints"
+DAMAGED = "damaged_checkpoints"
+LOCK = ".lock"
+FINGERPRINT = "data_fingerprint.json"
+PROBE = ".write_test"  # + part_suffix: the file that shows a folder is writable
+# What this project writes into a workdir: anything else there is someone else's.
+OURS = {config_lib.RECORD, config_lib.HISTORY, FOLDER, DAMAGED, LOCK, FINGERPRINT,
+        "metrics.jsonl", "tensorboard", "eval", "samples", "profile", "train.log", "study.json"}
+
+
+def steps(workdir: str) -> list[int]:
+    """The steps of the checkpoints in `workdir`, ascending (none: [])."""
+    folder = os.path.join(workdir, FOLDER)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
+def _probe(folder: str) -> None:
+    """Creates `folder` if needed and writes and removes a small file in it (OSError if it
+    cannot). Its name is unique to the process (`part_suffix`), so the next probe removes one
+    that a process killed here left behind."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, PROBE)
+    probe += part_suffix(probe)
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
+def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
+    """Creates `workdir` and checks that it is writable and holds nothing but a run of this
+    project whose checkpoints `config` may resume. Returns None for a new run, else the config
+    changes (`config.resume_changes`: {} when none); ValueError / OSError otherwise."""
+    try:
+        _probe(workdir)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write to the workdir {workdir}: "
+                               f"{e.strerror or e}; choose another --workdir") from e
+    entries = [n for n in os.listdir(workdir) if not n.startswith(PROBE + ".")]
+    foreign = sorted(n for n in entries if n not in OURS  # a temporary file being written:
+                     and not (n.endswith(".tmp") and n[:-4] in OURS))
+    record = os.path.join(workdir, config_lib.RECORD)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(f"{workdir} holds files this project did not write ({shown}); "
+                         "refusing to train there: use an empty or new --workdir")
+    if not os.path.exists(record):
+        if steps(workdir):
+            raise ValueError(f"{workdir} holds checkpoints but no config.json, so they cannot "
+                             "be checked against this config; use another --workdir")
+        return None
+    try:
+        saved = config_lib.read_record(workdir)
+    except ValueError as e:
+        raise ValueError(f"{record} was not written by this project (or is damaged); "
+                         "refusing to train there: use another --workdir") from e
+    missing = [s for s in config_lib.SECTIONS if s not in saved]
+    if missing:
+        raise ValueError(f"{record} was not written by this project (no {', '.join(missing)} "
+                         "section); refusing to train there: use another --workdir")
+    if not steps(workdir):
+        return None  # a run that never checkpointed starts again
+    return config_lib.resume_changes(saved, config, workdir)
+
+
+def check_workdir(workdir: str) -> None:
+    """FileNotFoundError unless `workdir` holds a config.json and at least one checkpoint."""
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"workdir {workdir} " + ("is a file, not a folder" if
+                                os.path.exists(workdir) else "does not exist"))
+    if not os.path.exists(os.path.join(workdir, config_lib.RECORD)):
+        raise FileNotFoundError(f"{workdir} has no config.json: not a training workdir "
+                                "(scripts/train.py writes one)")
+    if not steps(workdir):
+        raise FileNotFoundError(f"no checkpoints in {os.path.join(workdir, FOLDER)}: train first")
+
+
+def check_data(workdir: str, config_data, dataset, record: bool = True) -> None:
+    """Records what data a run trains on (`data.fingerprint`) in WORKDIR/data_fingerprint.json
+    when it starts (`record`, process 0), and checks on every resume, evaluation or sampling
+    that the data is still the same (ValueError naming the file otherwise)."""
+    path = os.path.join(workdir, FINGERPRINT)
+    recorded = None
+    if os.path.exists(path) and steps(workdir):
+        try:
+            with open(path) as f:
+                recorded = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is damaged ({e}); restore it, or delete it to record the "
+                             "data as it is now") from e
+    current = data_lib.check_fingerprint(recorded, config_data, dataset)
+    if record and jax.process_index() == 0 and current != recorded:
+        with atomic_write(path) as f:
+            json.dump(current, f, indent=1)
+
+
+@contextlib.contextmanager
+def lock(workdir: str):
+    """Holds WORKDIR/.lock while a training process uses `workdir`; OSError if another one
+    holds it. The lock dies with its process (flock), so a killed run never leaves it held."""
+    path = os.path.join(workdir, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise OSError(errno.EBUSY, f"{workdir} is in use by another training process (pid "
+                                   f"{holder}); wait for it to end or use another --workdir"
+                      ) from e
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def check_output(path: str, overwrite: bool, what: str = "") -> None:
+    """Before any work: FileExistsError if `path` exists and `overwrite` is not set; OSError if
+    its folder cannot be created or written."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, f"{path} is a folder; give the path of a file")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(errno.EEXIST, f"{path} exists{what}; pass --overwrite to replace "
+                                            "it, or choose another output")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        _probe(folder)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write to {folder}: {e.strerror or e}; choose another "
+                               "output") from e
