@@ -202,7 +202,8 @@ def restore_newest(mgr, args) -> tuple[int, dict, list[tuple[int, str]]]:
     checkpoint can be read."""
     for _ in range(_LISTINGS):
         damaged = []
-        for step in sorted(mgr.all_steps(read=True), reverse=True):
+        mgr.reload()  # list the folder afresh (all_steps(read=True) is deprecated)
+        for step in sorted(mgr.all_steps(), reverse=True):
             try:
                 return step, mgr.restore(step, args=args), damaged
             except Exception as e:  # noqa: BLE001  (Orbax and TensorStore fail in many types)
