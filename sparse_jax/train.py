@@ -78,8 +78,10 @@ def stage_shapes(config, seq_len: int) -> list[tuple[int, int, int]]:
 
 
 def shape_at(config, seq_len: int, step: int) -> tuple[int, int]:
-    """(batch_size, seq_len) of the batch that trains step `step` (0-based)."""
-    return next((b, n) for until, b, n in stage_shapes(config, seq_len) if step < until)
+    """(batch_size, seq_len) of the batch that trains step `step` (0-based; the full context
+    from total_steps on, where a finished run resumes)."""
+    return next(((b, n) for until, b, n in stage_shapes(config, seq_len) if step < until),
+                (config.batch_size, seq_len))
 
 
 # ---------------------------------------------------------------------------------------------
