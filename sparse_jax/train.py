@@ -77,6 +77,14 @@ def stage_shapes(config, seq_len: int) -> list[tuple[int, int, int]]:
             + [(config.total_steps, config.batch_size, seq_len)])
 
 
+def tokens_left(config, seq_len: int, step: int) -> int:
+    """Tokens of the steps from `step` to total_steps: at the current tokens per second, the
+    time left (a step of a later, longer stage costs about its tokens' worth)."""
+    bounds = [0] + [until for until, _, _ in stage_shapes(config, seq_len)]
+    return sum(max(0, until - max(step, start)) * b * n for start, (until, b, n)
+               in zip(bounds, stage_shapes(config, seq_len)))
+
+
 def shape_at(config, seq_len: int, step: int) -> tuple[int, int]:
     """(batch_size, seq_len) of the batch that trains step `step` (0-based; the full context
     from total_steps on, where a finished run resumes)."""
@@ -294,10 +302,10 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                     row = {"bits": window["bits"] / n, "grad_norm": window["grad_norm"] / n,
                            "lr": lr, "steps_per_s": speed, "tokens_per_s": speed * tokens_per_step}
                     log.write(step, "train", row)
+                    eta = tokens_left(config, cfg.seq_len, step) / max(row["tokens_per_s"], 1e-9)
                     log.print(f"step {step}/{config.total_steps}  train {row['bits']:.4f} bits  "
                               f"lr {lr:.2e}  grad norm {row['grad_norm']:.3f}  {speed:.2f} steps/s"
-                              f"  {speed * tokens_per_step:,.0f} tok/s  "
-                              f"ETA {duration((config.total_steps - step) / speed)}")
+                              f"  {row['tokens_per_s']:,.0f} tok/s  ETA {duration(eta)}")
                     window = {"bits": 0.0, "grad_norm": 0.0, "count": 0}
                     result["train_bits"] = row["bits"]
                 valid_bits = None

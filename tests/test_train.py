@@ -173,6 +173,8 @@ def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, c
     rows = [r for r in read_metrics(workdir) if r["split"] == "train"]
     per_step = [r["tokens_per_s"] / r["steps_per_s"] for r in rows]
     assert per_step == pytest.approx([128] * 3 + [256] * 3)
+    assert [train.tokens_left(config, 64, s) for s in (0, 2, 3, 6)] == [
+        3 * 128 + 3 * 256, 128 + 3 * 256, 3 * 256, 0]  # the ETA's work left
     assert train.train(config, workdir)["step"] == 6  # finished: resumes and does nothing
     assert "nothing to do" in capsys.readouterr().out
     resumed = str(tmp_path / "resumed")
