@@ -2,7 +2,7 @@ r"""Draws the bits-by-position curves of several evaluation results on one figur
 
   python scripts/plot_positions.py --output=positions.png \
       workdirs/kjv_cpu/eval/valid_2900.json workdirs/kjv_long/eval/valid_1000.json \
-      [--label="context 512, 1.689" --label="context 4096, 1.804"] [--title=...]
+      [--label="context 512, 1.689" --label="context 4096, 1.689"] [--title=...]
 
 Each JSON is what scripts/evaluate.py writes (DIR/eval/<split>_<step>.json); its
 "position_curve" (bits in buckets of 4 per doubling of the position) is drawn against the
