@@ -43,7 +43,7 @@ from sparse_jax import workdir as workdir_lib
 from sparse_jax.model import SparseTransformer, model_config
 
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"  # set (not 0): keep Orbax's logs of failed writes
-_LISTINGS = 20  # times a reader lists the checkpoints again when the one it read was removed
+_LISTINGS = 20  # times a reader lists the checkpoints again when one it lists or reads is removed
 
 
 @dataclasses.dataclass
@@ -136,7 +136,19 @@ def manager(workdir: str, keep: int | None = None) -> ocp.CheckpointManager:
                                keep_checkpoints_without_metrics=False)]))
     # Orbax needs an absolute path; users pass relative workdirs.
     folder = os.path.abspath(os.path.join(workdir, workdir_lib.FOLDER))
-    return ocp.CheckpointManager(folder, options=options)
+    return _listing(lambda: ocp.CheckpointManager(folder, options=options))
+
+
+def _listing(list_checkpoints):
+    """`list_checkpoints()`, an Orbax call that lists the checkpoints and reads their metadata,
+    called again while it fails because one vanished meanwhile (the rotation of a run saving
+    beside a reader removed it), at most `_LISTINGS` times."""
+    for _ in range(_LISTINGS - 1):
+        try:
+            return list_checkpoints()
+        except FileNotFoundError:
+            continue
+    return list_checkpoints()
 
 
 def _write_error(mgr, step, error) -> OSError:
@@ -197,12 +209,12 @@ def warn(message: str) -> None:
 def restore_newest(mgr, args) -> tuple[int, dict, list[tuple[int, str]]]:
     """(step, restored, damaged): `args` (an `ocp.args.Composite`) restored from the newest
     checkpoint that can be read, and [(step, reason)] of the newer ones that cannot (nothing is
-    moved or deleted here). A checkpoint that disappears while it is read (the rotation of a run
-    saving beside a reader removed it) sends the reader back to a fresh listing. OSError if no
-    checkpoint can be read."""
+    moved or deleted here). A checkpoint that disappears while it is listed or read (the
+    rotation of a run saving beside a reader removed it) sends the reader back to a fresh
+    listing. OSError if no checkpoint can be read."""
     for _ in range(_LISTINGS):
         damaged = []
-        mgr.reload()  # list the folder afresh (all_steps(read=True) is deprecated)
+        _listing(mgr.reload)  # list the folder afresh (all_steps(read=True) is deprecated)
         for step in sorted(mgr.all_steps(), reverse=True):
             try:
                 return step, mgr.restore(step, args=args), damaged

@@ -333,9 +333,11 @@ def outputs(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
     log(f"outputs: evaluate {duration['evaluate']:.1f} s, sample {duration['sample']:.1f} s; "
         f"{kills} kills at random instants and at writes")
     problems, killed, starts, mid_write = [], 0, 0, 0
-    while killed < kills and starts < 4 * kills:
-        name = ("evaluate", "sample")[starts % 2]
-        at_write = starts // 2 % 2 == 1
+    for attempt in range(4 * kills):  # a start that ends before its kill is no kill
+        if killed == kills:
+            break
+        name = ("evaluate", "sample")[attempt % 2]
+        at_write = attempt // 2 % 2 == 1
         written = OUTPUT_COMMANDS[name][2]
         if rng.random() < 0.5:  # from nothing, or over the outputs of the run before
             for rel in written:
@@ -343,14 +345,14 @@ def outputs(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
                     os.remove(os.path.join(workdir, rel))
         kill_when = _at_a_write(workdir, written, float(rng.uniform(0, WRITE_DELAY))) \
             if at_write else None
-        status, _ = _run(commands[name], env, os.path.join(logs, f"{name}{starts}.log"),
+        log_path = os.path.join(logs, f"{name}{attempt}.log")
+        status, _ = _run(commands[name], env, log_path,
                          None if at_write else float(rng.uniform(0.0, duration[name])), kill_when)
         starts += 1
-        what = f"{name} start {starts - 1} ({'killed ' if status is None else ''}" \
+        what = f"{name} start {attempt} ({'killed ' if status is None else ''}" \
                f"{'at a write' if at_write else 'at a random instant'})"
         if status not in (None, 0):
-            problems.append(f"{what} failed by itself: "
-                            f"{_last_line(os.path.join(logs, f'{name}{starts - 1}.log'))}")
+            problems.append(f"{what} failed by itself: {_last_line(log_path)}")
             break
         for rel in written:  # nothing or a whole output, never a partial one
             path = os.path.join(workdir, rel)
@@ -361,8 +363,9 @@ def outputs(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
             continue
         killed += 1
         mid_write += bool(_strays(workdir, written))  # a temporary file left by the kill
-        log_path = os.path.join(logs, f"{name}{starts}_again.log")
+        log_path = os.path.join(logs, f"{name}{attempt}_again.log")
         status, seconds = _run(commands[name], env, log_path, None)  # the same command again
+        starts += 1
         duration[name] = min(duration[name], seconds)  # the later starts compile nothing
         if status != 0:
             problems.append(f"{what}: the next run failed: {_last_line(log_path)}")
@@ -377,7 +380,7 @@ def outputs(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
         if _digests(workdir, skip) != inputs:
             problems.append(f"{what}: files of the workdir changed")
     if killed < kills and not problems:
-        problems.append(f"only {killed} of {starts} starts were killed")
+        problems.append(f"only {killed} kills in {starts} starts")
     return {"kills": killed, "starts": starts, "mid_write": mid_write, "problems": problems}
 
 

@@ -181,6 +181,26 @@ def test_damaged_newest_checkpoint_falls_back_and_is_never_touched(text_run, tmp
         E.evaluate(workdir, "valid", progress=False)
 
 
+def test_a_checkpoint_removed_while_listed_sends_the_reader_back_to_a_fresh_listing(
+        text_run, monkeypatch):
+    """Beside a saving run, the run's rotation may remove a checkpoint while a reader lists them
+    (Orbax read its name, then its folder was gone: FileNotFoundError): every other listing here
+    fails so; the reader lists again and restores the newest checkpoint."""
+    import orbax.checkpoint as ocp
+
+    real, listings = ocp.CheckpointManager._load_checkpoint_infos, []
+
+    def vanishing(self, *args, **kwargs):
+        listings.append(self.directory)
+        if len(listings) % 2:
+            raise FileNotFoundError(2, "No such file or directory", f"{self.directory}/4")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_load_checkpoint_infos", vanishing)
+    assert checkpoints.restore_model(text_run)[2] == 4
+    assert len(listings) == 4  # the manager's and the restore's listing, each done twice
+
+
 def test_script_prints_a_table_and_writes_json(text_run):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(ROOT, "scripts", "evaluate.py")
