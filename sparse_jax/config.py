@@ -27,7 +27,7 @@ import ml_collections
 
 from sparse_jax import data as data_lib
 from sparse_jax import logs
-from sparse_jax.files import append_line, atomic_write
+from sparse_jax.files import append_line, atomic_write, writing
 from sparse_jax.model import ModelConfig, model_config
 
 RECORD = "config.json"  # in the workdir: the config the run trains with
@@ -134,7 +134,7 @@ def describe_differences(changed: dict[str, tuple], old_name: str = "in the chec
 def write_record(workdir: str, config: ml_collections.ConfigDict) -> str:
     """Writes `config` to WORKDIR/config.json (whole or not at all); returns the path."""
     path = os.path.join(workdir, RECORD)
-    with atomic_write(path) as f:
+    with writing(path), atomic_write(path) as f:
         f.write(config.to_json(indent=2))
     return path
 
@@ -178,8 +178,9 @@ def record_changes(workdir: str, config, step: int, changed: dict[str, tuple]) -
     """Appends the allowed changes in effect from `step` to config_history.jsonl, then rewrites
     config.json with `config` (the history line first: a crash between the two leaves the
     change recorded, and the next run finds the same differences)."""
-    append_line(os.path.join(workdir, HISTORY), {
-        "step": step, "time": round(time.time(), 3),
-        "changes": {k: list(v) for k, v in changed.items()}})
+    history = os.path.join(workdir, HISTORY)
+    with writing(history):
+        append_line(history, {"step": step, "time": round(time.time(), 3),
+                              "changes": {k: list(v) for k, v in changed.items()}})
     write_record(workdir, config)
 

@@ -9,6 +9,7 @@ leaves each file either as it was or whole, never torn.
                           by a full disk or a crash), which a reader never sees as a row
   write_error(path, e, fix)  a failed write as one line that names the file, says when the
                           disk is full, and what to do
+  writing(path, fix)      a block whose OSError becomes `write_error(path, ...)`
 
 The data cache (`sparse_jax.sources`, `sparse_jax.images`) writes its files the same way, under
 a name unique to the process (`part_suffix`), since several processes may prepare the same file
@@ -100,3 +101,15 @@ def write_error(path: str, error: OSError, fix: str) -> OSError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         reason = f"the disk is full ({reason})"
     return OSError(error.errno, f"could not write {path}: {reason}; {fix}")
+
+
+AGAIN = "free some space and run the same command again"
+
+
+@contextlib.contextmanager
+def writing(path: str, fix: str = AGAIN):
+    """Runs the block; an OSError in it becomes `write_error(path, error, fix)`."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(path, e, fix) from e

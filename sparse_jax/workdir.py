@@ -27,7 +27,7 @@ import jax
 
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
-from sparse_jax.files import atomic_write, part_suffix
+from sparse_jax.files import atomic_write, part_suffix, writing
 
 FOLDER = "checkpoints"
 DAMAGED = "damaged_checkpoints"
@@ -122,7 +122,7 @@ def check_data(workdir: str, config_data, dataset, record: bool = True) -> None:
                              "data as it is now") from e
     current = data_lib.check_fingerprint(recorded, config_data, dataset)
     if record and jax.process_index() == 0 and current != recorded:
-        with atomic_write(path) as f:
+        with writing(path), atomic_write(path) as f:
             json.dump(current, f, indent=1)
 
 

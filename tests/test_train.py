@@ -21,6 +21,7 @@ from conftest import fake_enwik8
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
 from sparse_jax import files, optim, sources, train
+from sparse_jax import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -494,3 +495,31 @@ def test_full_disk_at_a_log_is_one_line_and_the_next_start_resumes(tmp_path, mon
     got = read_metrics(workdir)
     assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in resumed_to_8]
     assert [r["bits"] for r in got] == pytest.approx([r["bits"] for r in resumed_to_8], abs=1e-6)
+
+
+@pytest.mark.parametrize("module, writer, name, resume", [
+    (config_lib, "atomic_write", "config.json", False),
+    (workdir_lib, "atomic_write", "data_fingerprint.json", False),
+    (config_lib, "append_line", "config_history.jsonl", True),
+])
+def test_full_disk_at_the_run_record_is_one_line_and_the_next_start_runs(
+        tmp_path, monkeypatch, module, writer, name, resume):
+    """The disk is full when a new run records its config or data, or when a resume records an
+    allowed change: one line naming the file; with space freed, the same command runs."""
+    workdir = str(tmp_path / "run")
+    config = get_config("quickstart", "data=embedded", **TINY_TEXT)
+    if resume:
+        train.train(config, workdir)
+        config = get_config("quickstart", "data=embedded", **{**TINY_TEXT, "total_steps": 6})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(module, writer, full)
+    with pytest.raises(OSError) as e:
+        train.train(config, workdir)
+    message = str(e.value)
+    assert "\n" not in message and os.path.join(workdir, name) in message
+    assert "the disk is full" in message and "run the same command again" in message
+    monkeypatch.undo()  # space freed
+    assert train.train(config, workdir)["step"] == config.total_steps
