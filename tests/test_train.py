@@ -174,8 +174,16 @@ def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, c
     rows = [r for r in read_metrics(workdir) if r["split"] == "train"]
     per_step = [r["tokens_per_s"] / r["steps_per_s"] for r in rows]
     assert per_step == pytest.approx([128] * 3 + [256] * 3)
-    assert [train.tokens_left(config, 64, s) for s in (0, 2, 3, 6)] == [
+    shapes = train.stage_shapes(config, config_lib.check_config(config))
+    assert shapes == [(3, 8, 16), (6, 4, 64)]
+    assert [train.tokens_left(shapes, s) for s in (0, 2, 3, 6)] == [
         3 * 128 + 3 * 256, 128 + 3 * 256, 3 * 256, 0]  # the ETA's work left
+    assert [train.tokens_at(shapes, s) for s in (0, 2, 3, 5, 6)] == [128, 128, 256, 256, 256]
+    plain = str(tmp_path / "plain")  # the same run at the full context throughout
+    train.train(get_config("quickstart", "data=embedded", **{
+        **TINY_TEXT, "total_steps": 6, "log_every": 1, "keep_checkpoints": 10}), plain)
+    other = [r["bits"] for r in read_metrics(plain) if r["split"] == "train"]
+    assert rows[0]["bits"] != pytest.approx(other[0], abs=1e-4)  # the short windows were read
     assert train.train(config, workdir)["step"] == 6  # finished: resumes and does nothing
     assert "nothing to do" in capsys.readouterr().out
     resumed = str(tmp_path / "resumed")
