@@ -55,8 +55,6 @@ IMPLEMENTATIONS = ("xla", "pallas", "auto")  # unfused XLA ops, or fused kernels
 
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
-_SUMMARY_CHUNKS = 8  # query-row chunks of the summary term; fewer chunks score more masked keys
-
 
 def _check_qkv(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -131,72 +129,150 @@ def decode_attention(q_BHD, k_BKHD, v_BKHD, valid):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast path. Each term becomes one or more "pieces". A piece sees the grid in its own
-# layout, [B, H, tiles, queries per tile, ...]: the tiles are the grid rows (or sub-rows), or the
-# grid columns for column attention (``transposed``). The keys of tile t lie in tiles
-# t - halo .. t, so the queries of a chunk of consecutive tiles need one contiguous slab of K/V.
-# A piece is computed chunk by chunk in a ``lax.scan``, so only one chunk's score tiles exist at
-# a time (memory is bounded by the chunk, whatever the compiler's schedule), and the forward
-# pass and the custom backward pass share one definition of each piece.
+# The fast path. Every array stays in the layout of the inputs, the grid ``[B, R, block, H, ...]``
+# (a free reshape of ``[B, n, H, ...]``), from the inputs to the output and the gradients. Each
+# term is computed in a ``lax.scan`` over chunks of its *tiles*: the grid rows (or sub-rows of
+# them) for a band or a summary term, the grid columns for the column term. A scan step slices
+# its queries and keys out of the grid into cache-sized tiles ``[c, B, H, Q, ...]`` and merges
+# its results into running accumulators held in the grid layout, updated in place: the softmax's
+# row maximum, sum of exponentials and weighted values forward, dq, dk and dv backward. A band's
+# window is scored as one block per key tile (tile t against t, t - 1, ...), so no key is copied
+# into a window. No whole-array copy is made in any other layout: on a CPU such copies, not the
+# matmuls, took most of the time. Only one chunk's score tiles exist at a time, whatever the
+# compiler's schedule, and the forward pass and the custom backward share one definition of
+# each term's blocks and masks.
 
-_CHUNK_SCORES = 1 << 16  # scores per (batch, head) in one scan step of a piece (256 KiB float32)
+_CHUNK_SCORES = 1 << 16  # scores per (batch, head) in one scan step (256 KiB float32)
 _MIN_SUB_ROW = 64  # shortest sub-row a sliding-window band is cut into (shorter: slower dots)
+_SUMMARY_CHUNKS = 8  # query-row chunks of the summary term; fewer chunks score more masked keys
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
-    """Tiles ``[t0, t1)`` of one term, in the term's layout ``[B, H, tiles, Q, ...]``: the tiles
-    are the grid rows (``[B, H, R, block, ...]``), each grid row cut into ``split`` sub-rows, or
-    the grid columns if ``transposed`` (``[B, H, block, R, ...]``; the piece covers all of them).
+class _Term:
+    """One term of the pattern as tiles of the grid ``[B, R, block, H, ...]``: along axis 1 the
+    grid rows, each cut into ``split`` sub-rows (a tile is ``block // split`` queries), or along
+    axis 2 the grid columns (a tile is a column's ``R`` queries). ``tiles``: how many; ``chunk``:
+    tiles per scan step, or ``bounds``: static chunks ``[(t0, t1), ...]``.
 
-    ``scores(q, k)``: queries of ``c`` consecutive tiles ``[B, H, c, Q, d]`` and their key slab,
-    tiles ``t - halo .. t + c - 1`` (``[B, H, halo + c, ., d]``), to scores ``[B, H, c, Q, K]``;
-    ``values(p, v)``: probabilities and the value slab to ``[B, H, c, Q, dv]``; both linear, with
-    float32 results. ``keep(t, c)``: boolean mask of tiles ``t .. t + c - 1``, broadcastable to
-    the scores (``t`` may be traced). ``chunk``: tiles per scan step. ``window``: the keys of
-    a tile are it and the ``window`` tiles before it, laid side by side once (``key_layout``),
-    so the key slab of tile t is tile t of that layout.
+    Keys: tile t's keys are ``window + 1`` blocks, the tiles ``t - window .. t``; or, with
+    ``residues`` (a summary term), one block, the summary positions of the first ``keys(t1)``
+    rows' worth (``keys``: static chunk end -> number of keys), shared by a chunk's tiles.
+    ``keep(t, c, j)``: boolean mask of block j of tiles ``t .. t + c - 1``, broadcastable to its
+    scores (``t`` may be traced).
     """
-    t0: int
-    t1: int
-    halo: int
-    chunk: int
-    scores: Callable
-    values: Callable
+    axis: int
+    tiles: int
     keep: Callable
-    transposed: bool = False
+    chunk: int = 1
     split: int = 1
     window: int = 0
+    residues: tuple[int, ...] | None = None
+    bounds: tuple[tuple[int, int], ...] | None = None
+    keys: Callable | None = None
 
-    def layout(self, x):
-        """A grid array ``[B, H, R, block, ...]`` in this piece's layout (all tiles)."""
-        if self.transposed:
-            return x.swapaxes(2, 3)
-        return x.reshape(*x.shape[:2], -1, x.shape[3] // self.split, *x.shape[4:])
-
-    def key_layout(self, x):
-        """The keys (values) of a grid array in this piece's layout: with a ``window``, tile t
-        holds tiles t - window .. t side by side (zeros before tile 0), built once for all tiles
-        so that no scan step copies keys around."""
-        x = self.layout(x)
-        if not self.window:
+    def view(self, x):
+        """A grid array ``[B, R, block, H, ...]`` with this term's tiles along ``axis``."""
+        if self.axis == 2:
             return x
-        padded = jnp.pad(x, ((0, 0), (0, 0), (self.window, 0)) + ((0, 0),) * (x.ndim - 3))
-        tiles = x.shape[2]
-        return jnp.concatenate([padded[:, :, p:p + tiles] for p in range(self.window + 1)],
-                               axis=3)
+        return x.reshape(x.shape[0], -1, x.shape[2] // self.split, *x.shape[3:])
 
-    def to_grid(self, x):
-        """Inverse of ``layout`` (for arrays covering tiles ``[t0, t1)``)."""
-        if self.transposed:
-            return x.swapaxes(2, 3)
-        return x.reshape(*x.shape[:2], -1, x.shape[3] * self.split, *x.shape[4:])
+    def _perm(self, ndim):  # view [B, T or Q, Q or T, H, ...] -> tiles [c, B, H, Q, ...]
+        if self.residues is not None:  # [B, H, c, Q, ...]: the summary keys are [B, H, K, d]
+            return (0, 3, 1, 2) + tuple(range(4, ndim))
+        return (self.axis, 0, 3, 3 - self.axis) + tuple(range(4, ndim))
 
-    def grid_rows(self) -> slice:
-        """The grid rows this piece's results cover."""
-        if self.transposed:
-            return slice(None)
-        return slice(self.t0 // self.split, self.t1 // self.split)
+    def take(self, x, t, c):
+        """Tiles ``t .. t + c - 1`` of a grid array, as ``[c, B, H, Q, ...]`` (a summary
+        term's as ``[B, H, c, Q, ...]``)."""
+        s = jax.lax.dynamic_slice_in_dim(self.view(x), t, c, axis=self.axis)
+        return s.transpose(self._perm(s.ndim))
+
+    def put(self, x, t, y):
+        """``x`` with tiles ``t ..`` replaced by ``y`` (``[c, B, H, Q, ...]``, as ``take``)."""
+        y = y.transpose(np.argsort(self._perm(y.ndim))).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(self.view(x), y, t,
+                                                   axis=self.axis).reshape(x.shape)
+
+    def add(self, x, t, y):
+        return self.put(x, t, self.take(x, t, y.shape[2 if self.residues else 0]) + y)
+
+    def key_tiles(self, x, t, c):
+        """Keys of chunk ``[t, t + c)``: tiles ``t - window .. t + c - 1`` of a grid array (zeros
+        before tile 0, where ``t`` is static), or the first summary keys of ``x``, the summary
+        positions ``[B, H, R * len(residues), ...]`` (``summary``)."""
+        if self.residues is not None:
+            return x[:, :, :self.keys(t + c)]
+        if isinstance(t, int) and t < self.window:
+            tiles = self.take(x, 0, t + c)
+            return jnp.pad(tiles, ((self.window - t, 0),) + ((0, 0),) * (tiles.ndim - 1))
+        return self.take(x, t - self.window, c + self.window)
+
+    def add_key_tiles(self, x, t, c, y):
+        """The transpose of ``key_tiles`` (for a band or column term): ``x`` plus ``y`` there."""
+        if isinstance(t, int) and t < self.window:
+            return self.add(x, 0, y[self.window - t:])
+        return self.add(x, t - self.window, y)
+
+    def blocks(self, tiles):
+        """Key tiles -> the key blocks of a chunk's tiles: block j of tile t is tile
+        ``t - window + j``; or the summary keys."""
+        if self.residues is not None:
+            return [tiles]
+        c = tiles.shape[0] - self.window
+        return [tiles[j:j + c] for j in range(self.window + 1)]
+
+    def scores(self, q, k):
+        """Queries ``[c, B, H, Q, d]`` and a key block to scores ``[c, B, H, Q, K]`` (float32;
+        for a summary term ``[B, H, c, Q, ...]``)."""
+        if self.residues is not None:
+            return _dot("bhrqd,bhkd->bhrqk", q, k)
+        return _dot("rbhqd,rbhkd->rbhqk", q, k)
+
+    def values(self, p, v):
+        """Probabilities ``[c, B, H, Q, K]`` and a value block to ``[c, B, H, Q, dv]``."""
+        if self.residues is not None:
+            return _dot("bhrqk,bhkd->bhrqd", p, v)
+        return _dot("rbhqk,rbhkd->rbhqd", p, v)
+
+    def summary(self, x):
+        """The summary positions of a grid array, ``[B, H, R * len(residues), ...]``."""
+        s = x[:, :, np.asarray(self.residues)]
+        return jnp.moveaxis(s.reshape(s.shape[0], -1, *s.shape[3:]), 2, 1)
+
+    def summary_back(self, x, d):
+        """The transpose of ``summary``: ``x`` plus ``d`` at the summary positions."""
+        d = jnp.moveaxis(d, 1, 2).reshape(*x.shape[:2], len(self.residues), *x.shape[3:])
+        return x.at[:, :, np.asarray(self.residues)].add(d)
+
+    def chunks(self):
+        """``(t, c, static)`` for each chunk in order: ``static`` chunks are separate calls, the
+        others one ``lax.scan``; static are the chunks whose window reaches before tile 0 and
+        the last, shorter chunk."""
+        if self.bounds is not None:
+            return [(t0, t1 - t0, True) for t0, t1 in self.bounds]
+        heads = -(-self.window // self.chunk)
+        full, rest = divmod(self.tiles, self.chunk)
+        return ([(i * self.chunk, self.chunk, i < heads) for i in range(full)]
+                + ([(self.tiles - rest, rest, True)] if rest else []))
+
+
+def _for_chunks(step, carry, term: _Term):
+    """``carry = step(carry, t, c)`` for each chunk of the term's tiles: first the ``lax.scan``
+    over a traced ``t``, then the static chunks with a Python int ``t``. (In that order the
+    static chunks update the scan's buffers in place; the other way round, XLA rewrites the
+    first update of freshly zeroed accumulators into a slow padding of the whole array.)"""
+    chunks = term.chunks()
+    scanned = [(t, c) for t, c, static in chunks if not static]
+    if len(scanned) == 1:
+        carry = step(carry, *scanned[0])
+    elif scanned:
+        c = scanned[0][1]
+        carry = jax.lax.scan(lambda carry, s: (step(carry, s, c), None), carry,
+                             jnp.asarray([t for t, _ in scanned]))[0]
+    for t, c, static in chunks:
+        if static:
+            carry = step(carry, t, c)
+    return carry
 
 
 def _dot(subscripts, a, b):
@@ -224,167 +300,84 @@ def _sub_rows(term: patterns.BandTerm) -> int:
     return min(splits, key=keys, default=1)
 
 
-def _band_pieces(term: patterns.BandTerm, rows: int):
+def _band(term: patterns.BandTerm, rows: int) -> _Term:
     split = _sub_rows(term)
     if split > 1:  # the same window on a grid of sub-rows
         sub = term.block // split
         term = patterns.BandTerm(sub, prev=-(-term.max_distance // sub),
                                  max_distance=term.max_distance)
     prev, block = term.prev, term.block
-    tile = term.tile_mask()
+    tile = term.tile_mask().reshape(block, prev + 1, block)
 
-    def keep(t, c):  # the tile mask, and no key in the rows before row 0
-        key_row = t + jnp.arange(c)[:, None] - prev + jnp.arange(tile.shape[1])[None] // block
-        return jnp.asarray(tile)[None] & (key_row >= 0)[:, None, :]
+    def keep(t, c, j):  # block j's part of the tile mask, and no key before row 0
+        key_row = t + jnp.arange(c) - prev + j
+        return jnp.asarray(tile[:, j])[None, None, None] & (key_row >= 0)[:, None, None, None,
+                                                                          None]
 
-    return [_Piece(
-        0, rows * split, halo=0, chunk=_chunk(tile.size), split=split, window=prev,
-        scores=lambda q, k: _dot("bhrqd,bhrkd->bhrqk", q, k),
-        values=lambda p, v: _dot("bhrqk,bhrkd->bhrqd", p, v),
-        keep=keep)]
+    return _Term(1, rows * split, keep, chunk=_chunk(tile.size), split=split, window=prev)
 
 
-def _column_pieces(term: patterns.ColumnTerm, rows: int):
+def _column(term: patterns.ColumnTerm, rows: int) -> _Term:
     r = np.arange(rows)
     keep = (r[:, None] - r[None, :]) >= term.min_rows  # [R (query), R (key)]
-    return [_Piece(
-        0, term.stride, halo=0, chunk=_chunk(rows * rows), transposed=True,
-        scores=lambda q, k: _dot("bhcqd,bhckd->bhcqk", q, k),
-        values=lambda p, v: _dot("bhcqk,bhckd->bhcqd", p, v),
-        keep=lambda t, c: jnp.asarray(keep))]
+    return _Term(2, term.stride, lambda t, c, j: jnp.asarray(keep), chunk=_chunk(rows * rows))
 
 
-def _summary_pieces(term: patterns.SummaryTerm, rows: int):
-    """The summary keys are a strided slice of K/V ([B, H, R * s, d]) shared by all queries.
+def _summary(term: patterns.SummaryTerm, rows: int) -> _Term:
+    """The summary keys (``[B, H, R * s, d]``, sliced out of K/V once) are shared by all queries.
     Query rows go in static chunks; chunk ``[r0, r1)`` scores only the summary keys of rows
     ``< r1 - 1``, so few keys after a query row are scored (half of all summary keys would be)."""
-    residues = np.asarray(term.residues)
-    s = len(residues)
-
-    def summary(x, num_keys):  # slab of rows 0 .. r1 - 1 -> its first num_keys summary keys
-        return x[:, :, :, residues].reshape(*x.shape[:2], -1, x.shape[-1])[:, :, :num_keys]
-
+    s = len(term.residues)
     bounds = np.unique(np.linspace(0, rows, min(_SUMMARY_CHUNKS, rows) + 1).round().astype(int))
-    pieces = []
-    for r0, r1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        n_keys = max(r1 - 1, 1) * s  # keys of rows < r1 - 1 (one masked row when r1 = 1)
-        keep = (np.arange(n_keys)[None, :] // s < np.arange(r0, r1)[:, None])[:, None, :]
-        pieces.append(_Piece(
-            r0, r1, halo=r0, chunk=r1 - r0,
-            scores=lambda q, k, n=n_keys: _dot("bhrqd,bhkd->bhrqk", q, summary(k, n)),
-            values=lambda p, v, n=n_keys: _dot("bhrqk,bhkd->bhrqd", p, summary(v, n)),
-            keep=lambda t, c, keep=keep: jnp.asarray(keep)))
-    return pieces
+
+    def keys(r1):  # keys of rows < r1 - 1 (one masked row when r1 = 1)
+        return max(r1 - 1, 1) * s
+
+    def keep(t, c, j):
+        rows_ = np.arange(t, t + c)[:, None, None]
+        return jnp.asarray(np.arange(keys(t + c)) // s < rows_)
+
+    return _Term(1, rows, keep, residues=term.residues, keys=keys,
+                 bounds=tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
 
 
-_PIECES = {patterns.BandTerm: _band_pieces, patterns.ColumnTerm: _column_pieces,
-           patterns.SummaryTerm: _summary_pieces}
+_TERMS = {patterns.BandTerm: _band, patterns.ColumnTerm: _column,
+          patterns.SummaryTerm: _summary}
 
 
-def _pieces(spec: PatternSpec, rows: int) -> list[_Piece]:
-    return [p for term in spec.terms() for p in _PIECES[type(term)](term, rows)]
-
-
-def _over_chunks(step, carry, piece: _Piece):
-    """``carry, y = step(carry, t, c)`` for the chunks ``[t, t + c)`` of the piece's tiles: a
-    ``lax.scan`` over the full chunks, then one call for the rest. Returns the final carry and the
-    ``y``s joined along the tile axis (2)."""
-    full, rest = divmod(piece.t1 - piece.t0, piece.chunk)
-    ys = []
-    if full == 1:
-        carry, y = step(carry, piece.t0, piece.chunk)
-        ys.append(y)
-    elif full > 1:
-        starts = piece.t0 + piece.chunk * jnp.arange(full)
-        carry, y = jax.lax.scan(lambda carry, t: step(carry, t, piece.chunk), carry, starts)
-        ys.append(jax.tree.map(  # [steps, B, H, c, ...] -> [B, H, steps * c, ...]
-            lambda a: jnp.moveaxis(a, 0, 2).reshape(*a.shape[1:3], -1, *a.shape[4:]), y))
-    if rest:
-        carry, y = step(carry, piece.t1 - rest, rest)
-        ys.append(y)
-    return carry, jax.tree.map(lambda *a: jnp.concatenate(a, axis=2), *ys)
-
-
-def _slabs(piece: _Piece, q_g, k_g, v_g):
-    """The piece's layout of q, and of k, v with zero tiles in front so every key slab exists.
-    Returns q, k, v and ``slab(x, t, c)``, the keys of tiles ``t .. t + c - 1``."""
-    pad = max(0, piece.halo - piece.t0)
-    q, k, v = piece.layout(q_g), piece.key_layout(k_g), piece.key_layout(v_g)
-    k, v = (jnp.pad(x, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) if pad else x for x in (k, v))
-
-    def slab(x, t, c):
-        return jax.lax.dynamic_slice_in_dim(x, t - piece.halo + pad, piece.halo + c, axis=2)
-
-    return q, k, v, slab, pad
-
-
-def _tiles(x, t, c):
-    return jax.lax.dynamic_slice_in_dim(x, t, c, axis=2)
-
-
-def _piece_forward(piece: _Piece, q_g, k_g, v_g):
-    """Row maximum, sum of exponentials and weighted values of one piece over its tiles, in its
-    layout: ``[B, H, t1 - t0, Q]`` twice and ``[B, H, t1 - t0, Q, dv]``."""
-    q, k, v, slab, _ = _slabs(piece, q_g, k_g, v_g)
-
-    def step(carry, t, c):
-        scores = jnp.where(piece.keep(t, c), piece.scores(_tiles(q, t, c), slab(k, t, c)), _NEG)
-        m = jnp.maximum(scores.max(-1), _FLOOR)  # a row with no key keeps _FLOOR and sum 0
-        probs = jnp.exp(scores - m[..., None])
-        acc = piece.values(probs.astype(v.dtype), slab(v, t, c))
-        return carry, (m, probs.sum(-1), acc)
-
-    return _over_chunks(step, (), piece)[1]
-
-
-def _piece_backward(piece: _Piece, q_g, k_g, v_g, d_out, lse, delta):
-    """Gradients of one piece's share of the output, in the grid layout (float32): d_q for the
-    piece's rows, d_k and d_v for all rows."""
-    q, k, v, slab, pad = _slabs(piece, q_g, k_g, v_g)
-    d_out, lse, delta = (piece.layout(x) for x in (d_out, lse, delta))
-
-    def step(d_kv, t, c):
-        scores, scores_vjp = jax.vjp(piece.scores, _tiles(q, t, c), slab(k, t, c))
-        probs = jnp.exp(scores - _tiles(lse, t, c)[..., None])
-        probs = jnp.where(piece.keep(t, c), probs, 0.0)
-        _, values_vjp = jax.vjp(piece.values, probs.astype(v.dtype), slab(v, t, c))
-        d_probs, d_v = values_vjp(_tiles(d_out, t, c))
-        d_scores = probs * (d_probs.astype(jnp.float32) - _tiles(delta, t, c)[..., None])
-        d_q, d_k = scores_vjp(d_scores)
-        start = t - piece.halo + pad  # add the slab's gradients in place
-        d_kv = [jax.lax.dynamic_update_slice_in_dim(
-            acc, _tiles(acc, start, d.shape[2]) + d.astype(jnp.float32), start, axis=2)
-            for acc, d in zip(d_kv, (d_k, d_v))]
-        return d_kv, d_q.astype(jnp.float32)
-
-    d_kv = [jnp.zeros_like(x, jnp.float32) for x in (k, v)]  # zeros_like: also under shard_map
-    d_kv, d_q = _over_chunks(step, d_kv, piece)
-    if piece.window:  # back from the windows: the transpose of key_layout (a sum of shifts)
-        d_k, d_v = (jax.vjp(piece.key_layout, jnp.zeros_like(x, jnp.float32))[1](d)[0]
-                    for x, d in zip((k_g, v_g), d_kv))
-    else:
-        d_k, d_v = (piece.to_grid(x[:, :, pad:]) for x in d_kv)
-    return piece.to_grid(d_q), d_k, d_v
+def _terms(spec: PatternSpec, rows: int) -> list[_Term]:
+    return [_TERMS[type(term)](term, rows) for term in spec.terms()]
 
 
 def _grid_forward(spec, q_g, k_g, v_g):
-    """Joint softmax over all pieces by log-sum-exp merge. q_g is pre-scaled by 1/√d.
-    Returns the output [B, H, R, block, dv] and the log-sum-exp [B, H, R, block], float32."""
-    batch_shape = q_g.shape[:4]
-    partials = []
-    row_max = jnp.full(batch_shape, _FLOOR, jnp.float32)
-    for piece in _pieces(spec, q_g.shape[2]):
-        m, total, acc = (piece.to_grid(x) for x in _piece_forward(piece, q_g, k_g, v_g))
-        rows = piece.grid_rows()
-        row_max = row_max.at[:, :, rows].max(m)
-        partials.append((rows, m, total, acc))
-    total = jnp.zeros(batch_shape, jnp.float32)
-    out = jnp.zeros((*batch_shape, v_g.shape[-1]), jnp.float32)
-    for rows, m, piece_total, acc in partials:
-        w = jnp.exp(m - row_max[:, :, rows])
-        total = total.at[:, :, rows].add(w * piece_total)
-        out = out.at[:, :, rows].add(w[..., None] * acc)
-    out = out / jnp.maximum(total, 1e-30)[..., None]
+    """Joint softmax over all terms: each chunk merges its row maximum, sum of exponentials and
+    weighted values into the running ones (log-sum-exp). q_g is pre-scaled by 1/√d; all
+    ``[B, R, block, H, d]``. Returns the output ``[B, R, block, H, dv]`` and the log-sum-exp
+    ``[B, R, block, H]``, float32."""
+    row_max = jnp.full_like(q_g[..., 0], _FLOOR, jnp.float32)  # *_like: also in shard_map
+    total = jnp.zeros_like(q_g[..., 0], jnp.float32)
+    acc = jnp.zeros_like(v_g, jnp.float32)
+    for term in _terms(spec, q_g.shape[1]):
+        k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
+
+        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src):
+            row_max, total, acc = carry
+            q = term.take(q_g, t, c)
+            k_blocks, v_blocks = (term.blocks(term.key_tiles(x, t, c)) for x in (k_src, v_src))
+            scores = [jnp.where(term.keep(t, c, j), term.scores(q, k), _NEG)
+                      for j, k in enumerate(k_blocks)]
+            old_max = term.take(row_max, t, c)
+            new_max = functools.reduce(jnp.maximum, [s.max(-1) for s in scores], old_max)
+            probs = [jnp.exp(s - new_max[..., None]) for s in scores]  # a row with no key: 0
+            rescale = jnp.exp(old_max - new_max)
+            new_total = rescale * term.take(total, t, c) + sum(p.sum(-1) for p in probs)
+            new_acc = rescale[..., None] * term.take(acc, t, c) + sum(
+                term.values(p.astype(v_g.dtype), v) for p, v in zip(probs, v_blocks))
+            return (term.put(row_max, t, new_max), term.put(total, t, new_total),
+                    term.put(acc, t, new_acc))
+
+        row_max, total, acc = _for_chunks(step, (row_max, total, acc), term)
+    out = acc / jnp.maximum(total, 1e-30)[..., None]
     lse = jnp.where(total > 0, row_max + jnp.log(jnp.maximum(total, 1e-30)), -_NEG)
     return out, lse
 
@@ -400,18 +393,53 @@ def _grid_attention_fwd(spec, q_g, k_g, v_g):
 
 
 def _grid_attention_bwd(spec, residuals, d_out):
-    """Flash-style backward: recompute each piece's probabilities from the saved log-sum-exp,
-    chunk by chunk, so memory stays at one chunk's score tiles instead of all of them."""
+    """Flash-style backward: recompute each chunk's probabilities from the saved log-sum-exp,
+    so memory stays at one chunk's score tiles; dq, dk and dv accumulate in place in the grid
+    layout (a summary term's dk and dv first over its summary keys)."""
     q_g, k_g, v_g, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
-    delta = (d_out * out).sum(-1)  # D_i = sum_j P_ij dP_ij = dO_i · O_i
-    d_q = jnp.zeros(q_g.shape, jnp.float32)
-    d_k = jnp.zeros(k_g.shape, jnp.float32)
-    d_v = jnp.zeros(v_g.shape, jnp.float32)
-    for piece in _pieces(spec, q_g.shape[2]):
-        piece_d_q, piece_d_k, piece_d_v = _piece_backward(piece, q_g, k_g, v_g, d_out, lse, delta)
-        d_q = d_q.at[:, :, piece.grid_rows()].add(piece_d_q)
-        d_k, d_v = d_k + piece_d_k, d_v + piece_d_v
+    delta = _dot("...d,...d->...", d_out, out)  # D_i = sum_j P_ij dP_ij = dO_i · O_i (as a
+    # batched dot: XLA:CPU's reduction over the last axis is 20x slower)
+    d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
+    for term in _terms(spec, q_g.shape[1]):
+        k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
+        d_src = (jnp.zeros_like(k_src, jnp.float32), jnp.zeros_like(v_src, jnp.float32)) \
+            if term.residues else (d_k, d_v)
+
+        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src):
+            d_q, (d_k, d_v) = carry
+            q = term.take(q_g, t, c)
+            k_tiles, v_tiles = (term.key_tiles(x, t, c) for x in (k_src, v_src))
+            lse_c, delta_c, d_out_c = (term.take(x, t, c) for x in (lse, delta, d_out))
+            d_q_c = 0.0
+            d_k_blocks, d_v_blocks = [], []
+            for j, (k, v) in enumerate(zip(term.blocks(k_tiles), term.blocks(v_tiles))):
+                scores, scores_vjp = jax.vjp(term.scores, q, k)
+                probs = jnp.where(term.keep(t, c, j), jnp.exp(scores - lse_c[..., None]), 0.0)
+                _, values_vjp = jax.vjp(term.values, probs.astype(v.dtype), v)
+                d_probs, d_v_j = values_vjp(d_out_c)
+                d_scores = probs * (d_probs.astype(jnp.float32) - delta_c[..., None])
+                d_q_j, d_k_j = scores_vjp(d_scores)
+                d_q_c = d_q_c + d_q_j.astype(jnp.float32)
+                d_k_blocks.append(d_k_j.astype(jnp.float32))
+                d_v_blocks.append(d_v_j.astype(jnp.float32))
+            d_k_tiles, d_v_tiles = (  # the transpose of ``blocks``
+                jax.vjp(term.blocks, x)[1](d)[0] if len(d) > 1 else d[0]
+                for x, d in ((k_tiles.astype(jnp.float32), d_k_blocks),
+                             (v_tiles.astype(jnp.float32), d_v_blocks)))
+            if term.residues:
+                n = d_k_tiles.shape[2]
+                d_k, d_v = d_k.at[:, :, :n].add(d_k_tiles), d_v.at[:, :, :n].add(d_v_tiles)
+            else:
+                d_k = term.add_key_tiles(d_k, t, c, d_k_tiles)
+                d_v = term.add_key_tiles(d_v, t, c, d_v_tiles)
+            return term.add(d_q, t, d_q_c), (d_k, d_v)
+
+        d_q, d_src = _for_chunks(step, (d_q, d_src), term)
+        if term.residues:
+            d_k, d_v = (term.summary_back(g, d) for g, d in zip((d_k, d_v), d_src))
+        else:
+            d_k, d_v = d_src
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q_g, k_g, v_g)))
 
 
@@ -529,18 +557,18 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     rows = -(-seq_len // block)
     pad = rows * block - seq_len
 
-    def to_grid(x):  # [B, n, H, d] -> [B, H, R, block, d]
+    def to_grid(x):  # [B, n, H, d] -> [B, R, block, H, d]: a reshape, no copy unless padded
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
-        return x.transpose(0, 2, 1, 3).reshape(batch, heads, rows, block, x.shape[-1])
+        return x.reshape(batch, rows, block, heads, x.shape[-1])
 
     q_g, k_g, v_g = to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v)
     if implementation == "pallas":
-        flat = lambda x: x.reshape(batch, heads, rows * block, x.shape[-1])  # noqa: E731
+        flat = lambda x: x.reshape(batch, rows * block, heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
         out = kernel.sequence_attention(spec, flat(q_g), flat(k_g), flat(v_g),
-                                        sizes=block_sizes)
+                                        sizes=block_sizes).transpose(0, 2, 1, 3)
     else:
         out = _grid_attention(spec, q_g, k_g, v_g)
-    out = out.reshape(batch, heads, rows * block, -1)[:, :, :seq_len].transpose(0, 2, 1, 3)
+    out = out.reshape(batch, rows * block, heads, -1)[:, :seq_len]
     return out.astype(q.dtype)
 
 

@@ -98,15 +98,17 @@ def test_sub_rows_of_sliding_windows():
     assert A._sub_rows(BandTerm(128, prev=0, same_row=True)) == 1  # fixed block: not distance alone
 
 
-def test_under_shard_map_over_heads():
-    """Heads split over a mesh axis (how several devices share the work): the scan's gradient
-    accumulators must have the inputs' per-device type."""
+@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=4),
+                                  PatternSpec("fixed", stride=8, c=2)], ids=str)
+def test_under_shard_map_over_heads(spec):
+    """Heads split over a mesh axis (how several devices share the work): the scans'
+    accumulators, forward and backward, must have the inputs' per-device type (fixed: the first
+    chunk is already in the scan)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     heads = P(None, None, "heads", None)
     mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
-    spec = PatternSpec("strided", stride=4)
 
     def sharded(q, k, v, spec):
         attend = lambda q, k, v: A.sparse_attention(q, k, v, spec)  # noqa: E731
