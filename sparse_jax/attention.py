@@ -364,30 +364,39 @@ def _terms(spec: PatternSpec, rows: int) -> list[_Term]:
     return [_TERMS[type(term)](term, rows) for term in spec.terms()]
 
 
-def _grid_forward(spec, q_g, k_g, v_g):
+def _queries(term, q_g, t, c, scale):
+    """A chunk's queries scaled by 1/√d (in their dtype, as the reference rounds them)."""
+    q = term.take(q_g, t, c)
+    return q * jnp.asarray(scale, q.dtype)
+
+
+def _grid_forward(spec, scale, q_g, k_g, v_g):
     """Joint softmax over all terms: each chunk merges its row maximum, sum of exponentials and
-    weighted values into the running ones (log-sum-exp). q_g is pre-scaled by 1/√d; all
-    ``[B, R, block, H, d]``. Returns the output ``[B, R, block, H, dv]`` and the log-sum-exp
-    ``[B, R, block, H]``, float32."""
+    weighted values into the running ones (log-sum-exp). All ``[B, R, block, H, d]``; q is
+    scaled by ``scale`` chunk by chunk. Returns the output ``[B, R, block, H, dv]`` and the
+    log-sum-exp ``[B, R, block, H]``, float32."""
     row_max = jnp.full_like(q_g[..., 0], _FLOOR, jnp.float32)  # *_like: also in shard_map
     total = jnp.zeros_like(q_g[..., 0], jnp.float32)
     acc = jnp.zeros_like(v_g, jnp.float32)
-    for term in _terms(spec, q_g.shape[1]):
+    for i, term in enumerate(_terms(spec, q_g.shape[1])):
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
+        once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
 
-        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src):
+        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src, once=once):
             row_max, total, acc = carry
-            q = term.take(q_g, t, c)
+            q = _queries(term, q_g, t, c, scale)
             k_blocks, v_blocks = (term.blocks(term.key_tiles(x, t, c)) for x in (k_src, v_src))
             scores = [jnp.where(term.keep(t, c, j), _scores(q, k), _NEG)
                       for j, k in enumerate(k_blocks)]
-            old_max = term.take(row_max, t, c)
+            old_max = jnp.float32(_FLOOR) if once else term.take(row_max, t, c)
             new_max = functools.reduce(jnp.maximum, [s.max(-1) for s in scores], old_max)
             probs = [jnp.exp(s - new_max[..., None]) for s in scores]  # a row with no key: 0
-            rescale = jnp.exp(old_max - new_max)
-            new_total = rescale * term.take(total, t, c) + sum(p.sum(-1) for p in probs)
-            new_acc = rescale[..., None] * term.take(acc, t, c) + sum(
-                _values(p.astype(v_g.dtype), v) for p, v in zip(probs, v_blocks))
+            new_total = sum(p.sum(-1) for p in probs)
+            new_acc = sum(_values(p.astype(v_g.dtype), v) for p, v in zip(probs, v_blocks))
+            if not once:
+                rescale = jnp.exp(old_max - new_max)
+                new_total = new_total + rescale * term.take(total, t, c)
+                new_acc = new_acc + rescale[..., None] * term.take(acc, t, c)
             return (term.put(row_max, t, new_max), term.put(total, t, new_total),
                     term.put(acc, t, new_acc))
 
@@ -397,17 +406,17 @@ def _grid_forward(spec, q_g, k_g, v_g):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grid_attention(spec, q_g, k_g, v_g):
-    return _grid_forward(spec, q_g, k_g, v_g)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grid_attention(spec, scale, q_g, k_g, v_g):
+    return _grid_forward(spec, scale, q_g, k_g, v_g)[0]
 
 
-def _grid_attention_fwd(spec, q_g, k_g, v_g):
-    out, lse = _grid_forward(spec, q_g, k_g, v_g)
+def _grid_attention_fwd(spec, scale, q_g, k_g, v_g):
+    out, lse = _grid_forward(spec, scale, q_g, k_g, v_g)
     return out, (q_g, k_g, v_g, out, lse)
 
 
-def _grid_attention_bwd(spec, residuals, d_out):
+def _grid_attention_bwd(spec, scale, residuals, d_out):
     """Flash-style backward: recompute each chunk's probabilities from the saved log-sum-exp,
     so memory stays at one chunk's score tiles; dq, dk and dv accumulate in place in the grid
     layout (a summary term's dk and dv first over its summary keys)."""
@@ -416,16 +425,17 @@ def _grid_attention_bwd(spec, residuals, d_out):
     delta = _dot("...d,...d->...", d_out, out)  # D_i = sum_j P_ij dP_ij = dO_i · O_i (as a
     # batched dot: XLA:CPU's reduction over the last axis is 20x slower)
     d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
-    for term in _terms(spec, q_g.shape[1]):
+    for i, term in enumerate(_terms(spec, q_g.shape[1])):
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
+        once = i == 0 and not term.residues  # its dq is the first and only one per query
         if term.residues:  # the summary keys' gradients, transposed (``key_grad``)
             d_src = tuple(jnp.zeros_like(x.swapaxes(2, 3), jnp.float32) for x in (k_src, v_src))
         else:
             d_src = (d_k, d_v)
 
-        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src):
+        def step(carry, t, c, term=term, k_src=k_src, v_src=v_src, once=once):
             d_q, (d_k, d_v) = carry
-            q = term.take(q_g, t, c)
+            q = _queries(term, q_g, t, c, scale)
             k_tiles, v_tiles = (term.key_tiles(x, t, c) for x in (k_src, v_src))
             lse_c, delta_c, d_out_c = (term.take(x, t, c) for x in (lse, delta, d_out))
             do = d_out_c.astype(v_g.dtype)
@@ -447,7 +457,8 @@ def _grid_attention_bwd(spec, residuals, d_out):
                     for x, d in ((k_tiles, d_k_blocks), (v_tiles, d_v_blocks)))
             d_k = term.add_key_tiles(d_k, t, c, d_k_tiles)
             d_v = term.add_key_tiles(d_v, t, c, d_v_tiles)
-            return term.add(d_q, t, d_q_c), (d_k, d_v)
+            d_q_c = d_q_c * scale
+            return (term.put if once else term.add)(d_q, t, d_q_c), (d_k, d_v)
 
         d_q, d_src = _for_chunks(step, (d_q, d_src), term)
         if term.residues:
@@ -575,13 +586,12 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
         return x.reshape(batch, rows, block, heads, x.shape[-1])
 
-    q_g, k_g, v_g = to_grid(q * jnp.asarray(scale, q.dtype)), to_grid(k), to_grid(v)
     if implementation == "pallas":
-        flat = lambda x: x.reshape(batch, rows * block, heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
-        out = kernel.sequence_attention(spec, flat(q_g), flat(k_g), flat(v_g),
-                                        sizes=block_sizes).transpose(0, 2, 1, 3)
-    else:
-        out = _grid_attention(spec, q_g, k_g, v_g)
+        flat = lambda x: to_grid(x).reshape(batch, rows * block, heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        out = kernel.sequence_attention(spec, flat(q * jnp.asarray(scale, q.dtype)), flat(k),
+                                        flat(v), sizes=block_sizes).transpose(0, 2, 1, 3)
+    else:  # q is scaled chunk by chunk: a pass over it saved
+        out = _grid_attention(spec, scale, to_grid(q), to_grid(k), to_grid(v))
     out = out.reshape(batch, rows * block, heads, -1)[:, :seq_len]
     return out.astype(q.dtype)
 
