@@ -12,24 +12,25 @@
 ``sparse_attention(q, k, v, spec)`` computes exactly ``softmax(q kᵀ / √d + mask) v`` for the
 pattern's mask, without an n×n array and without a per-query copy of K/V. It follows the
 block-level view of ``patterns.pattern_terms``: the sequence is viewed as a grid of rows of
-``block`` positions and each term is a few batched matmuls with static shapes:
+``block`` positions, ``[B, R, block, H, d]`` (a reshape of the inputs, no copy), and each term is
+batched matmuls on cache-sized tiles with static shapes:
 
-* ``BandTerm``: each query row against the keys of its own and ``prev`` previous rows
-  (local window, fixed block): scores ``[B, H, rows, block, (prev + 1) * block]``. A sliding
-  window is computed on a grid of shorter sub-rows, which scores fewer masked keys;
+* ``BandTerm``: each query row (or sub-row) against the keys of its own and ``prev`` previous
+  rows (local window, fixed block), one score block per key row: ``[c, B, H, Q, Q]`` each. A
+  sliding window is computed on a grid of shorter sub-rows, which scores fewer masked keys;
 * ``ColumnTerm``: each grid column against itself, the strided part ("strided transpose"):
-  scores ``[B, H, stride, rows, rows]``;
-* ``SummaryTerm``: each query row against the summary keys of all earlier rows, sliced out of
-  K/V once: scores ``[B, H, rows, block, rows * residues]``, computed in triangular chunks so
-  the keys after a query row are (mostly) never scored.
+  scores ``[c, B, H, R, R]`` for a chunk of c columns;
+* ``SummaryTerm``: one query row against one block of the summary keys, which are sliced out of
+  K/V once: scores ``[B, H, block, K]``, only for the blocks that hold a key of an earlier row.
 
-The terms are disjoint (a key two parts share is scored once) and are combined with one joint
-softmax: each term returns its row maximum, sum of exponentials and weighted values, and the
-log-sum-exp merge rescales them. The band and column terms go through their rows (columns) in a
-``lax.scan`` over chunks of a few of them, forward and backward, so the score tiles alive at any
-time are one chunk's, about ``_CHUNK_SCORES`` per batch and head. Time is O(n·|S|) with |S| the
-keys per query, O(n·√n) for strided and fixed with stride ≈ √n. Memory is O(n·d) and one chunk
-of each term; the summary term's static chunks are O(n·|S|) / ``_SUMMARY_CHUNKS`` each.
+The terms are disjoint (a key two parts share is scored once) and are combined in one joint
+softmax. Each term goes through its chunks in a ``lax.scan``, forward and backward; a step
+slices its queries and keys out of the grid into tiles and merges its row maximum, sum of
+exponentials and weighted values into running ones held in the grid layout (log-sum-exp),
+updated in place; the backward adds each step's dq, dk and dv in place the same way. So the
+score tiles alive at any time are one step's, about ``_CHUNK_SCORES`` per batch and head, and no
+whole array is ever copied into another layout. Time is O(n·|S|) with |S| the keys per query,
+O(n·√n) for strided and fixed with stride ≈ √n. Memory is O(n·d) and one step's tiles.
 
 Sequence lengths that are not a multiple of the block are padded at the end: a padded key sits
 after every real query, so causality already hides it, and padded query rows are dropped.
