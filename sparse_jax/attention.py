@@ -155,8 +155,9 @@ class _Term:
     tiles per scan step.
 
     Keys: tile t's keys are ``window + 1`` blocks, the tiles ``t - window .. t``. A summary term
-    (``residues``) instead goes through ``pairs`` of a query row and a block of ``key_block``
-    summary keys (a step's ``t`` is such a pair), only the pairs where the row sees a key.
+    (``residues``) instead goes through ``pairs`` of ``chunk`` query rows and a block of
+    ``key_block`` summary keys (a step's ``t`` is such a pair), only the pairs where a row sees a
+    key.
     ``keep(t, c, j)``: boolean mask of block j of tiles ``t .. t + c - 1``, broadcastable to its
     scores (``t`` may be traced).
     """
@@ -182,22 +183,25 @@ class _Term:
     def take(self, x, t, c):
         """Tiles ``t .. t + c - 1`` of a grid array, as ``[c, B, H, Q, ...]`` (a summary
         term's one row as ``[B, H, Q, ...]``: its keys ``[B, H, K, d]`` are shared)."""
-        if self.residues is not None:  # one row: [B, H, Q, ...]
-            return jnp.moveaxis(jax.lax.dynamic_index_in_dim(x, t[0], 1, keepdims=False), 2, 1)
+        if self.residues is not None:  # c rows as one: [B, H, c * Q, ...]
+            s = jax.lax.dynamic_slice_in_dim(x, t[0], c, axis=1)
+            s = s.transpose((0, 3, 1, 2) + tuple(range(4, s.ndim)))
+            return s.reshape(*s.shape[:2], -1, *s.shape[4:])
         s = jax.lax.dynamic_slice_in_dim(self.view(x), t, c, axis=self.axis)
         return s.transpose(self._perm(s.ndim))
 
     def put(self, x, t, y):
         """``x`` with tiles ``t ..`` replaced by ``y`` (``[c, B, H, Q, ...]``, as ``take``)."""
         if self.residues is not None:
-            y = jnp.moveaxis(y, 1, 2)[:, None].astype(x.dtype)
+            y = y.reshape(*y.shape[:2], -1, x.shape[2], *y.shape[3:])
+            y = y.transpose((0, 2, 3, 1) + tuple(range(4, y.ndim))).astype(x.dtype)
             return jax.lax.dynamic_update_slice_in_dim(x, y, t[0], axis=1)
         y = y.transpose(np.argsort(self._perm(y.ndim))).astype(x.dtype)
         return jax.lax.dynamic_update_slice_in_dim(self.view(x), y, t,
                                                    axis=self.axis).reshape(x.shape)
 
     def add(self, x, t, y):
-        return self.put(x, t, self.take(x, t, 1 if self.residues else y.shape[0]) + y)
+        return self.put(x, t, self.take(x, t, self.chunk if self.residues else y.shape[0]) + y)
 
     def key_tiles(self, x, t, c):
         """Keys of chunk ``[t, t + c)``: tiles ``t - window .. t + c - 1`` of a grid array (zeros
@@ -256,7 +260,7 @@ class _Term:
         others one ``lax.scan``; static are the chunks whose window reaches before tile 0 and
         the last, shorter chunk. A summary term's chunks are its pairs, all scanned."""
         if self.residues is not None:
-            return [(pair, 1, False) for pair in self.pairs]
+            return [(pair, self.chunk, False) for pair in self.pairs]
         heads = -(-self.window // self.chunk)
         full, rest = divmod(self.tiles, self.chunk)
         return ([(i * self.chunk, self.chunk, i < heads) for i in range(full)]
@@ -340,21 +344,31 @@ def _column(term: patterns.ColumnTerm, rows: int) -> _Term:
     return _Term(2, term.stride, lambda t, c, j: jnp.asarray(keep), chunk=_chunk(rows * rows))
 
 
+_SUMMARY_QUERIES = 512  # queries in a summary step (fewer: slow small matmuls; more: big tiles)
+
+
 def _summary(term: patterns.SummaryTerm, rows: int) -> _Term:
     """The summary keys (``[B, H, R * s, d]``, sliced out of K/V once) are shared by all queries.
-    A step is one query row against one block of them; only the blocks holding a key of a row
-    before it are scored, so few keys after a query row are (half of all summary keys would be),
-    and a step's scores stay cache-sized (about ``_CHUNK_SCORES`` per batch and head)."""
+    A step is a chunk of query rows against one block of them; only the blocks holding a key of
+    a row before the chunk's last are scored, so few keys after a query row are (half of all
+    summary keys would be), and a step's scores stay cache-sized (about ``_CHUNK_SCORES`` per
+    batch and head). A chunk is the most rows, at most ``_SUMMARY_QUERIES / block``, that
+    divides the rows."""
     s = len(term.residues)
-    key_block = min(rows * s, max(1, _CHUNK_SCORES // term.block))
-    pairs = tuple((r, g) for r in range(1, rows) for g in range(-(-rows * s // key_block))
-                  if g * key_block < r * s)  # the block starts before row r's summary keys
+    most = max(1, _SUMMARY_QUERIES // term.block)
+    chunk = max(c for c in range(1, min(most, rows) + 1) if rows % c == 0)
+    key_block = min(rows * s, max(1, _CHUNK_SCORES // (chunk * term.block)))
+    pairs = tuple((r, g) for r in range(0, rows, chunk) for g in range(-(-rows * s // key_block))
+                  if g * key_block < (r + chunk - 1) * s)  # the block starts before a row's keys
 
-    def keep(t, c, j):  # keys of rows before the query row ([B, H, Q, K] scores)
+    def keep(t, c, j):  # keys of rows before the query's row ([B, H, c * Q, K] scores)
         row, g = t
-        return ((g * key_block + jnp.arange(key_block)) // s < row)[None, None, None]
+        query_row = row + jnp.arange(chunk * term.block) // term.block
+        key_row = (g * key_block + jnp.arange(key_block)) // s
+        return key_row[None, :] < query_row[:, None]
 
-    return _Term(1, rows, keep, residues=term.residues, key_block=key_block, pairs=pairs)
+    return _Term(1, rows, keep, chunk=chunk, residues=term.residues, key_block=key_block,
+                 pairs=pairs)
 
 
 _TERMS = {patterns.BandTerm: _band, patterns.ColumnTerm: _column,
