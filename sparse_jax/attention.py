@@ -181,8 +181,9 @@ class _Term:
         return (self.axis, 0, 3, 3 - self.axis) + tuple(range(4, ndim))
 
     def take(self, x, t, c):
-        """Tiles ``t .. t + c - 1`` of a grid array, as ``[c, B, H, Q, ...]`` (a summary
-        term's one row as ``[B, H, Q, ...]``: its keys ``[B, H, K, d]`` are shared)."""
+        """Tiles ``t .. t + c - 1`` of a grid array, as ``[c, B, H, Q, ...]`` (for a summary
+        term, rows ``t[0] ..`` as one tile ``[B, H, c * Q, ...]``: its keys ``[B, H, K, d]`` are
+        shared)."""
         if self.residues is not None:  # c rows as one: [B, H, c * Q, ...]
             s = jax.lax.dynamic_slice_in_dim(x, t[0], c, axis=1)
             s = s.transpose((0, 3, 1, 2) + tuple(range(4, s.ndim)))
