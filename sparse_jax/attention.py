@@ -134,7 +134,8 @@ def decode_attention(q_BHD, k_BKHD, v_BKHD, valid):
 # (a free reshape of ``[B, n, H, ...]``), from the inputs to the output and the gradients. Each
 # term is computed in a ``lax.scan`` over chunks of its *tiles*: the grid rows (or sub-rows of
 # them) for a band or a summary term, the grid columns for the column term. A scan step slices
-# its queries and keys out of the grid into cache-sized tiles ``[c, B, H, Q, ...]`` and merges
+# its queries and keys out of the grid into cache-sized tiles ``[c, B, H, Q, ...]`` (a summary
+# step: ``[B, H, c * Q, ...]`` against shared keys) and merges
 # its results into running accumulators held in the grid layout, updated in place: the softmax's
 # row maximum, sum of exponentials and weighted values forward, dq, dk and dv backward. A band's
 # window is scored as one block per key tile (tile t against t, t - 1, ...), so no key is copied

@@ -73,18 +73,33 @@ def test_matches_dense_forward_and_gradients(spec, seq_len):
                                   PatternSpec("fixed", stride=8, c=2)], ids=str)
 @pytest.mark.parametrize("chunk_scores,min_sub_row", [(1, 1), (100, 2)])
 def test_scanned_chunks_and_sub_rows_match_dense(spec, chunk_scores, min_sub_row, monkeypatch):
-    """Pieces computed in a lax.scan over chunks of tiles, sliding windows on a grid of sub-rows
+    """Terms computed in a lax.scan over chunks of tiles, sliding windows on a grid of sub-rows
     (the defaults do neither at these sizes). With 1 score per step every chunk is one tile, so a
     band slab reaches several sub-rows back (halo > chunk) and before row 0. With 100, chunks
     hold several rows or columns and the last chunk is shorter (a scan over the full chunks, one
-    more call for the rest; strided, n=37: 20 sub-rows of 2 in two chunks of 8, then 4)."""
+    more call for the rest; strided, n=37: 20 sub-rows of 2 in two chunks of 8, then 4). The
+    summary term (fixed) goes one query row at a time against blocks of 1 or 12 keys, so its
+    steps cover every (row, block) pair the scan visits."""
     monkeypatch.setattr(A, "_CHUNK_SCORES", chunk_scores)
     monkeypatch.setattr(A, "_MIN_SUB_ROW", min_sub_row)
+    monkeypatch.setattr(A, "_SUMMARY_QUERIES", 8)
     q, k, v = qkv((2, 37, 3, 8))
     if chunk_scores == 1:
         jaxpr = jax.make_jaxpr(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).sum()))(q)
         assert "scan" in str(jaxpr)
     assert_matches_dense(spec, q, k, v)
+
+
+@pytest.mark.parametrize("spec", [PatternSpec("fixed", stride=8, c=2),
+                                  PatternSpec("fixed", stride=8, c=2, part="summary")], ids=str)
+def test_summary_steps_of_several_rows_and_key_blocks_match_dense(spec, monkeypatch):
+    """n=64, l=8: 8 rows in chunks of 2 (16 queries), 16 summary keys in blocks of 6 (the last
+    padded): steps whose query rows differ within a step and whose key blocks end mid-row."""
+    monkeypatch.setattr(A, "_SUMMARY_QUERIES", 16)
+    monkeypatch.setattr(A, "_CHUNK_SCORES", 100)
+    term = A._summary(spec.terms()[-1], 8)
+    assert (term.chunk, term.key_block) == (2, 6) and len(term.pairs) > 4
+    assert_matches_dense(spec, *qkv((2, 64, 3, 8)))
 
 
 def test_sub_rows_of_sliding_windows():
