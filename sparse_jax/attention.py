@@ -28,8 +28,8 @@ softmax. Each term goes through its chunks in a ``lax.scan``, forward and backwa
 slices its queries and keys out of the grid into tiles and merges its row maximum, sum of
 exponentials and weighted values into running ones held in the grid layout (log-sum-exp),
 updated in place; the backward adds each step's dq, dk and dv in place the same way. So the
-score tiles alive at any time are one step's, about ``_CHUNK_SCORES`` per batch and head, and no
-whole array is ever copied into another layout. Time is O(n·|S|) with |S| the keys per query,
+score tiles alive at any time are one step's (about ``_STEP_SCORES`` over the batch and heads),
+and no whole array is ever copied into another layout. Time is O(n·|S|) with |S| the keys per query,
 O(n·√n) for strided and fixed with stride ≈ √n. Memory is O(n·d) and one step's tiles.
 
 Sequence lengths that are not a multiple of the block are padded at the end: a padded key sits
@@ -144,7 +144,7 @@ def decode_attention(q_BHD, k_BKHD, v_BKHD, valid):
 # compiler's schedule, and the forward pass and the custom backward share one definition of
 # each term's blocks and masks.
 
-_CHUNK_SCORES = 1 << 16  # scores per (batch, head) in one scan step (256 KiB float32)
+_STEP_SCORES = 1 << 18  # scores in one scan step, all batch rows and heads (1 MiB float32)
 _MIN_SUB_ROW = 64  # shortest sub-row a sliding-window band is cut into (shorter: slower dots)
 
 
@@ -302,8 +302,13 @@ def _values(p, v):  # [..., Q, K] x [..., K, dv] -> [..., Q, dv]
     return _dot("...qk,...kd->...qd", p, v)
 
 
-def _chunk(scores_per_tile: int) -> int:
-    return max(1, _CHUNK_SCORES // scores_per_tile)
+def _chunk(scores_per_tile: int, tiles: int) -> int:
+    """Tiles per scan step: about ``_STEP_SCORES`` scores (a step's tiles stay in cache; at
+    batch 12 × 2 heads, steps sized per batch row and head were 6 MB and 1.4x slower). A
+    divisor of ``tiles`` where one is near, so no shorter last chunk runs as extra calls."""
+    most = max(1, _STEP_SCORES // scores_per_tile)
+    divisor = max(c for c in range(1, min(most, tiles) + 1) if tiles % c == 0)
+    return divisor if 4 * divisor >= 3 * most else most
 
 
 def _sub_rows(term: patterns.BandTerm) -> int:
@@ -323,7 +328,7 @@ def _sub_rows(term: patterns.BandTerm) -> int:
     return min(splits, key=keys, default=1)
 
 
-def _band(term: patterns.BandTerm, rows: int) -> _Term:
+def _band(term: patterns.BandTerm, rows: int, lanes: int) -> _Term:
     split = _sub_rows(term)
     if split > 1:  # the same window on a grid of sub-rows
         sub = term.block // split
@@ -337,29 +342,32 @@ def _band(term: patterns.BandTerm, rows: int) -> _Term:
         return jnp.asarray(tile[:, j])[None, None, None] & (key_row >= 0)[:, None, None, None,
                                                                           None]
 
-    return _Term(1, rows * split, keep, chunk=_chunk(tile.size), split=split, window=prev)
+    return _Term(1, rows * split, keep, chunk=_chunk(lanes * tile.size, rows * split),
+                 split=split, window=prev)
 
 
-def _column(term: patterns.ColumnTerm, rows: int) -> _Term:
+def _column(term: patterns.ColumnTerm, rows: int, lanes: int) -> _Term:
     r = np.arange(rows)
     keep = (r[:, None] - r[None, :]) >= term.min_rows  # [R (query), R (key)]
-    return _Term(2, term.stride, lambda t, c, j: jnp.asarray(keep), chunk=_chunk(rows * rows))
+    return _Term(2, term.stride, lambda t, c, j: jnp.asarray(keep),
+                 chunk=_chunk(lanes * rows * rows, term.stride))
 
 
 _SUMMARY_QUERIES = 512  # queries in a summary step (fewer: slow small matmuls; more: big tiles)
+_SUMMARY_SCORES = 1 << 16  # per batch row and head in a summary step (less: slower at batch 12)
 
 
-def _summary(term: patterns.SummaryTerm, rows: int) -> _Term:
+def _summary(term: patterns.SummaryTerm, rows: int, lanes: int) -> _Term:
     """The summary keys (``[B, H, R * s, d]``, sliced out of K/V once) are shared by all queries.
     A step is a chunk of query rows against one block of them; only the blocks holding a key of
     a row before the chunk's last are scored, so few keys after a query row are (half of all
-    summary keys would be), and a step's scores stay cache-sized (about ``_CHUNK_SCORES`` per
-    batch and head). A chunk is the most rows, at most ``_SUMMARY_QUERIES / block``, that
-    divides the rows."""
+    summary keys would be), and a step scores about ``_SUMMARY_SCORES`` per batch row and head
+    (whatever ``lanes``: smaller steps made the matmuls slower at batch 12). A chunk is the most
+    rows, at most ``_SUMMARY_QUERIES / block``, that divides the rows."""
     s = len(term.residues)
     most = max(1, _SUMMARY_QUERIES // term.block)
     chunk = max(c for c in range(1, min(most, rows) + 1) if rows % c == 0)
-    key_block = min(rows * s, max(1, _CHUNK_SCORES // (chunk * term.block)))
+    key_block = min(rows * s, max(1, _SUMMARY_SCORES // (chunk * term.block)))
     pairs = tuple((r, g) for r in range(0, rows, chunk) for g in range(-(-rows * s // key_block))
                   if g * key_block < (r + chunk - 1) * s)  # the block starts before a row's keys
 
@@ -377,8 +385,14 @@ _TERMS = {patterns.BandTerm: _band, patterns.ColumnTerm: _column,
           patterns.SummaryTerm: _summary}
 
 
-def _terms(spec: PatternSpec, rows: int) -> list[_Term]:
-    return [_TERMS[type(term)](term, rows) for term in spec.terms()]
+def _terms(spec: PatternSpec, rows: int, lanes: int) -> list[_Term]:
+    """The pattern's terms on a grid of ``rows`` rows and ``lanes`` = batch × heads, those whose
+    keys are their own query tiles first (a column, a band within a row): the first term visits
+    every query and key once, so it writes the accumulators (forward: maximum, sum, values;
+    backward: dq, dk, dv) instead of reading them back to add; a sliding window's key tiles
+    overlap from step to step and are added whatever its place."""
+    terms = [_TERMS[type(term)](term, rows, lanes) for term in spec.terms()]
+    return sorted(terms, key=lambda term: term.window > 0 or term.residues is not None)
 
 
 def _queries(term, q_g, t, c, scale):
@@ -395,7 +409,7 @@ def _grid_forward(spec, scale, q_g, k_g, v_g):
     row_max = jnp.full_like(q_g[..., 0], _FLOOR, jnp.float32)  # *_like: also in shard_map
     total = jnp.zeros_like(q_g[..., 0], jnp.float32)
     acc = jnp.zeros_like(v_g, jnp.float32)
-    for i, term in enumerate(_terms(spec, q_g.shape[1])):
+    for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
 
@@ -442,7 +456,7 @@ def _grid_attention_bwd(spec, scale, residuals, d_out):
     delta = _dot("...d,...d->...", d_out, out)  # D_i = sum_j P_ij dP_ij = dO_i · O_i (as a
     # batched dot: XLA:CPU's reduction over the last axis is 20x slower)
     d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
-    for i, term in enumerate(_terms(spec, q_g.shape[1])):
+    for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # its dq is the first and only one per query
         if term.residues:  # the summary keys' gradients, transposed (``key_grad``)
@@ -472,8 +486,11 @@ def _grid_attention_bwd(spec, scale, residuals, d_out):
                 d_k_tiles, d_v_tiles = (
                     jax.vjp(term.blocks, jnp.zeros_like(x, jnp.float32))[1](d)[0]
                     for x, d in ((k_tiles, d_k_blocks), (v_tiles, d_v_blocks)))
-            d_k = term.add_key_tiles(d_k, t, c, d_k_tiles)
-            d_v = term.add_key_tiles(d_v, t, c, d_v_tiles)
+            if once and not term.window:  # its keys are its queries: first and only visit
+                d_k, d_v = term.put(d_k, t, d_k_tiles), term.put(d_v, t, d_v_tiles)
+            else:
+                d_k = term.add_key_tiles(d_k, t, c, d_k_tiles)
+                d_v = term.add_key_tiles(d_v, t, c, d_v_tiles)
             d_q_c = d_q_c * scale
             return (term.put if once else term.add)(d_q, t, d_q_c), (d_k, d_v)
 

@@ -80,7 +80,8 @@ def test_scanned_chunks_and_sub_rows_match_dense(spec, chunk_scores, min_sub_row
     more call for the rest; strided, n=37: 20 sub-rows of 2 in two chunks of 8, then 4). The
     summary term (fixed) goes one query row at a time against blocks of 1 or 12 keys, so its
     steps cover every (row, block) pair the scan visits."""
-    monkeypatch.setattr(A, "_CHUNK_SCORES", chunk_scores)
+    monkeypatch.setattr(A, "_STEP_SCORES", chunk_scores * 6)  # 6 = batch 2 × 3 heads
+    monkeypatch.setattr(A, "_SUMMARY_SCORES", chunk_scores)
     monkeypatch.setattr(A, "_MIN_SUB_ROW", min_sub_row)
     monkeypatch.setattr(A, "_SUMMARY_QUERIES", 8)
     q, k, v = qkv((2, 37, 3, 8))
@@ -96,10 +97,22 @@ def test_summary_steps_of_several_rows_and_key_blocks_match_dense(spec, monkeypa
     """n=64, l=8: 8 rows in chunks of 2 (16 queries), 16 summary keys in blocks of 6 (the last
     padded): steps whose query rows differ within a step and whose key blocks end mid-row."""
     monkeypatch.setattr(A, "_SUMMARY_QUERIES", 16)
-    monkeypatch.setattr(A, "_CHUNK_SCORES", 100)
-    term = A._summary(spec.terms()[-1], 8)
+    monkeypatch.setattr(A, "_SUMMARY_SCORES", 100)
+    term = A._summary(spec.terms()[-1], 8, 6)
     assert (term.chunk, term.key_block) == (2, 6) and len(term.pairs) > 4
     assert_matches_dense(spec, *qkv((2, 64, 3, 8)))
+
+
+def test_steps_hold_about_step_scores_over_batch_and_heads():
+    """Strided l=128 at n=8,192 (64 rows): the column term goes first (it writes dq, dk and dv
+    that the band then adds to); a step holds about _STEP_SCORES scores over batch × heads, as
+    a divisor of the tiles where one is near (band: 5 -> 4 of 128 sub-rows)."""
+    spec = PatternSpec("strided", stride=128)
+    assert [(t.axis, t.chunk) for t in A._terms(spec, 64, 4)] == [(2, 16), (1, 4)]
+    assert [(t.axis, t.chunk) for t in A._terms(spec, 64, 24)] == [(2, 2), (1, 1)]
+    step = A._STEP_SCORES
+    assert A._chunk(step // 8, 64) == 8 and A._chunk(step // 8, 20) == 8  # 5 is too far
+    assert A._chunk(step // 5, 128) == 4 and A._chunk(step * 2, 7) == 1
 
 
 def test_sub_rows_of_sliding_windows():
@@ -130,7 +143,8 @@ def test_under_shard_map_over_heads(spec):
         return jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)(q, k, v)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(A, "_CHUNK_SCORES", 100)
+        patch.setattr(A, "_STEP_SCORES", 200)  # 100 scores per batch row and head
+        patch.setattr(A, "_SUMMARY_SCORES", 100)
         assert_matches_dense(spec, *qkv((1, 37, 2, 8)), attend=sharded)
 
 
