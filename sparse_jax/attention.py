@@ -160,7 +160,7 @@ class _Term:
     ``key_block`` summary keys (a step's ``t`` is such a pair), only the pairs where a row sees a
     key.
     ``keep(t, c, j)``: boolean mask of block j of tiles ``t .. t + c - 1``, broadcastable to its
-    scores (``t`` may be traced).
+    scores (``t`` may be traced), or None where it keeps every score.
     """
     axis: int
     tiles: int
@@ -290,6 +290,10 @@ def _for_chunks(step, carry, term: _Term):
     return carry
 
 
+def _masked(keep, x, value):
+    return x if keep is None else jnp.where(keep, x, value)
+
+
 def _dot(subscripts, a, b):
     return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
 
@@ -338,9 +342,11 @@ def _band(term: patterns.BandTerm, rows: int, lanes: int) -> _Term:
     tile = term.tile_mask().reshape(block, prev + 1, block)
 
     def keep(t, c, j):  # block j's part of the tile mask, and no key before row 0
-        key_row = t + jnp.arange(c) - prev + j
-        return jnp.asarray(tile[:, j])[None, None, None] & (key_row >= 0)[:, None, None, None,
-                                                                          None]
+        if not isinstance(t, int):  # a scanned chunk, t >= window: every key row exists
+            return None if tile[:, j].all() else jnp.asarray(tile[:, j])
+        key_row = t + np.arange(c) - prev + j
+        return jnp.asarray(tile[:, j][None, None, None] & (key_row >= 0)[:, None, None, None,
+                                                                          None])
 
     return _Term(1, rows * split, keep, chunk=_chunk(lanes * tile.size, rows * split),
                  split=split, window=prev)
@@ -417,7 +423,7 @@ def _grid_forward(spec, scale, q_g, k_g, v_g):
             row_max, total, acc = carry
             q = _queries(term, q_g, t, c, scale)
             k_blocks, v_blocks = (term.blocks(term.key_tiles(x, t, c)) for x in (k_src, v_src))
-            scores = [jnp.where(term.keep(t, c, j), _scores(q, k), _NEG)
+            scores = [_masked(term.keep(t, c, j), _scores(q, k), _NEG)
                       for j, k in enumerate(k_blocks)]
             old_max = jnp.float32(_FLOOR) if once else term.take(row_max, t, c)
             new_max = functools.reduce(jnp.maximum, [s.max(-1) for s in scores], old_max)
@@ -474,7 +480,7 @@ def _grid_attention_bwd(spec, scale, residuals, d_out):
             d_k_blocks, d_v_blocks = [], []
             for j, (k, v) in enumerate(zip(term.blocks(k_tiles), term.blocks(v_tiles))):
                 probs = jnp.exp(_scores(q, k) - lse_c[..., None])
-                probs = jnp.where(term.keep(t, c, j), probs, 0.0)
+                probs = _masked(term.keep(t, c, j), probs, 0.0)
                 d_scores = probs * (_scores(do, v) - delta_c[..., None])  # dS = P ∘ (dP - D)
                 d_scores = d_scores.astype(q_g.dtype)
                 d_q_c = d_q_c + _values(d_scores, k)
