@@ -367,6 +367,21 @@ def term_candidates(term: Term, seq_len: int) -> np.ndarray:
     return np.where(earlier, keys[None, :], -1)
 
 
+def term_key_count(term: Term, seq_len: int) -> int:
+    """Keys one term gives the queries ``0 .. seq_len - 1``, all together, in O(seq_len) time and
+    memory: the count ``term_candidates`` lists, without its ``[seq_len, C]`` array (for fixed at
+    65,536 that array is 4 GB)."""
+    i = np.arange(seq_len)
+    if isinstance(term, BandTerm):  # a key before position 0 is absent: only rows < prev lose
+        rows_before = np.maximum(term.prev - i // term.block, 0) * term.block  # keys cut off
+        kept = np.cumsum(term.tile_mask()[:, ::-1], axis=1)[:, ::-1]  # kept at offsets >= t
+        kept = np.concatenate([kept, np.zeros((term.block, 1), kept.dtype)], axis=1)
+        return int(kept[i % term.block, rows_before].sum())
+    if isinstance(term, ColumnTerm):  # rows min_rows .. r back, where the query is in row r
+        return int(np.maximum(i // term.stride - term.min_rows + 1, 0).sum())
+    return int((i // term.block).sum()) * len(term.residues)  # every earlier row's residues
+
+
 def terms_to_indices(terms: Sequence[Term], seq_len: int) -> np.ndarray:
     """Index array of the union of ``terms`` (the reference check of the block view)."""
     seq_len = check_int("seq_len", seq_len)
@@ -427,10 +442,12 @@ class PatternSpec:
         return indices_to_mask(self.indices(seq_len), seq_len)
 
     def mean_keys(self, seq_len: int) -> float:
-        """Mean number of keys per query (|S| in FLOP counts)."""
+        """Mean number of keys per query (|S| in FLOP counts), from the disjoint terms in
+        O(seq_len): the index array itself is O(seq_len · K) (fixed, l = 256, at 65,536: 4 GB)."""
+        seq_len = check_int("seq_len", seq_len)
         if self.kind == "dense":
             return (seq_len + 1) / 2
-        return mean_keys_per_query(self.indices(seq_len))
+        return sum(term_key_count(t, seq_len) for t in self.terms()) / seq_len
 
     def __str__(self) -> str:
         if self.kind == "dense":

@@ -201,6 +201,30 @@ def test_terms_are_disjoint_and_cover_pattern(n, l):
 # Property-based.
 
 
+@pytest.mark.parametrize("n,l", [(1, 4), (16, 4), (17, 4), (3, 8), (40, 6), (25, 1), (100, 8)])
+def test_key_counts_from_terms_equal_the_index_arrays(n, l):
+    """mean_keys counts each term's keys in O(n) (no [n, K] array): equal to the index array's
+    count for every pattern, part and convention, n a multiple of l or not."""
+    for kind, spec in term_specs(l):
+        for term in P.pattern_terms(kind, **spec):
+            assert P.term_key_count(term, n) == (P.term_candidates(term, n) >= 0).sum(), term
+        assert P.PatternSpec(kind, **spec).mean_keys(n) == \
+            P.mean_keys_per_query(P.pattern_indices(kind, n, **spec)), (kind, spec)
+
+
+def test_mean_keys_at_long_context_builds_no_index_array(monkeypatch):
+    """Fixed, l=256, c=64 at 65,536: its index array would be 4 GB (the context benchmark's
+    process peaked at 17.5 GiB for it)."""
+    def no_array(*args, **kwargs):
+        raise AssertionError("built an index array")
+
+    monkeypatch.setattr(P, "pattern_indices", no_array)
+    monkeypatch.setattr(P, "term_candidates", no_array)
+    spec = P.PatternSpec("fixed", stride=256, c=64)
+    # block: 256·257/2 keys per row; summary: 64 per earlier row, rows 0..255 of 256
+    assert spec.mean_keys(65536) == (256 * 257 / 2 * 256 + 64 * 256 * 255 / 2 * 256) / 65536
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 90), l=st.integers(1, 20), w=st.one_of(st.none(), st.integers(1, 45)),
        part=st.sampled_from(P.PARTS["strided"]))
