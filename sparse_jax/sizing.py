@@ -34,6 +34,17 @@ def _mean_keys(spec: PatternSpec, seq_len: int) -> float:
     return spec.mean_keys(seq_len)
 
 
+def _attention_workspace(specs, batch: int, heads: int, n: int, qk: int, d: int) -> float:
+    """One layer's transient attention memory in bytes, per head group (``specs``): a dense group
+    holds its float32 scores and probabilities (8·B·H·n·|S|); the block-sparse path holds only
+    its float32 accumulators (dq, dk, dv and the forward's weighted values, 4·B·n·(2qk + 2d))
+    and one scan step's score tiles (a few MB), never the pattern's [n, |S|] scores: counting
+    those put fixed at 131,072 at 66 GiB for a step that peaks at 10 GiB."""
+    groups = len(specs)
+    return sum(8 * batch * heads / groups * n * spec.mean_keys(n) if spec.kind == "dense"
+               else 4 * batch * n * (2 * qk + 2 * d) / groups for spec in specs)
+
+
 def describe(cfg: ModelConfig, batch_size: int = 1) -> dict:
     """Size, attention schedule and cost estimates of ``cfg``; allocates no parameters.
 
@@ -48,8 +59,9 @@ def describe(cfg: ModelConfig, batch_size: int = 1) -> dict:
     + c·(2d + 2qk + 2d + 2f) (norm outputs, q, k, v, attention output, GeLU in/out)
     + 4·(d + H) (float32 attention output and log-sum-exp saved by the custom backward)
     [+ 2d dropout masks] [+ 8·H·n for a dense layer: its probabilities and scores];
-    the head keeps 4·(d + 2·vocab). A transient attention workspace of one layer,
-    w = 8·B·H·n·|S|max (float32 scores and probabilities), comes on top.
+    the head keeps 4·(d + 2·vocab). A transient attention workspace of one layer comes on top
+    (``_attention_workspace``): a dense head group's float32 scores and probabilities,
+    8·B·H·n·|S|, or a block-sparse group's float32 accumulators, 4·B·n·(2qk + 2d).
     Without remat: B·n·(N·s + head) + w. With remat (whole blocks): B·n·(N·4d + s + head) + w
     (each block's float32 input, plus one block recomputed at a time; on XLA:CPU only reached
     with ``scan_layers``, see the module docstring). This counts what the backward must keep;
@@ -71,7 +83,8 @@ def describe(cfg: ModelConfig, batch_size: int = 1) -> dict:
         s += sum(8 * heads // len(specs) * n for spec in specs if spec.kind == "dense")
         per_layer.append(s)
     head = 4 * (d + 2 * cfg.vocab_size)
-    workspace = 8 * batch_size * heads * n * max(keys_per_layer)
+    workspace = max(_attention_workspace(specs, batch_size, heads, n, qk, d)
+                    for specs in layer_specs_)
     tokens = batch_size * n
     return {
         "params": params,

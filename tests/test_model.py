@@ -374,6 +374,12 @@ def test_describe():
     assert info["flops_per_token"] == 3 * layer + 2 * d * 256
     assert info["flops_per_step"] == 3 * info["flops_per_token"] * n * 2
     assert info["activation_bytes_remat"] < info["activation_bytes"]
+    # A block-sparse layer's workspace is its accumulators, whatever its keys per query.
+    sparse = [describe(tiny(pattern=p, num_layers=3, dropout=0.1), batch_size=2)
+              for p in ("strided", "fixed")]
+    assert sparse[0]["mean_keys_per_query"] != sparse[1]["mean_keys_per_query"]
+    assert sparse[0]["activation_bytes"] == sparse[1]["activation_bytes"] \
+        < info["activation_bytes"]
     cycle = describe(tiny(schedule="local,local,strided", num_layers=4))
     assert cycle["schedule"] == ["strided(stride=4, part=local)"] * 2 + [
         "strided(stride=4, part=strided)", "strided(stride=4, part=local)"]
