@@ -41,7 +41,7 @@ def _attention_workspace(specs, batch: int, heads: int, n: int, qk: int, d: int)
     and one scan step's score tiles (a few MB), never the pattern's [n, |S|] scores: counting
     those put fixed at 131,072 at 66 GiB for a step that peaks at 10 GiB."""
     groups = len(specs)
-    return sum(8 * batch * heads / groups * n * spec.mean_keys(n) if spec.kind == "dense"
+    return sum(8 * batch * heads / groups * n * _mean_keys(spec, n) if spec.kind == "dense"
                else 4 * batch * n * (2 * qk + 2 * d) / groups for spec in specs)
 
 
