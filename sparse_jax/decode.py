@@ -5,12 +5,13 @@ of a forward pass over the whole context. ``SparseTransformer.init_cache`` holds
 values of every layer, ``[layers, batch, positions, heads, head_dim]``, filled as positions are
 fed; ``SparseTransformer.decode_step`` embeds the token at position i and, in each layer, writes
 that position's key and value into the cache and attends, head group by head group, the cached
-keys in row i of the group's index table (``decode_tables``: ``PatternSpec.indices``, int32
-[positions, K], -1 padded and masked; a dense group attends every cached position <= i).
+keys of query i in the group's pattern (``PatternSpec.row_keys``: computed from i inside the
+step, a static number of candidates with the absent ones masked; a dense group attends every
+cached position <= i).
 ``generate`` runs the positions as one ``jax.lax.scan`` with static shapes, compiled once per
 (model, batch, length), drawing each new token with ``sample_logits``. Its logits equal those of
-a full forward pass over the sampled sequence (float32: to ~1e-7). The tables are device arrays
-of [positions, K] int32 (fixed l=128, c=32 at n=12,288: 156 MB).
+a full forward pass over the sampled sequence (float32: to ~1e-7). No per-position index table
+is built or held: for fixed (l = 256, c = 64) at 65,536 positions it would be 4 GB.
 
 A prompt of P tokens followed by L new ones feeds P + L - 1 positions, which must fit the
 context n. Sampling: temperature 0 is greedy; top_k keeps the k most likely tokens (ties at the
@@ -27,17 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from sparse_jax.model import ModelConfig
-from sparse_jax.patterns import PatternSpec
-
-
-def decode_tables(cfg: ModelConfig, num_positions: int) -> dict[PatternSpec, np.ndarray]:
-    """``{spec: spec.indices(num_positions)}`` (int32 [positions, K]) for every sparse pattern
-    of ``cfg``'s layers and head groups; dense ones need no table. Row i of a pattern depends
-    only on i, so tables for a prefix of the context suffice."""
-    specs = {spec for layer in cfg.specs() for spec in layer if spec.kind != "dense"}
-    return {spec: spec.indices(num_positions) for spec in sorted(specs)}
 
 
 def filter_logits(logits, temperature: float = 1.0, top_k: int | None = None,
@@ -67,7 +57,7 @@ def sample_logits(key, logits, temperature: float = 1.0, top_k: int | None = Non
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p",
                                              "collect"))
-def _decode(graphdef, state, tables, tokens_BT, num_prompt, rng, *, temperature, top_k, top_p,
+def _decode(graphdef, state, tokens_BT, num_prompt, rng, *, temperature, top_k, top_p,
             collect):
     """Feeds positions 0 .. T-2 of ``tokens_BT``; position i + 1 is the prompt's while
     i + 1 < num_prompt, else sampled. Returns (tokens, logits [T-1, B, V] or None)."""
@@ -76,7 +66,7 @@ def _decode(graphdef, state, tables, tokens_BT, num_prompt, rng, *, temperature,
 
     def body(carry, i):
         tokens, cache = carry
-        logits, cache = model.decode_step(tokens[:, i], i, cache, tables)
+        logits, cache = model.decode_step(tokens[:, i], i, cache)
         drawn = sample_logits(jax.random.fold_in(rng, i), logits, temperature, top_k, top_p)
         tokens = tokens.at[:, i + 1].set(jnp.where(i + 1 < num_prompt, tokens[:, i + 1], drawn))
         return (tokens, cache), (logits if collect else None)
@@ -131,9 +121,8 @@ def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float
     check_length(num_prompt, length, cfg.seq_len)
     tokens = np.zeros((batch, num_prompt + length), np.int32)
     tokens[:, :num_prompt] = prompt_BP
-    tables = decode_tables(cfg, num_prompt + length - 1)
     graphdef, state = nnx.split(model)
-    tokens, logits = _decode(graphdef, state, tables, tokens, num_prompt, jax.random.key(seed),
+    tokens, logits = _decode(graphdef, state, tokens, num_prompt, jax.random.key(seed),
                              temperature=float(temperature), top_k=top_k,
                              top_p=None if top_p is None else float(top_p), collect=return_logits)
     tokens = np.asarray(tokens)

@@ -87,14 +87,15 @@ class SparseSelfAttention(nnx.Module):
                                        out_specs=spec, check_vma=False)
         return self.out(attend(q, k, v).reshape(batch, seq_len, -1))
 
-    def decode_step(self, x_B1D, cache, layer, i, tables):
+    def decode_step(self, x_B1D, cache, layer, i):
         """The layer at position ``i`` alone, on a key/value cache: x [B, 1, d_model] ->
         ([B, 1, d_model], the cache with position i's key and value written).
 
         cache: (k [L, B, F, H, qk_dim / H], v [L, B, F, H, d_model / H]) of every layer, this
         layer's at index ``layer`` (an int, or traced inside a scan over layers), positions < i
-        filled. A dense head group attends the cached positions <= i, a sparse one the keys in
-        row i of ``tables[spec]`` (int32 [F, K], -1 padded: ``spec.indices(F)``).
+        filled. A head group attends its pattern's keys of query i among the F cached positions,
+        ``spec.row_keys(i, F)``: computed from i in the step (-1 where absent), so no
+        ``[F, K]`` index table is built or held (fixed, l = 256, at 65,536: 4 GB).
         """
         batch = x_B1D.shape[0]
         q_BHD, k_BHD, v_BHD = (proj(x_B1D).reshape(batch, self.num_heads, -1)
@@ -106,12 +107,12 @@ class SparseSelfAttention(nnx.Module):
         group, outs = self.num_heads // len(self.specs), []
         for g, spec in enumerate(self.specs):  # head group g attends with pattern spec
             heads = slice(g * group, (g + 1) * group)
-            if spec.kind == "dense":
+            if spec.kind == "dense":  # every cached position, those after i masked
                 keys, values = k_BFHD[:, :, heads], v_BFHD[:, :, heads]
                 valid = jnp.arange(k_BFHD.shape[1]) <= i
             else:
-                row_K = tables[spec][i]
-                valid, safe = row_K >= 0, jnp.maximum(row_K, 0)
+                row_C = spec.row_keys(i, k_BFHD.shape[1], jnp)
+                valid, safe = row_C >= 0, jnp.maximum(row_C, 0)
                 keys, values = k_BFHD[:, safe, heads], v_BFHD[:, safe, heads]
             outs.append(decode_attention(q_BHD[:, heads], keys, values, valid))
         out = self.out(jnp.concatenate(outs, axis=1).reshape(batch, 1, -1))
@@ -147,10 +148,10 @@ class Block(nnx.Module):
         a_BND = _dropout(self.attn(self.attn_norm(h_BND), sharding), self.dropout, keys[0])
         return self._finish(h_BND, a_BND, keys[1])
 
-    def decode_step(self, h_B1D, cache, layer, i, tables):
+    def decode_step(self, h_B1D, cache, layer, i):
         """The block at position ``i`` alone, without dropout: h [B, 1, d] -> ([B, 1, d], cache);
         the other arguments as in ``SparseSelfAttention.decode_step``."""
-        a_B1D, cache = self.attn.decode_step(self.attn_norm(h_B1D), cache, layer, i, tables)
+        a_B1D, cache = self.attn.decode_step(self.attn_norm(h_B1D), cache, layer, i)
         return self._finish(h_B1D, a_B1D), cache
 
     def _finish(self, h_BND, a_BND, dropout_key=None):

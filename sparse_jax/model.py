@@ -32,7 +32,7 @@ stored stacked (leading axis = group). Each layer's parameters are drawn from th
 or without scan, so both layouts initialize (and compute) identically.
 
 Decoding with a key/value cache is part of the model: ``init_cache(batch, length)`` and
-``decode_step(token_B, i, cache, tables)`` give the logits of position i from one token, each
+``decode_step(token_B, i, cache)`` give the logits of position i from one token, each
 attention layer writing that position's key and value into the cache and attending its
 pattern's cached keys (``layers.SparseSelfAttention.decode_step``). The full forward pass and
 the cached step walk the blocks the same way (``_over_blocks``): a list, or scanned groups.
@@ -355,17 +355,17 @@ class SparseTransformer(nnx.Module):
         return (jnp.zeros((*shape, cfg.qk_dim // cfg.num_heads), dtype),
                 jnp.zeros((*shape, cfg.d_model // cfg.num_heads), dtype))
 
-    def decode_step(self, token_B, i, cache, tables) -> tuple[jax.Array, tuple]:
+    def decode_step(self, token_B, i, cache) -> tuple[jax.Array, tuple]:
         """Position ``i`` (may be traced) reading ``token_B`` (int [B]), given the keys and values
         of positions < i in ``cache`` (``init_cache``): the logits float32[B, vocab] (equal to
         row i of the full forward pass over the same tokens) and the cache with position i
-        written. ``tables``: {spec: int32[length, K]} for every sparse pattern of the layers
-        (``decode.decode_tables``). No dropout."""
+        written; each layer computes its pattern's keys of position i (``PatternSpec.row_keys``).
+        No dropout."""
         h_B1D = self.embed(token_B[:, None], jnp.asarray(i)[None])
 
         def layer(block, k, carry):
             h_B1D, cache = carry
-            return block.decode_step(h_B1D, cache, k, i, tables)
+            return block.decode_step(h_B1D, cache, k, i)
 
         h_B1D, cache = self._over_blocks(layer, (h_B1D, cache))
         return self._logits(h_B1D)[:, 0], cache

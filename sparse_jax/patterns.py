@@ -349,22 +349,34 @@ def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
     return (BandTerm(stride, prev=0, same_row=True), SummaryTerm(stride, residues))
 
 
-def term_candidates(term: Term, seq_len: int) -> np.ndarray:
-    """Key positions of one term per query, ``int[seq_len, C]``, -1 where absent (NumPy)."""
-    i = np.arange(seq_len)
+def term_rows(term: Term, i, seq_len: int, xp=np):
+    """Key positions of one term for the queries ``i`` (an int array, or with ``xp=jax.numpy`` a
+    traced position: a step of the cached decoder), ``[..., C]``, -1 where absent. ``C`` depends
+    only on the term and ``seq_len`` (not on ``i``), so a decoder gets static shapes and builds
+    no ``[seq_len, K]`` table; a sliding window lists just its ``max_distance + 1`` keys."""
+    i = xp.asarray(i)[..., None]
     if isinstance(term, BandTerm):
-        a, r = i % term.block, i // term.block
+        if (term.max_distance is not None and term.max_distance <= term.prev * term.block
+                and not term.same_row and term.residues is None):  # a sliding window
+            keys = i - np.arange(term.max_distance + 1)
+            return xp.where(keys >= 0, keys, -1)
         t = np.arange((term.prev + 1) * term.block)
-        keys = (r[:, None] - term.prev) * term.block + t[None, :]
-        return np.where(term.tile_mask()[a], keys, -1)
+        keys = (i // term.block - term.prev) * term.block + t
+        keep = xp.asarray(term.tile_mask())[i[..., 0] % term.block]
+        return xp.where(keep & (keys >= 0), keys, -1)
     if isinstance(term, ColumnTerm):
         rows = np.arange(-(-seq_len // term.stride))
-        keys = i[:, None] - rows[None, :] * term.stride
-        return np.where(rows[None, :] >= term.min_rows, keys, -1)
+        keys = i - rows * term.stride
+        return xp.where((rows >= term.min_rows) & (keys >= 0), keys, -1)
     rows = np.arange(-(-seq_len // term.block))
     keys = (rows[:, None] * term.block + np.array(term.residues)[None, :]).ravel()
-    earlier = (keys // term.block)[None, :] < (i // term.block)[:, None]
-    return np.where(earlier, keys[None, :], -1)
+    keys = keys[keys < seq_len]
+    return xp.where(keys // term.block < i // term.block, keys, -1)  # rows before the query's
+
+
+def term_candidates(term: Term, seq_len: int) -> np.ndarray:
+    """Key positions of one term per query, ``int[seq_len, C]``, -1 where absent (NumPy)."""
+    return term_rows(term, np.arange(seq_len), seq_len)
 
 
 def term_key_count(term: Term, seq_len: int) -> int:
@@ -436,6 +448,16 @@ class PatternSpec:
         blocks = {t.stride if isinstance(t, ColumnTerm) else t.block for t in self.terms()}
         assert len(blocks) == 1, blocks
         return blocks.pop()
+
+    def row_keys(self, i, seq_len: int, xp=np):
+        """Keys of query ``i`` (or of each of an array of queries) among ``seq_len`` positions,
+        ``[..., C]`` with -1 where absent, not sorted; the same set as row ``i`` of
+        ``indices(seq_len)`` without building it. With ``xp=jax.numpy`` ``i`` may be traced
+        (``C`` depends only on ``seq_len``): the cached decoder's keys at position ``i``."""
+        if self.kind == "dense":
+            keys = np.arange(seq_len)
+            return xp.where(keys <= xp.asarray(i)[..., None], keys, -1)
+        return xp.concatenate([term_rows(t, i, seq_len, xp) for t in self.terms()], axis=-1)
 
     def mask(self, seq_len: int) -> np.ndarray:
         """``bool[seq_len, seq_len]`` (for references and pictures; O(n²))."""

@@ -17,7 +17,6 @@ import pytest
 from flax import nnx
 
 from sparse_jax.attention import dense_attention
-from sparse_jax.decode import decode_tables
 from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
 from sparse_jax.sizing import describe, param_count
 
@@ -238,12 +237,12 @@ def test_decode_step_equals_full_forward(name, scan):
     x = tokens()
     full = np.asarray(apply(model, x))
     assert full.std() > 0.3  # not a trivially small comparison
-    cache, tables = model.init_cache(2, 16), decode_tables(cfg, 16)
+    cache = model.init_cache(2, 16)
     assert [c.shape for c in cache] == [(cfg.num_layers, 2, 16, 2, 8)] * 2
-    step = nnx.jit(lambda model, *args: model.decode_step(*args))  # tables: a jit argument
+    step = nnx.jit(lambda model, *args: model.decode_step(*args))  # i: a jit argument
     logits = []
     for i in range(16):
-        row, cache = step(model, x[:, i], i, cache, tables)
+        row, cache = step(model, x[:, i], i, cache)
         logits.append(row)
     assert logits[0].shape == (2, 256) and logits[0].dtype == jnp.float32
     np.testing.assert_allclose(np.stack(logits, axis=1), full, atol=1e-4, rtol=0)

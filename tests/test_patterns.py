@@ -197,6 +197,33 @@ def test_terms_are_disjoint_and_cover_pattern(n, l):
         assert np.array_equal(total.astype(bool), expected), f"{kind} {spec}"
 
 
+@pytest.mark.parametrize("n,l", [(1, 4), (16, 4), (17, 4), (3, 8), (40, 6), (25, 1)])
+def test_row_keys_are_the_rows_of_the_index_arrays(n, l):
+    """The cached decoder's keys of query i, computed from i (NumPy for all rows at once, and
+    jax.numpy inside jit for a traced i), list the same keys as row i of ``indices``."""
+    specs = [P.PatternSpec("dense")] + [P.PatternSpec(kind, **spec) for kind, spec in
+                                        term_specs(l)][::3]  # every part and convention
+    for spec in specs:
+        expected = spec.indices(n)
+        got = spec.row_keys(np.arange(n), n)
+        assert got.shape[0] == n and rows(P._compact(got, n)) == rows(expected), spec
+        traced = jax.jit(lambda i, spec=spec: spec.row_keys(i, n, jax.numpy))
+        for i in sorted({0, n // 2, n - 1}):
+            assert np.array_equal(np.asarray(traced(i)), got[i]), (spec, i)
+
+
+def test_decoder_keys_at_long_context_build_no_index_array(monkeypatch):
+    """Fixed, l=256, c=64, at 65,536 positions: a step's candidates are the own block's 256
+    keys and the 16,384 summary keys, where ``indices`` would be a 4 GB array."""
+    monkeypatch.setattr(P, "pattern_indices", lambda *a, **k: pytest.fail("built an index array"))
+    spec, i = P.PatternSpec("fixed", stride=256, c=64), 40_000
+    keys = np.asarray(jax.jit(lambda i: spec.row_keys(i, 65536, jax.numpy))(i))
+    assert keys.shape == (256 + 256 * 64,)
+    kept = np.sort(keys[keys >= 0])
+    assert kept.size == i % 256 + 1 + i // 256 * 64 and kept[-1] == i
+    assert set(kept[kept < i // 256 * 256] % 256) == set(range(192, 256))
+
+
 # ---------------------------------------------------------------------------------------------
 # Property-based.
 
@@ -342,7 +369,7 @@ def test_spec_is_hashable_ordered_and_describes_itself():
         "fixed(stride=128, c=32, summary_block=1)"
     assert spec.block == 128
     assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
-    # Ordered by name, so specs can key a dict that jax.jit takes (the decoder's index tables).
+    # Ordered by name, so specs can key a dict that jax.jit takes as an argument.
     specs = [P.PatternSpec("strided", stride=4, c=2), P.PatternSpec("strided", stride=4), spec]
     assert sorted(specs) == sorted(specs, key=str)
     tables = {s: s.indices(8) for s in specs}

@@ -16,6 +16,7 @@ from PIL import Image
 from sparse_jax import checkpoints, decode, sources
 from sparse_jax import sample as S
 from sparse_jax.model import ModelConfig, SparseTransformer
+from sparse_jax.patterns import PatternSpec
 from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
 
 TINY = dict(seq_len=32, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
@@ -54,12 +55,16 @@ def test_cached_logits_equal_full_forward_at_every_position(name):
 
 
 def test_the_comparison_catches_a_wrong_pattern(monkeypatch):
+    """The decoder attending the local pattern's keys where the model's are strided."""
     model = make(pattern="strided")
-    (local,) = decode.decode_tables(ModelConfig(**{**TINY, "pattern": "local"}), 32).values()
-    strided = decode.decode_tables
-    monkeypatch.setattr(decode, "decode_tables",
-                        lambda cfg, n: {spec: local[:n] for spec in strided(cfg, n)})
-    tokens, logits = decode.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    local = PatternSpec("local", stride=TINY["stride"])
+    keys = PatternSpec.row_keys
+    monkeypatch.setattr(PatternSpec, "row_keys", lambda self, i, n, xp=np: keys(local, i, n, xp))
+    decode._decode.clear_cache()  # the keys are traced into the compiled decoder: no reuse
+    try:
+        tokens, logits = decode.generate(model, PROMPT, 30, seed=1, return_logits=True)
+    finally:
+        decode._decode.clear_cache()  # nor of this wrong one by later tests
     full = np.asarray(full_forward(model, jnp.asarray(tokens[:, :-1])))
     assert np.abs(logits - full)[:, :4].max() < 1e-4  # the patterns agree on the first row
     assert np.abs(logits - full).max() > 1e-2
