@@ -72,6 +72,8 @@ def base() -> ml_collections.ConfigDict:
     c.data.seed = 0  # training order (windows / epoch permutations)
     c.data.embedded_bytes = 2**21  # size of the generated "embedded" stream
     c.data.embedded_seed = 0  # generator seed of the "embedded" stream
+    c.data.embedded_row_width = 32  # its rows' bytes (newline included)
+    c.data.embedded_copy_distance = 4  # rows back a copied row repeats (D = 4 x 32 = 128 bytes)
 
     c.model = ml_collections.ConfigDict()  # sparse_jax.model.ModelConfig: exactly its fields
     c.model.vocab_size = 256  # byte values

@@ -58,6 +58,8 @@ class DataConfig:
     seed: int = 0  # training order (window offsets / epoch permutations)
     embedded_bytes: int = 2**21  # size of the generated "embedded" stream
     embedded_seed: int = 0  # generator seed of the "embedded" stream
+    embedded_row_width: int = 32  # bytes per row of the "embedded" stream (newline included)
+    embedded_copy_distance: int = 4  # rows back that a copied row repeats: D = this x row width
 
     def __post_init__(self):
         def fail(field, why):
@@ -77,7 +79,8 @@ class DataConfig:
             fail("path", f"data {self.name!r} needs {what}")
         if not isinstance(self.download, bool):
             fail("download", "must be True or False")
-        for name, low in (("seed", 0), ("embedded_bytes", 1), ("embedded_seed", 0)):
+        for name, low in (("seed", 0), ("embedded_bytes", 1), ("embedded_seed", 0),
+                          ("embedded_row_width", 2), ("embedded_copy_distance", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 fail(name, f"must be an integer >= {low}")
@@ -469,7 +472,9 @@ def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
     if cfg.name == "bytes":
         return cfg.path, sources.load_bytes(cfg.path)
     return (f"the generated 'embedded' stream ({cfg.embedded_bytes:,} bytes)",
-            sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed))
+            sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed,
+                                   row_width=cfg.embedded_row_width,
+                                   copy_distance=cfg.embedded_copy_distance))
 
 
 def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1, *,
@@ -479,7 +484,9 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
 
     enwik8: `path` names the raw file or the .zip (`download` fetches a missing archive), split
     90M/5M/5M. bytes: any file at `path` (plain or .gz), split by `split_fractions`. embedded:
-    `embedded_bytes` bytes generated with `embedded_seed`, split by `split_fractions`. cifar10:
+    `embedded_bytes` bytes generated with `embedded_seed` (rows of `embedded_row_width` bytes,
+    copies `embedded_copy_distance` rows back: `sources.embedded_bytes`), split by
+    `split_fractions`. cifar10:
     the prepared TFDS builder in `data_dir` (see `prepare`). images: the pictures of the folder
     `path` (`images.load_folder`; train/ and test/ subfolders, or `split_fractions`). An image's
     sub-pixels must number seq_len, and with `image_shape` (the model's) its shape must be that;

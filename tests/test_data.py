@@ -135,6 +135,10 @@ def test_data_config_is_typed_validated_and_says_what_is_an_image():
             ({"name": "embedded", "seed": -1}, r"DataConfig.seed=-1: must be an integer >= 0"),
             ({"name": "embedded", "seed": True}, r"DataConfig.seed=True"),
             ({"name": "embedded", "embedded_bytes": 0}, r"DataConfig.embedded_bytes=0"),
+            ({"name": "embedded", "embedded_row_width": 1},
+             r"DataConfig.embedded_row_width=1: must be an integer >= 2"),
+            ({"name": "embedded", "embedded_copy_distance": 0},
+             r"DataConfig.embedded_copy_distance=0"),
             ({"name": "embedded", "download": "yes"}, r"DataConfig.download='yes'"),
             ({"name": "embedded", "split_fractions": (0.9, 0.05, 0.1)},
              r"DataConfig.split_fractions=\(0.9, 0.05, 0.1\): must be 3 non-negative"),
@@ -371,6 +375,23 @@ def test_byte_windows_are_shifted_slices_in_bounds():
             np.testing.assert_array_equal(batch["targets"][row], data[s + 1:s + 33])
         all_starts.extend(starts)
     assert min(all_starts) >= 0 and max(all_starts) == len(data) - 33  # last window fits exactly
+
+
+def test_embedded_stream_copies_at_the_configured_distance():
+    """data.embedded_row_width / embedded_copy_distance set where the copies sit: here 65 rows
+    of 32 bytes, 2,080 bytes back (the defaults: 128)."""
+    far = D.make_dataset({"name": "embedded", "embedded_bytes": 200_000,
+                          "embedded_copy_distance": 65}, seq_len=64).splits["train"]
+    near = D.make_dataset({"name": "embedded", "embedded_bytes": 200_000}, seq_len=64)
+    rows = far.reshape(-1, 32)
+
+    def repeats(rows, back):  # share of rows equal to the row `back` rows earlier
+        return (rows[back:] == rows[:-back]).all(1).mean()
+
+    assert repeats(rows, 65) > 0.7 and repeats(rows, 4) < 0.05
+    assert repeats(near.splits["train"].reshape(-1, 32), 4) > 0.7
+    assert D.fingerprint({"name": "embedded", "embedded_bytes": 200_000}) != D.fingerprint(
+        {"name": "embedded", "embedded_bytes": 200_000, "embedded_copy_distance": 65})
 
 
 def test_train_batches_resume_exactly_and_differ_per_process():
