@@ -202,11 +202,13 @@ def test_row_keys_are_the_rows_of_the_index_arrays(n, l):
     """The cached decoder's keys of query i, computed from i (NumPy for all rows at once, and
     jax.numpy inside jit for a traced i), list the same keys as row i of ``indices``."""
     specs = [P.PatternSpec("dense")] + [P.PatternSpec(kind, **spec) for kind, spec in
-                                        term_specs(l)][::3]  # every part and convention
-    for spec in specs:
+                                        term_specs(l)]  # every part and convention
+    for k, spec in enumerate(specs):
         expected = spec.indices(n)
         got = spec.row_keys(np.arange(n), n)
         assert got.shape[0] == n and rows(P._compact(got, n)) == rows(expected), spec
+        if k % 3:  # the traced path (one compilation each) for every third spec
+            continue
         traced = jax.jit(lambda i, spec=spec: spec.row_keys(i, n, jax.numpy))
         for i in sorted({0, n // 2, n - 1}):
             assert np.array_equal(np.asarray(traced(i)), got[i]), (spec, i)
