@@ -93,7 +93,9 @@ def base() -> ml_collections.ConfigDict:
     # parts cycled over layers, e.g. "local,local,local,strided" (mode merged)
     c.model.schedule = ""
     c.model.distinct_summaries = False  # fixed + multihead: each head group its own summary block
-    c.model.pos_emb = "text"  # image (row, column, channel) | text (row, column of grid) | single
+    # image (row, column, channel) | text (row, column of grid) | single | none
+    c.model.pos_emb = "text"
+    c.model.rotary = False  # rotary embedding of queries and keys (relative; not in the paper)
     c.model.image_shape = (32, 32, 3)  # (rows, columns, channels): pos_emb "image", image data
     c.model.remat = "none"  # none | full | dots: recompute blocks in the backward pass
     c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)

@@ -40,7 +40,8 @@ RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoi
              "model.attention", *LOCATION_FIELDS)
 SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
 # Fields added after runs were recorded, with the value a record without them trained with.
-ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4}
+ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4,
+         "model.rotary": False}
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:

@@ -28,6 +28,20 @@ def _dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def rotate(x_BNHD, positions_N, base: float = 10_000.0):
+    """Rotary position embedding (Su et al. 2021; not in the Sparse Transformer paper): each
+    pair of features (f, f + D/2) of position p turned by the angle ``p · base^(-2f/D)``, so a
+    rotated query and key have a dot product that depends on their distance, not on where they
+    sit. x: [B, n, H, D] (D even); positions: int [n] (may be traced). Computed in float32,
+    returned in x's dtype."""
+    half = x_BNHD.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.asarray(positions_N, jnp.float32)[:, None] * freqs  # [n, D/2]
+    cos, sin = (f(angles)[None, :, None] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x_BNHD.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BNHD.dtype)
+
+
 def linear(d_in: int, d_out: int, std: float, *, dtype, param_dtype, rngs: nnx.Rngs):
     """``nnx.Linear`` with weights ~ N(0, std²) and zero bias."""
     return nnx.Linear(d_in, d_out, kernel_init=nnx.initializers.normal(std), dtype=dtype,
@@ -42,18 +56,23 @@ class SparseSelfAttention(nnx.Module):
     total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
     Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
     N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
-    ("xla", "pallas" or "auto", ``attention.sparse_attention``).
+    ("xla", "pallas" or "auto", ``attention.sparse_attention``). ``rotary``: queries and keys
+    rotated by their position (``rotate``; not in the paper), so scores can depend on distance.
     """
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int | None = None, init_std: float | None = None,
-                 out_std: float | None = None, implementation: str = "xla", dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 out_std: float | None = None, implementation: str = "xla",
+                 rotary: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         qk_dim = d_model if qk_dim is None else qk_dim
         for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
             if dim % num_heads:
                 raise ValueError(f"{name}={dim} must be divisible by num_heads={num_heads}")
         specs = tuple(specs)
+        if rotary and (qk_dim // num_heads) % 2:
+            raise ValueError(f"rotary needs an even query/key width per head, got "
+                             f"{qk_dim // num_heads}")
         if not specs or num_heads % len(specs):
             raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
                              f"groups ({len(specs)})")
@@ -67,6 +86,7 @@ class SparseSelfAttention(nnx.Module):
         self.num_heads = num_heads
         self.specs = specs
         self.implementation = implementation
+        self.rotary = rotary
 
     def __call__(self, x, sharding=None):
         """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
@@ -76,6 +96,8 @@ class SparseSelfAttention(nnx.Module):
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.rotary:
+            q, k = rotate(q, jnp.arange(seq_len)), rotate(k, jnp.arange(seq_len))
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation)
         if sharding is not None and resolve_implementation(self.implementation) == "pallas":
@@ -100,6 +122,9 @@ class SparseSelfAttention(nnx.Module):
         batch = x_B1D.shape[0]
         q_BHD, k_BHD, v_BHD = (proj(x_B1D).reshape(batch, self.num_heads, -1)
                                for proj in (self.query, self.key, self.value))
+        if self.rotary:  # as row i of the full pass: the cache holds rotated keys
+            q_BHD, k_BHD = (rotate(x[:, None], jnp.asarray(i)[None])[:, 0]
+                            for x in (q_BHD, k_BHD))
         k_cache, v_cache = cache
         k_cache = k_cache.at[layer, :, i].set(k_BHD.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, :, i].set(v_BHD.astype(v_cache.dtype))
@@ -126,16 +151,16 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
-                 attention: str = "xla", dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 attention: str = "xla", rotary: bool = False, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
         norm = functools.partial(nnx.LayerNorm, d, dtype=dtype, param_dtype=param_dtype)
         dense = functools.partial(linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = norm(rngs=rngs)
         self.attn = SparseSelfAttention(
             d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
-            out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+            out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, rotary=rotary,
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ff_norm = norm(rngs=rngs)
         self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))
         self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)

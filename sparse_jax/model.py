@@ -60,7 +60,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-POS_EMBS = ("image", "text", "single")
+POS_EMBS = ("image", "text", "single", "none")
 PATTERNS = patterns.KINDS
 
 
@@ -83,7 +83,8 @@ class ModelConfig:
     mode: str = "merged"  # merged | interleaved | multihead
     schedule: str = ""  # cycle of parts per layer, e.g. "local,local,local,strided"
     distinct_summaries: bool = False  # fixed + multihead: head group h uses summary block h
-    pos_emb: str = "text"  # image | text | single
+    pos_emb: str = "text"  # image | text | single | none
+    rotary: bool = False  # rotary embedding of queries and keys (relative; not in the paper)
     image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels): data, "image"
     remat: str = "none"  # none | full | dots (see module docstring)
     scan_layers: bool = False  # jax.lax.scan over groups of layers
@@ -116,6 +117,11 @@ class ModelConfig:
         if self.qk_dim % self.num_heads:
             fail("qk_ratio", f"query/key width {self.qk_dim} is not divisible by "
                              f"num_heads={self.num_heads}")
+        if not isinstance(self.rotary, bool):
+            fail("rotary", "must be True or False")
+        if self.rotary and (self.qk_dim // self.num_heads) % 2:
+            fail("rotary", f"needs an even query/key width per head, got "
+                           f"{self.qk_dim // self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
             fail("dropout", "must be in [0, 1)")
         choices = [("pattern", PATTERNS), ("summary", patterns.SUMMARY_CONVENTIONS),
@@ -227,6 +233,8 @@ def model_config(config) -> ModelConfig:
 def position_tables(cfg: ModelConfig) -> list[tuple[int, np.ndarray]]:
     """(table size, index of every position 0..seq_len-1) for each position table."""
     p = np.arange(cfg.seq_len)
+    if cfg.pos_emb == "none":  # no absolute position (with ``rotary``: relative only)
+        return []
     if cfg.pos_emb == "single":
         return [(cfg.seq_len, p)]
     if cfg.pos_emb == "text":  # row and column of the (n / l, l) grid
@@ -245,7 +253,7 @@ class _BlockGroup(nnx.Module):
         self.blocks = nnx.List([Block(
             cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
             num_layers=cfg.num_layers, dropout=cfg.dropout, attention=cfg.attention,
-            dtype=DTYPES[cfg.dtype],
+            rotary=cfg.rotary, dtype=DTYPES[cfg.dtype],
             param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))
             for p in range(cfg.period)])
 
@@ -289,7 +297,7 @@ class SparseTransformer(nnx.Module):
             param_dtype=param_dtype, rngs=rngs)
         self.token_embed = embed(cfg.vocab_size, 0.125 / math.sqrt(d))
         tables = position_tables(cfg)
-        pos_std = 0.125 / math.sqrt(d * len(tables))
+        pos_std = 0.125 / math.sqrt(d * max(1, len(tables)))
         self.pos_embeds = nnx.List([embed(size, pos_std) for size, _ in tables])
         self.blocks, self.block_groups = _init_blocks(cfg, rngs.params())
         self.final_norm = nnx.LayerNorm(d, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)

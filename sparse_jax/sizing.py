@@ -125,6 +125,9 @@ def describe_text(cfg: ModelConfig, info: dict) -> str:
         f"parameters           {info['params']:,} ({info['params'] / 1e6:.1f}M)",
         f"context              {cfg.seq_len:,}, {cfg.num_layers} layers, d={cfg.d_model}, "
         f"{cfg.num_heads} heads, qk={cfg.qk_dim}, ff={cfg.ff_dim}",
+        "positions            "
+        + ("no absolute tables" if cfg.pos_emb == "none" else f"{cfg.pos_emb} tables")
+        + (", rotary queries and keys" if cfg.rotary else ""),
         f"keys per query       {info['mean_keys_per_query']:.1f} mean over layers "
         f"(dense: {(cfg.seq_len + 1) / 2:.1f})",
         f"forward FLOPs/token  {info['flops_per_token'] / 1e6:.1f}M",

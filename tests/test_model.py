@@ -64,6 +64,7 @@ SCHEDULES = {
     "strided-multihead": dict(pattern="strided", mode="multihead"),
     "strided-openai-cycle": dict(pattern="strided", schedule="local,local,strided",
                                  num_layers=3),
+    "strided-rotary": dict(pattern="strided", mode="interleaved", rotary=True, pos_emb="none"),
     "fixed-merged": dict(pattern="fixed"),
     "fixed-interleaved": dict(pattern="fixed", mode="interleaved"),
     "fixed-multihead": dict(pattern="fixed", mode="multihead"),
@@ -141,14 +142,25 @@ def reference_logits(params, cfg, x):
     dense = lambda v, p: v @ p["kernel"] + p["bias"]  # noqa: E731
     pos = np.arange(n)
     cols = min(cfg.stride, cfg.seq_len)
-    h = (params["token_embed"]["embedding"][x] + params["pos_embeds"][0]["embedding"][pos // cols]
-         + params["pos_embeds"][1]["embedding"][pos % cols])
+    h = params["token_embed"]["embedding"][x]
+    if cfg.pos_emb == "text":
+        h = (h + params["pos_embeds"][0]["embedding"][pos // cols]
+             + params["pos_embeds"][1]["embedding"][pos % cols])
+
+    def rotary(y):  # features (f, f + D/2) as one complex number, times e^(i·pos·base^(-f/(D/2)))
+        half = y.shape[-1] // 2
+        turn = np.exp(1j * pos[:, None] * 10_000.0 ** (-np.arange(half) / half))[:, None]
+        z = (y[..., :half] + 1j * y[..., half:]) * turn
+        return jnp.concatenate([z.real, z.imag], -1).astype(y.dtype)
+
     blocks = params["blocks"]
     for k in range(cfg.num_layers):
         p, specs = blocks[k], cfg.layer_specs(k)
         y = _layer_norm(h, p["attn_norm"])
         q, kk, v = (dense(y, p["attn"][m]).reshape(*x.shape, cfg.num_heads, -1)
                     for m in ("query", "key", "value"))
+        if cfg.rotary:
+            q, kk = rotary(q), rotary(kk)
         g = cfg.num_heads // len(specs)  # head group i uses specs[i]
         mask = np.concatenate([np.broadcast_to(s.mask(n), (g, n, n)) for s in specs])
         a = dense(dense_attention(q, kk, v, mask).reshape(*x.shape, -1), p["attn"]["out"])
@@ -157,7 +169,8 @@ def reference_logits(params, cfg, x):
     return dense(_layer_norm(h, params["final_norm"]), params["head"])
 
 
-@pytest.mark.parametrize("name", ["dense", "fixed-distinct", "strided-openai-cycle"])
+@pytest.mark.parametrize("name", ["dense", "fixed-distinct", "strided-openai-cycle",
+                                  "strided-rotary"])
 def test_matches_plain_masked_transformer(name):
     """Forward and parameter gradients equal the reference (half-size QK and FF)."""
     cfg = tiny(qk_ratio=0.5, ff_mult=2.0, **SCHEDULES[name])
@@ -226,7 +239,7 @@ def test_bfloat16_compute_close_to_float32():
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct"])
+@pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct", "strided-rotary"])
 def test_decode_step_equals_full_forward(name, scan):
     """init_cache, then decode_step position by position, gives the full forward pass's logits
     at every position, with the layers unrolled or scanned (weights scaled up so that logits
@@ -248,6 +261,20 @@ def test_decode_step_equals_full_forward(name, scan):
     np.testing.assert_allclose(np.stack(logits, axis=1), full, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="does not fit seq_len=16"):
         model.init_cache(2, 17)
+
+
+def test_rotary_scores_depend_on_distance_alone():
+    """A rotated query and key score the same wherever the pair sits (only i - j counts), and
+    differ between distances; an odd query/key width per head is refused."""
+    from sparse_jax.layers import rotate
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 16))
+    score = lambda i, j: float((rotate(q, jnp.array([i])) * rotate(k, jnp.array([j]))).sum())  # noqa: E731
+    for i, j in [(5, 2), (40, 0), (3000, 2999)]:
+        for shift in (1, 17, 4096):
+            assert score(i + shift, j + shift) == pytest.approx(score(i, j), abs=2e-4)
+    assert abs(score(5, 2) - score(5, 3)) > 1e-3
+    with pytest.raises(ValueError, match="rotary.*even query/key width per head, got 3"):
+        tiny(rotary=True, d_model=12, num_heads=4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,8 +54,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: model_lib.ModelConfig):
         super().__init__()
-        if cfg.pattern != "dense" or cfg.scan_layers:
-            raise ValueError("the PyTorch twin mirrors dense-attention, unscanned models only")
+        if cfg.pattern != "dense" or cfg.scan_layers or cfg.rotary:
+            raise ValueError("the PyTorch twin mirrors dense-attention, unscanned models without "
+                             "rotary embeddings only")
         self.cfg = cfg
         tables = model_lib.position_tables(cfg)
         self.token_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
