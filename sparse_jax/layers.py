@@ -97,7 +97,7 @@ class SparseSelfAttention(nnx.Module):
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         if self.rotary:
-            q, k = rotate(q, jnp.arange(seq_len)), rotate(k, jnp.arange(seq_len))
+            q, k = (rotate(y, jnp.arange(seq_len)) for y in (q, k))
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation)
         if sharding is not None and resolve_implementation(self.implementation) == "pallas":

@@ -18,7 +18,7 @@ from flax import nnx
 
 from sparse_jax.attention import dense_attention
 from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
-from sparse_jax.sizing import describe, param_count
+from sparse_jax.sizing import describe, describe_text, param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(seq_len=16, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
@@ -317,6 +317,7 @@ def test_initialization_statistics():
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(pos_emb="single", qk_ratio=0.5, ff_mult=2.0),
+    dict(pos_emb="none", rotary=True),  # no position tables; rotary adds no parameter
     dict(pos_emb="image", image_shape=(2, 4, 2), vocab_size=17),
     dict(seq_len=13, pattern="fixed", mode="multihead", d_model=24, num_heads=4),
     dict(pattern="dense", stride=128),  # text grid of (1, seq_len)
@@ -411,6 +412,11 @@ def test_describe():
         "strided(stride=4, part=strided)", "strided(stride=4, part=local)"]
     heads = describe(tiny(pattern="fixed", mode="multihead"))["schedule"][0]
     assert heads == "fixed(stride=4, c=1, part=block) | fixed(stride=4, c=1, part=summary)"
+    positions = lambda cfg: [line for line in describe_text(cfg, describe(cfg)).splitlines()  # noqa: E731
+                             if line.startswith("positions ")]
+    assert positions(tiny()) == ["positions            text tables"]
+    assert positions(tiny(pos_emb="none", rotary=True)) == [
+        "positions            no absolute tables, rotary queries and keys"]
 
 
 def test_describe_script(tmp_path):
