@@ -618,6 +618,13 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         out = _causal_attention(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k),
                                 heads_first(v))
         return heads_first(out).astype(q.dtype)
+    if (heads == 1 and batch > 1 and implementation == "xla"
+            and any(isinstance(term, patterns.ColumnTerm) for term in spec.terms())):
+        # One head: the batch rows as heads instead (exact, each row attends alone). With a
+        # size-1 head axis in the grid, XLA:CPU's layouts copied whole accumulators in every
+        # scan step of the column term: 2.4x slower (docs/design.md §9).
+        swap = lambda x: x.transpose(2, 1, 0, 3)  # noqa: E731  [B, n, 1, d] <-> [1, n, B, d]
+        return swap(sparse_attention(swap(q), swap(k), swap(v), spec, implementation))
     block = spec.block
     rows = -(-seq_len // block)
     pad = rows * block - seq_len

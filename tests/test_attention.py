@@ -67,6 +67,12 @@ def test_matches_dense_forward_and_gradients(spec, seq_len):
     assert_matches_dense(spec, *qkv((2, seq_len, 3, 8)))
 
 
+@pytest.mark.parametrize("spec", [SPECS[2], SPECS[8], SPECS[11]], ids=str)
+def test_one_head_over_a_batch(spec):
+    """A single head with batch > 1 runs with the batch rows as heads: still exact."""
+    assert_matches_dense(spec, *qkv((3, 40, 1, 8), seed=5))
+
+
 @pytest.mark.parametrize("spec", [PatternSpec("strided", stride=4),
                                   PatternSpec("strided", stride=4, local_width=11),
                                   PatternSpec("local", stride=4, local_width=3),
