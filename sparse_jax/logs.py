@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import time
 
@@ -55,7 +56,11 @@ class _Events:
 
         self.folder, self._event, self._scalar = folder, Event, scalar
         os.makedirs(folder, exist_ok=True)
-        self.writer = EventsWriter(os.path.join(folder, "events"))
+        # The writer names its file by the second and the host, and opens it with "wb": a run
+        # resumed within the second that the last one started in would empty that one's file.
+        # The process id and a random tag keep the names apart.
+        self.writer = EventsWriter(os.path.join(folder, "events"),
+                                   filename_suffix=f".{os.getpid()}.{secrets.token_hex(4)}")
         self.writer.write_event(Event(wall_time=time.time(), step=purge_step,
                                       session_log=SessionLog(status=SessionLog.START)))
         self.writer.flush()

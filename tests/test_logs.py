@@ -2,7 +2,8 @@
 line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
 steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
 ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, a torn log line is
-never read as a row, and a write probe left by a killed process is removed by the next one."""
+never read as a row, and a write probe left by a killed process is removed by the next one;
+two runs started in the same second keep their TensorBoard files apart."""
 
 import glob
 import os
@@ -115,3 +116,36 @@ def test_a_write_probe_left_by_a_killed_process_is_removed_by_the_next(tmp_path)
     (tmp_path / f".write_test.part{dead}").write_text("ok")  # killed between write and remove
     workdir.check_output(str(tmp_path / "result.json"), overwrite=False)
     assert os.listdir(tmp_path) == []
+
+
+def read_events(path):
+    """The Event protos of a TensorBoard file (TFRecord: length, its CRC, data, data CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events, data = [], open(path, "rb").read()
+    while data:
+        length = int.from_bytes(data[:8], "little")
+        events.append(Event.FromString(data[12:12 + length]))
+        data = data[16 + length:]
+    return events
+
+
+def test_runs_started_in_the_same_second_keep_their_tensorboard_files(tmp_path, monkeypatch):
+    """The event file is named by the second: a resumed run must not truncate the last one's."""
+    from tensorboardX import event_file_writer
+
+    class FrozenClock:
+        @staticmethod
+        def time():
+            return 1_700_000_000.25
+
+    monkeypatch.setattr(event_file_writer, "time", FrozenClock)
+    for start, value in ((0, 1.5), (10, 2.5)):
+        logger = logs.Logger(str(tmp_path), start_step=start, total_steps=20)
+        logger.write(start + 5, "train", {"bits": value})
+        logger.close()
+    paths = sorted(glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*")))
+    assert len(paths) == 2
+    logged = sorted((e.step, v.simple_value) for p in paths for e in read_events(p)
+                    for v in e.summary.value if v.tag == "train/bits")
+    assert logged == [(5, 1.5), (15, 2.5)]
