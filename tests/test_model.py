@@ -65,6 +65,8 @@ SCHEDULES = {
     "strided-openai-cycle": dict(pattern="strided", schedule="local,local,strided",
                                  num_layers=3),
     "strided-rotary": dict(pattern="strided", mode="interleaved", rotary=True, pos_emb="none"),
+    "strided-image-rotary": dict(pattern="strided", rotary=True, pos_emb="image",
+                                 image_shape=(4, 2, 2)),  # rows of 2 pixels x 2 channels
     "fixed-merged": dict(pattern="fixed"),
     "fixed-interleaved": dict(pattern="fixed", mode="interleaved"),
     "fixed-multihead": dict(pattern="fixed", mode="multihead"),
@@ -239,7 +241,8 @@ def test_bfloat16_compute_close_to_float32():
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct", "strided-rotary"])
+@pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct", "strided-rotary",
+                                  "strided-image-rotary"])
 def test_decode_step_equals_full_forward(name, scan):
     """init_cache, then decode_step position by position, gives the full forward pass's logits
     at every position, with the layers unrolled or scanned (weights scaled up so that logits
