@@ -122,7 +122,8 @@ def read_events(path):
     """The Event protos of a TensorBoard file (TFRecord: length, its CRC, data, data CRC)."""
     from tensorboardX.proto.event_pb2 import Event
 
-    events, data = [], open(path, "rb").read()
+    with open(path, "rb") as f:
+        events, data = [], f.read()
     while data:
         length = int.from_bytes(data[:8], "little")
         events.append(Event.FromString(data[12:12 + length]))
