@@ -50,9 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import kernel, patterns
+from sparse_jax import native as _native
 from sparse_jax.patterns import PatternSpec
 
-IMPLEMENTATIONS = ("xla", "pallas", "auto")  # unfused XLA ops, or fused kernels (and "auto")
+# unfused XLA ops, fused CPU kernels for some terms (sparse_jax.native), fused Pallas kernels
+IMPLEMENTATIONS = ("xla", "native", "pallas", "auto")
 
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
@@ -171,6 +173,7 @@ class _Term:
     residues: tuple[int, ...] | None = None
     key_block: int = 0
     pairs: tuple[tuple[int, int], ...] = ()
+    min_rows: int = 0  # a column term's: keys at least this many rows before the query
 
     def view(self, x):
         """A grid array ``[B, R, block, H, ...]`` with this term's tiles along ``axis``."""
@@ -356,7 +359,7 @@ def _column(term: patterns.ColumnTerm, rows: int, lanes: int) -> _Term:
     r = np.arange(rows)
     keep = (r[:, None] - r[None, :]) >= term.min_rows  # [R (query), R (key)]
     return _Term(2, term.stride, lambda t, c, j: jnp.asarray(keep),
-                 chunk=_chunk(lanes * rows * rows, term.stride))
+                 chunk=_chunk(lanes * rows * rows, term.stride), min_rows=term.min_rows)
 
 
 _SUMMARY_QUERIES = 512  # queries in a summary step (fewer: slow small matmuls; more: big tiles)
@@ -407,7 +410,13 @@ def _queries(term, q_g, t, c, scale):
     return q * jnp.asarray(scale, q.dtype)
 
 
-def _grid_forward(spec, scale, q_g, k_g, v_g):
+def _native_term(term, i, native, *arrays):
+    """Whether term ``i`` runs as a fused CPU kernel (``sparse_jax.native``): the column term,
+    first (it writes the accumulators), float32 with a supported head dim."""
+    return native and i == 0 and term.axis == 2 and _native.supports(*arrays)
+
+
+def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
     """Joint softmax over all terms: each chunk merges its row maximum, sum of exponentials and
     weighted values into the running ones (log-sum-exp). All ``[B, R, block, H, d]``; q is
     scaled by ``scale`` chunk by chunk. Returns the output ``[B, R, block, H, dv]`` and the
@@ -416,6 +425,9 @@ def _grid_forward(spec, scale, q_g, k_g, v_g):
     total = jnp.zeros_like(q_g[..., 0], jnp.float32)
     acc = jnp.zeros_like(v_g, jnp.float32)
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
+        if _native_term(term, i, native, q_g, k_g, v_g):
+            row_max, total, acc = _native.column_forward(q_g, k_g, v_g, term.min_rows, scale)
+            continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
 
@@ -443,17 +455,17 @@ def _grid_forward(spec, scale, q_g, k_g, v_g):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grid_attention(spec, scale, q_g, k_g, v_g):
-    return _grid_forward(spec, scale, q_g, k_g, v_g)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grid_attention(spec, scale, native, q_g, k_g, v_g):
+    return _grid_forward(spec, scale, q_g, k_g, v_g, native)[0]
 
 
-def _grid_attention_fwd(spec, scale, q_g, k_g, v_g):
-    out, lse = _grid_forward(spec, scale, q_g, k_g, v_g)
+def _grid_attention_fwd(spec, scale, native, q_g, k_g, v_g):
+    out, lse = _grid_forward(spec, scale, q_g, k_g, v_g, native)
     return out, (q_g, k_g, v_g, out, lse)
 
 
-def _grid_attention_bwd(spec, scale, residuals, d_out):
+def _grid_attention_bwd(spec, scale, native, residuals, d_out):
     """Flash-style backward: recompute each chunk's probabilities from the saved log-sum-exp,
     so memory stays at one chunk's score tiles; dq, dk and dv accumulate in place in the grid
     layout (a summary term's dk and dv first over its summary keys)."""
@@ -463,6 +475,10 @@ def _grid_attention_bwd(spec, scale, residuals, d_out):
     # batched dot: XLA:CPU's reduction over the last axis is 20x slower)
     d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
+        if _native_term(term, i, native, q_g, k_g, v_g):
+            d_q, d_k, d_v = _native.column_backward(q_g, k_g, v_g, d_out, lse, delta,
+                                                    term.min_rows, scale)
+            continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # its dq is the first and only one per query
         if term.residues:  # the summary keys' gradients, transposed (``key_grad``)
@@ -581,12 +597,20 @@ _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def resolve_implementation(implementation: str) -> str:
-    """"xla" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU or TPU and
-    XLA elsewhere. "pallas" runs compiled on a GPU (Triton) or TPU (Mosaic) and in interpret mode
-    on a CPU (slow: for tests)."""
+    """"xla", "native" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU or
+    TPU, and on a CPU the fused CPU kernels where they build (``sparse_jax.native``), else XLA.
+    "pallas" runs compiled on a GPU (Triton) or TPU (Mosaic) and in interpret mode on a CPU
+    (slow: for tests). "native" is CPU only; it raises if the kernels cannot be built."""
     patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    cpu = jax.default_backend() == "cpu"
     if implementation == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else (
+            "native" if cpu and _native.available() else "xla")
+    if implementation == "native":
+        if not cpu:
+            raise ValueError(f"implementation='native' runs on a CPU, not on "
+                             f"{jax.default_backend()}: use 'pallas' or 'auto' there")
+        _native.require()
     return implementation
 
 
@@ -618,7 +642,7 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         out = _causal_attention(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k),
                                 heads_first(v))
         return heads_first(out).astype(q.dtype)
-    if (heads == 1 and batch > 1 and implementation == "xla"
+    if (heads == 1 and batch > 1 and implementation in ("xla", "native")
             and any(isinstance(term, patterns.ColumnTerm) for term in spec.terms())):
         # One head: the batch rows as heads instead (exact, each row attends alone). With a
         # size-1 head axis in the grid, XLA:CPU's layouts copied whole accumulators in every
@@ -638,7 +662,8 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         out = kernel.sequence_attention(spec, flat(q * jnp.asarray(scale, q.dtype)), flat(k),
                                         flat(v), sizes=block_sizes).transpose(0, 2, 1, 3)
     else:  # q is scaled chunk by chunk: a pass over it saved
-        out = _grid_attention(spec, scale, to_grid(q), to_grid(k), to_grid(v))
+        out = _grid_attention(spec, scale, implementation == "native", to_grid(q), to_grid(k),
+                              to_grid(v))
     out = out.reshape(batch, rows * block, heads, -1)[:, :seq_len]
     return out.astype(q.dtype)
 

@@ -91,8 +91,8 @@ class SparseSelfAttention(nnx.Module):
     def __call__(self, x, sharding=None):
         """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
         split on a device mesh, if any. XLA cannot split a fused kernel (a custom call) by
-        itself, so with ``implementation`` "pallas" (or "auto" on a GPU or TPU) each device runs
-        the kernel on its own sequences (``jax.shard_map``)."""
+        itself, so with ``implementation`` "pallas" or "native" (or "auto") each device runs the
+        kernel on its own sequences (``jax.shard_map``)."""
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
@@ -100,7 +100,8 @@ class SparseSelfAttention(nnx.Module):
             q, k = (rotate(y, jnp.arange(seq_len)) for y in (q, k))
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation)
-        if sharding is not None and resolve_implementation(self.implementation) == "pallas":
+        if sharding is not None and resolve_implementation(self.implementation) in ("pallas",
+                                                                                     "native"):
             axes = sharding.spec[0] if sharding.spec else None
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
             if batch % math.prod(sharding.mesh.shape[a] for a in names) == 0:

@@ -89,7 +89,7 @@ class ModelConfig:
     remat: str = "none"  # none | full | dots (see module docstring)
     scan_layers: bool = False  # jax.lax.scan over groups of layers
     dtype: str = "float32"  # compute: float32 | bfloat16
-    attention: str = "xla"  # sparse attention: xla | pallas (fused) | auto (GPU/TPU: pallas)
+    attention: str = "xla"  # sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
     param_dtype: str = "float32"  # storage
 
     def __post_init__(self):
