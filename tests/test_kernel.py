@@ -252,8 +252,11 @@ def test_log_sum_exp_and_half_size_values():
 
 
 def test_implementation_choice():
+    from sparse_jax import native
+
     assert A.resolve_implementation("auto") == (
-        "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla")
+        "pallas" if jax.default_backend() in ("gpu", "tpu")
+        else "native" if native.available() else "xla")
     assert A.resolve_implementation("pallas") == "pallas"
     with pytest.raises(ValueError, match="implementation"):
         A.resolve_implementation("triton")
