@@ -174,6 +174,7 @@ class _Term:
     key_block: int = 0
     pairs: tuple[tuple[int, int], ...] = ()
     min_rows: int = 0  # a column term's: keys at least this many rows before the query
+    band: patterns.BandTerm | None = None  # a band term's pattern term (before any sub-rows)
 
     def view(self, x):
         """A grid array ``[B, R, block, H, ...]`` with this term's tiles along ``axis``."""
@@ -336,6 +337,7 @@ def _sub_rows(term: patterns.BandTerm) -> int:
 
 
 def _band(term: patterns.BandTerm, rows: int, lanes: int) -> _Term:
+    band = term
     split = _sub_rows(term)
     if split > 1:  # the same window on a grid of sub-rows
         sub = term.block // split
@@ -352,7 +354,7 @@ def _band(term: patterns.BandTerm, rows: int, lanes: int) -> _Term:
                                                                           None])
 
     return _Term(1, rows * split, keep, chunk=_chunk(lanes * tile.size, rows * split),
-                 split=split, window=prev)
+                 split=split, window=prev, band=band)
 
 
 def _column(term: patterns.ColumnTerm, rows: int, lanes: int) -> _Term:
@@ -411,9 +413,16 @@ def _queries(term, q_g, t, c, scale):
 
 
 def _native_term(term, i, native, *arrays):
-    """Whether term ``i`` runs as a fused CPU kernel (``sparse_jax.native``): the column term,
-    first (it writes the accumulators), float32 with a supported head dim."""
-    return native and i == 0 and term.axis == 2 and _native.supports(*arrays)
+    """Which fused CPU kernel (``sparse_jax.native``) runs term ``i``, if any: "column" for the
+    column term when it comes first (it writes the accumulators), "band" for a band term; only
+    for float32 inputs with a supported head dim."""
+    if not (native and _native.supports(*arrays)):
+        return None
+    if term.axis == 2 and i == 0:
+        return "column"
+    if term.band is not None and _native.band_supported(term.band):
+        return "band"
+    return None
 
 
 def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
@@ -425,8 +434,13 @@ def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
     total = jnp.zeros_like(q_g[..., 0], jnp.float32)
     acc = jnp.zeros_like(v_g, jnp.float32)
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
-        if _native_term(term, i, native, q_g, k_g, v_g):
+        fused = _native_term(term, i, native, q_g, k_g, v_g)
+        if fused == "column":
             row_max, total, acc = _native.column_forward(q_g, k_g, v_g, term.min_rows, scale)
+            continue
+        if fused == "band":
+            row_max, total, acc = _native.band_forward(q_g, k_g, v_g, row_max, total, acc,
+                                                       term.band, scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
@@ -475,9 +489,14 @@ def _grid_attention_bwd(spec, scale, native, residuals, d_out):
     # batched dot: XLA:CPU's reduction over the last axis is 20x slower)
     d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
-        if _native_term(term, i, native, q_g, k_g, v_g):
+        fused = _native_term(term, i, native, q_g, k_g, v_g)
+        if fused == "column":
             d_q, d_k, d_v = _native.column_backward(q_g, k_g, v_g, d_out, lse, delta,
                                                     term.min_rows, scale)
+            continue
+        if fused == "band":
+            d_q, d_k, d_v = _native.band_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k,
+                                                  d_v, term.band, scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # its dq is the first and only one per query

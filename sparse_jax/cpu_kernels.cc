@@ -1,17 +1,22 @@
-// Fused CPU kernels for the block-sparse attention's column term (XLA FFI custom calls).
+// Fused CPU kernels for the block-sparse attention's band and column terms (XLA FFI calls).
 //
-// The column term (docs/design.md §3) is causal attention inside each column of the grid
-// [B, R, l, H, d]: query (r, col) attends keys (r', col) with r - r' >= min_rows. On XLA:CPU it
-// ran as batched [R, R] matmuls plus tile copies into and out of the grid layout, zeroed
-// accumulators and separate elementwise passes over the scores. Here one call goes through the
-// columns one at a time, flash-style: the column's keys are packed once per block, its scores
-// stay in a cache-sized tile, the masked triangle is skipped panel by panel, and the results
-// are written straight into the grid layout. The Python side (sparse_jax/native.py) builds this
-// file with the host's compiler and registers the handlers; attention.py calls them.
+// On XLA:CPU each term ran as batched matmuls on tiles plus tile copies into and out of the
+// grid layout, zeroed accumulators and separate elementwise passes over the scores, and scored
+// every masked key of its tiles. Here a call goes through the term's query blocks one at a
+// time, flash-style: the block's queries and keys are gathered once for all heads, keys are
+// transposed in registers, scores stay in a cache-sized tile, keys that no row of a panel of
+// kMR queries sees are skipped, and results are written straight back into the grid layout.
+// The Python side (sparse_jax/native.py) builds this file with the host's compiler and
+// registers the handlers; attention.py calls them (docs/design.md §3).
 //
-// Forward: the running maximum, the sum of exponentials and the weighted values (not divided),
-// what the term writes as the first term of the joint softmax. Backward: dq, dk and dv of the
-// term, given the joint log-sum-exp and D = dO · O per query. Float32 only.
+// * Column term: causal attention inside each column of the grid [B, R, l, H, d]: query
+//   (r, col) sees keys (r', col) with r - r' >= min_rows.
+// * Band term: query i (in sequence order) sees keys j in [lo(i), i], lo(i) the largest of 0,
+//   i - max_distance (if >= 0), the start of the row prev rows before i's (rows of `block`),
+//   and i's own row start (if same_row).
+// Forward: merges the term into the running maximum, sum of exponentials and weighted values
+// (not divided) of the joint softmax. Backward: adds the term's dq, dk and dv, given the joint
+// log-sum-exp and D = dO · O per query. Float32 only.
 
 #include <algorithm>
 #include <array>
@@ -120,17 +125,17 @@ constexpr std::array<std::array<Micro, kNV>, kMR> micro_table(std::integer_seque
 }
 constexpr auto kMicro = micro_table(std::make_integer_sequence<int, kMR>{});
 
-// C[M, :] (= or +=) A B over row panels of kMR rows; `range(i0, i1, &k0, &k1, &n)` gives the
-// panel's inner range and its width (a multiple of kVW; columns past it are left alone).
+// C (= or +=) A B over row panels of kMR rows of C's M rows: `range(i0, i1, &k0, &k1, &j0, &j1)`
+// gives a panel's inner range and its columns [j0, j1) (multiples of kVW; others untouched).
 template <class Range>
 void gemm(int M, const float* a, long ars, long acs, const float* b, long bs, float* c, long cs,
           bool accumulate, Range range) {
   for (int i = 0; i < M; i += kMR) {
     const int mr = std::min(kMR, M - i);
-    int k0, k1, n;
-    range(i, i + mr, &k0, &k1, &n);
-    for (int j = 0; j < n; j += kNV * kVW) {
-      const int nv = std::min(kNV, (n - j) / kVW);
+    int k0, k1, j0, j1;
+    range(i, i + mr, &k0, &k1, &j0, &j1);
+    for (int j = j0; j < j1; j += kNV * kVW) {
+      const int nv = std::min(kNV, (j1 - j) / kVW);
       kMicro[mr - 1][nv - 1](k0, std::max(k0, k1), a + i * ars, ars, acs, b + j, bs,
                              c + i * cs + j, cs, accumulate);
     }
@@ -138,6 +143,7 @@ void gemm(int M, const float* a, long ars, long acs, const float* b, long bs, fl
 }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+inline int round_down(int x, int m) { return x / m * m; }
 
 #if defined(__AVX512F__)
 // dst[c * ds + j] = scale * src[j * ss + c] for a 16 x 16 block (in registers: three rounds of
@@ -186,188 +192,239 @@ void pack_transposed(const float* k, long rs, int kn, int d, float scale, float*
   }
 }
 
-// The keys of block row i (block-relative) in a key block starting kb rows after the query
-// block: query row q0 + i sees key rows up to q0 + i - min_rows.
-struct Causal {
-  int q0, k0, kn, min_rows;
-  int limit(int i) const { return std::clamp(q0 + i - min_rows - k0 + 1, 0, kn); }
+// Which keys each query row of a block sees: [lo[i], hi[i]) in the block's key rows, both
+// non-decreasing in i. Within a key block [k0, k0 + kn) the kept columns of row i, and for a
+// panel of rows the columns any of them keeps (rounded out to whole vectors).
+struct Keys {
+  const int* lo;
+  const int* hi;
+  int k0, kn;
+  int a(int i) const { return std::clamp(lo[i] - k0, 0, kn); }
+  int b(int i) const { return std::clamp(hi[i] - k0, 0, kn); }
+  void panel(int i0, int i1, int* j0, int* j1) const {
+    *j0 = round_down(a(i0), kVW);
+    *j1 = std::max(*j0, round_up(b(i1 - 1), kVW));
+  }
+  // The query rows [*q0, *q1) of the block's qn that see a key of columns [j0, j1).
+  void queries(int qn, int j0, int j1, int* q0, int* q1) const {
+    int i = 0;
+    while (i < qn && hi[i] - k0 <= j0) ++i;
+    int e = i;
+    while (e < qn && lo[e] - k0 < j1) ++e;
+    *q0 = i;
+    *q1 = e;
+  }
 };
 
-// S = Q Kt for a query block, panel by panel: only the columns a panel's rows can see.
-void scores(const float* q, long rs, int qn, const float* kt, int kn, int d, const Causal& cz,
-            float* s) {
-  gemm(qn, q, rs, 1, kt, kKB, s, kKB, false, [&](int i0, int i1, int* k0, int* k1, int* n) {
-    *k0 = 0; *k1 = d; *n = round_up(cz.limit(i1 - 1), kVW);
+// S = Q Kt for the block's queries, panel by panel over the columns a panel keeps.
+void scores(const float* q, int qn, const float* kt, int d, const Keys& keys, float* s) {
+  gemm(qn, q, d, 1, kt, kKB, s, kKB, false, [&](int i0, int i1, int* a, int* b, int* j0, int* j1) {
+    *a = 0; *b = d; keys.panel(i0, i1, j0, j1);
   });
 }
 
-void column_forward(const float* q, const float* k, const float* v, int R, int d, int dv,
-                    int min_rows, float scale, float* m_out, float* l_out, float* o_out,
-                    std::vector<float>& work) {
-  work.resize(kKB * d + kQB * kKB + kQB * dv + 2 * kQB);
-  float* kt = work.data();
-  float* s = kt + kKB * d;
-  float* o = s + kQB * kKB;
-  float* m = o + kQB * dv;
-  float* l = m + kQB;
-  for (int q0 = 0; q0 < R; q0 += kQB) {
-    const int qn = std::min(kQB, R - q0);
-    const int last = q0 + qn - 1 - min_rows;  // the last key row any of these queries sees
-    std::fill(m, m + qn, kFloor);
-    std::fill(l, l + qn, 0.0f);
-    std::fill(o, o + qn * dv, 0.0f);
-    for (int k0 = 0; k0 <= last; k0 += kKB) {
-      const int kn = std::min(kKB, last + 1 - k0);
-      const int knp = round_up(kn, kVW);
-      const Causal cz{q0, k0, kn, min_rows};
-      pack_transposed(k + k0 * d, d, kn, d, scale, kt);
-      scores(q + q0 * d, d, qn, kt, kn, d, cz, s);
-      for (int i = 0; i < qn; ++i) {
+struct Work {  // scratch of one call, reused from block to block
+  std::vector<float> kt, vt, s, ds;
+  void reserve(int d, int dv) {
+    kt.resize(kKB * d); vt.resize(kKB * dv); s.resize(kQB * kKB); ds.resize(kQB * kKB);
+  }
+};
+
+// Merges qn queries' attention over nk keys (q [qn, d], k [nk, d], v [nk, dv], contiguous rows)
+// into the running maximum m, sum l and values o [qn, dv]; row i sees keys [lo[i], hi[i]).
+// qn <= kQB.
+void attend_forward(const float* q, const float* k, const float* v, int qn, int nk, int d,
+                    int dv, const int* lo, const int* hi, float scale, float* m, float* l,
+                    float* o, Work& w) {
+  float* kt = w.kt.data();
+  float* s = w.s.data();
+  for (int k0 = 0; k0 < nk; k0 += kKB) {
+    const int kn = std::min(kKB, nk - k0);
+    if (hi[qn - 1] <= k0 || lo[0] >= k0 + kn) continue;  // no row sees this key block
+    const Keys keys{lo, hi, k0, kn};
+    pack_transposed(k + k0 * d, d, kn, d, scale, kt);
+    scores(q, qn, kt, d, keys, s);
+    for (int i0 = 0; i0 < qn; i0 += kMR) {
+      const int i1 = std::min(qn, i0 + kMR);
+      int j0, j1;
+      keys.panel(i0, i1, &j0, &j1);
+      for (int i = i0; i < i1; ++i) {
         float* si = s + i * kKB;
-        const int lim = cz.limit(i);
+        const float a = keys.a(i), b = keys.b(i);
         vf mv = splat(m[i]);
-        for (int j = 0; j < lim; j += kVW) {
-          const vf x = load(si + j);
-          mv = iota + float(j) < float(lim) && x > mv ? x : mv;
+        for (int j = j0; j < j1; j += kVW) {
+          const vf x = load(si + j), at = iota + float(j);
+          mv = at >= a && at < b && x > mv ? x : mv;
         }
         const float mx = hmax(mv);
         vf sum{};
-        for (int j = 0; j < knp; j += kVW) {
-          const vf p = vexp(load(si + j) - mx);
-          store(si + j, iota + float(j) < float(lim) ? p : vf{});
-          sum += iota + float(j) < float(lim) ? p : vf{};
+        for (int j = j0; j < j1; j += kVW) {
+          const vf at = iota + float(j);
+          const vf p = at >= a && at < b ? vexp(load(si + j) - mx) : vf{};
+          store(si + j, p);
+          sum += p;
         }
-        if (k0 == 0) {  // the first key block: nothing to rescale
-          l[i] = hsum(sum);
-        } else {
+        if (mx != m[i]) {
           const float alpha = vexp(splat(m[i] - mx))[0];
-          l[i] = l[i] * alpha + hsum(sum);
+          l[i] *= alpha;
           for (int c = 0; c < dv; c += kVW) store(o + i * dv + c, load(o + i * dv + c) * alpha);
+          m[i] = mx;
         }
-        m[i] = mx;
+        l[i] += hsum(sum);
       }
-      gemm(qn, s, kKB, 1, v + k0 * dv, dv, o, dv, true,
-           [&](int i0, int i1, int* a, int* b, int* n) { *a = 0; *b = cz.limit(i1 - 1); *n = dv; });
     }
-    for (int i = 0; i < qn; ++i) {
-      m_out[q0 + i] = m[i];
-      l_out[q0 + i] = l[i];
-      std::memcpy(o_out + (q0 + i) * dv, o + i * dv, dv * sizeof(float));
-    }
+    gemm(qn, s, kKB, 1, v + k0 * dv, dv, o, dv, true,  // O += P V (over real keys only)
+         [&](int i0, int i1, int* a, int* b, int* j0, int* j1) {
+           keys.panel(i0, i1, a, b); *b = std::min(*b, kn); *j0 = 0; *j1 = dv;
+         });
   }
 }
 
-void column_backward(const float* q, const float* k, const float* v, const float* dout,
-                     const float* lse, const float* delta, int R, int d,
-                     int dv, int min_rows, float scale, float* dq, float* dk, float* dvo,
-                     std::vector<float>& work) {
-  work.resize(kKB * d + kKB * dv + 2 * kQB * kKB + kQB * d + R * (d + dv));
-  float* kt = work.data();
-  float* vt = kt + kKB * d;
-  float* p = vt + kKB * dv;
-  float* ds = p + kQB * kKB;
-  float* dq_blk = ds + kQB * kKB;
-  float* dk_acc = dq_blk + kQB * d;
-  float* dv_acc = dk_acc + R * d;
-  std::fill(dk_acc, dk_acc + R * (d + dv), 0.0f);
-  for (int q0 = 0; q0 < R; q0 += kQB) {
-    const int qn = std::min(kQB, R - q0);
-    const int last = q0 + qn - 1 - min_rows;
-    std::fill(dq_blk, dq_blk + qn * d, 0.0f);
-    for (int k0 = 0; k0 <= last; k0 += kKB) {
-      const int kn = std::min(kKB, last + 1 - k0);
-      const int knp = round_up(kn, kVW);
-      const Causal cz{q0, k0, kn, min_rows};
-      pack_transposed(k + k0 * d, d, kn, d, scale, kt);
-      pack_transposed(v + k0 * dv, dv, kn, dv, 1.0f, vt);
-      scores(q + q0 * d, d, qn, kt, kn, d, cz, p);
-      gemm(qn, dout + q0 * dv, dv, 1, vt, kKB, ds, kKB, false,  // dP = dO Vᵀ
-           [&](int i0, int i1, int* a, int* b, int* n) {
-             *a = 0; *b = dv; *n = round_up(cz.limit(i1 - 1), kVW);
-           });
-      for (int i = 0; i < qn; ++i) {
+// Adds qn queries' gradients over nk keys: dq [qn, d] += scale dS K, dk [nk, d] += scale dSᵀ Q,
+// dv [nk, dv] += Pᵀ dO, with P = exp(scale Q Kᵀ - lse) on the kept keys and
+// dS = P (dO Vᵀ - delta). qn <= kQB.
+void attend_backward(const float* q, const float* k, const float* v, const float* dout,
+                     const float* lse, const float* delta, int qn, int nk, int d, int dv,
+                     const int* lo, const int* hi, float scale, float* dq, float* dk, float* dvo,
+                     Work& w) {
+  float* kt = w.kt.data();
+  float* vt = w.vt.data();
+  float* p = w.s.data();
+  float* ds = w.ds.data();
+  for (int k0 = 0; k0 < nk; k0 += kKB) {
+    const int kn = std::min(kKB, nk - k0);
+    if (hi[qn - 1] <= k0 || lo[0] >= k0 + kn) continue;
+    const int knp = round_up(kn, kVW);
+    const Keys keys{lo, hi, k0, kn};
+    pack_transposed(k + k0 * d, d, kn, d, scale, kt);
+    pack_transposed(v + k0 * dv, dv, kn, dv, 1.0f, vt);
+    scores(q, qn, kt, d, keys, p);
+    gemm(qn, dout, dv, 1, vt, kKB, ds, kKB, false,  // dP = dO Vᵀ
+         [&](int i0, int i1, int* a, int* b, int* j0, int* j1) {
+           *a = 0; *b = dv; keys.panel(i0, i1, j0, j1);
+         });
+    for (int i0 = 0; i0 < qn; i0 += kMR) {
+      const int i1 = std::min(qn, i0 + kMR);
+      int j0, j1;
+      keys.panel(i0, i1, &j0, &j1);
+      for (int i = i0; i < i1; ++i) {
         float* pi = p + i * kKB;
         float* dsi = ds + i * kKB;
-        const int lim = cz.limit(i);
-        const float li = lse[q0 + i], di = delta[q0 + i];
-        for (int j = 0; j < knp; j += kVW) {
-          const vf keep = iota + float(j) < float(lim) ? splat(1.0f) : vf{};
-          if (j >= lim) {  // past the row's keys (and maybe past what was computed)
+        const float a = keys.a(i), b = keys.b(i), li = lse[i], di = delta[i];
+        for (int j = 0; j < knp; j += kVW) {  // every column: the key-side products read them
+          const vf at = iota + float(j);
+          if (j < j0 || j >= j1) {
             store(pi + j, vf{});
             store(dsi + j, vf{});
             continue;
           }
-          vf pj = vexp(load(pi + j) - li) * keep;
+          const vf pj = at >= a && at < b ? vexp(load(pi + j) - li) : vf{};
           store(pi + j, pj);
-          store(dsi + j, pj * (load(dsi + j) - di));
+          store(dsi + j, pj * (load(dsi + j) - di) * scale);
         }
       }
-      gemm(qn, ds, kKB, 1, k + k0 * d, d, dq_blk, d, true,  // dQ += dS K
-           [&](int i0, int i1, int* a, int* b, int* n) { *a = 0; *b = cz.limit(i1 - 1); *n = d; });
-      auto seen_by = [&](int j0, int j1, int* a, int* b, int* n) {  // queries that see key j0
-        *a = std::clamp(k0 + j0 + min_rows - q0, 0, qn); *b = qn; *n = 0;
-      };
-      gemm(kn, ds, 1, kKB, q + q0 * d, d, dk_acc + k0 * d, d, true,  // dK += dSᵀ Q
-           [&](int j0, int j1, int* a, int* b, int* n) { seen_by(j0, j1, a, b, n); *n = d; });
-      gemm(kn, p, 1, kKB, dout + q0 * dv, dv, dv_acc + k0 * dv, dv, true,  // dV += Pᵀ dO
-           [&](int j0, int j1, int* a, int* b, int* n) { seen_by(j0, j1, a, b, n); *n = dv; });
     }
-    for (int i = 0; i < qn; ++i)
-      for (int c = 0; c < d; ++c) dq[(q0 + i) * d + c] = scale * dq_blk[i * d + c];
+    gemm(qn, ds, kKB, 1, k + k0 * d, d, dq, d, true,  // dQ += dS K
+         [&](int i0, int i1, int* a, int* b, int* j0, int* j1) {
+           keys.panel(i0, i1, a, b); *b = std::min(*b, kn); *j0 = 0; *j1 = d;
+         });
+    auto seen_by = [&](int j0, int j1, int* a, int* b) { keys.queries(qn, j0, j1, a, b); };
+    gemm(kn, ds, 1, kKB, q, d, dk + k0 * d, d, true,  // dK += dSᵀ Q
+         [&](int j0, int j1, int* a, int* b, int* c0, int* c1) {
+           seen_by(j0, j1, a, b); *c0 = 0; *c1 = d;
+         });
+    gemm(kn, p, 1, kKB, dout, dv, dvo + k0 * dv, dv, true,  // dV += Pᵀ dO
+         [&](int j0, int j1, int* a, int* b, int* c0, int* c1) {
+           seen_by(j0, j1, a, b); *c0 = 0; *c1 = dv;
+         });
   }
-  for (int i = 0; i < R * d; ++i) dk[i] = scale * dk_acc[i];
-  std::memcpy(dvo, dv_acc, R * dv * sizeof(float));
 }
 
-// A column's rows of a grid array [B, R, l, H, w] (all heads: for each row one contiguous run
-// of H * w floats) to and from [H, R, w]. The kernels work on such copies: the rows of a column
-// lie l * H * w floats apart in the grid, and strides of that size alias in the caches.
-struct Column {
-  long R, l, H;
-  long at(long b, long r, long col) const { return ((b * R + r) * l + col) * H; }
-  void gather(const float* x, long w, long b, long col, float* out) const {
-    for (long r = 0; r < R; ++r) {
-      const float* src = x + at(b, r, col) * w;
-      for (long h = 0; h < H; ++h) std::memcpy(out + (h * R + r) * w, src + h * w, w * 4);
+// Rows of a grid array [B, N, H, w] (N positions) at positions start + r * step, r < count,
+// all heads (each row one run of H * w floats), to and from [H, count, w].
+struct Rows {
+  long N, H, start, step, count;
+  const float* at(const float* x, long w, long b, long r) const {
+    return x + ((b * N + start + r * step) * H) * w;
+  }
+  void gather(const float* x, long w, long b, float* out) const {
+    for (long r = 0; r < count; ++r) {
+      const float* src = at(x, w, b, r);
+      for (long h = 0; h < H; ++h) std::memcpy(out + (h * count + r) * w, src + h * w, w * 4);
     }
   }
-  void scatter(const float* in, long w, long b, long col, float* x) const {
-    for (long r = 0; r < R; ++r) {
-      float* dst = x + at(b, r, col) * w;
-      for (long h = 0; h < H; ++h) std::memcpy(dst + h * w, in + (h * R + r) * w, w * 4);
+  void scatter(const float* in, long w, long b, float* x) const {
+    for (long r = 0; r < count; ++r) {
+      float* dst = const_cast<float*>(at(x, w, b, r));
+      for (long h = 0; h < H; ++h) std::memcpy(dst + h * w, in + (h * count + r) * w, w * 4);
     }
   }
 };
 
-ffi::Error check_grid(const ffi::AnyBuffer::Dimensions& dims) {
-  if (dims.size() != 5) return ffi::Error::InvalidArgument("expected a [B, R, l, H, d] grid");
-  if (dims[4] % kVW) return ffi::Error::InvalidArgument("head dims must be multiples of 16");
+struct Shape {
+  long B, N, H, d, dv;
+};
+
+ffi::Error shape_of(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& v, Shape* s) {
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("expected [B, n, H, d] arrays");
+  if (qd[3] % kVW || vd[3] % kVW)
+    return ffi::Error::InvalidArgument("head dims must be multiples of 16");
+  *s = Shape{qd[0], qd[1], qd[2], qd[3], vd[3]};
   return ffi::Error::Success();
 }
+
+// One query block's kept keys [lo, hi) for the band term, in the key window [w0, i0 + qn).
+struct Band {
+  long max_distance, block, prev;
+  bool same_row;
+  long lo(long i) const {
+    long x = std::max(0L, (i / block - prev) * block);
+    if (max_distance >= 0) x = std::max(x, i - max_distance);
+    if (same_row) x = std::max(x, i / block * block);
+    return x;
+  }
+};
+
+// Buffers of the drivers below, per head: queries, keys, values, their statistics.
+struct Blocks {
+  std::vector<float> q, k, v, o, m, l, x, y, z;
+  std::vector<int> lo, hi;
+};
 
 ffi::Error ColumnForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                              ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> row_max,
                              ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> acc,
-                             int64_t min_rows, float scale) {
-  const auto qd = q.dimensions(), vd = v.dimensions();
-  if (auto e = check_grid(qd); e.failure()) return e;
-  if (auto e = check_grid(vd); e.failure()) return e;
-  const long B = qd[0], R = qd[1], l = qd[2], H = qd[3], d = qd[4], dv = vd[4];
-  const Column grid{R, l, H};
-  std::vector<float> qc(H * R * d), kc(H * R * d), vc(H * R * dv), mc(H * R), lc(H * R),
-      oc(H * R * dv), work;
-  for (long b = 0; b < B; ++b)
-    for (long col = 0; col < l; ++col) {
-      grid.gather(q.typed_data(), d, b, col, qc.data());
-      grid.gather(k.typed_data(), d, b, col, kc.data());
-      grid.gather(v.typed_data(), dv, b, col, vc.data());
+                             int64_t stride, int64_t min_rows, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long R = s.N / stride, H = s.H, d = s.d, dv = s.dv;
+  Blocks c;
+  c.q.resize(H * R * d); c.k.resize(H * R * d); c.v.resize(H * R * dv);
+  c.m.resize(H * R); c.l.resize(H * R); c.o.resize(H * R * dv);
+  c.lo.assign(R, 0); c.hi.resize(R);
+  for (long r = 0; r < R; ++r) c.hi[r] = std::max(0L, r - min_rows + 1);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b)
+    for (long col = 0; col < stride; ++col) {
+      const Rows rows{s.N, H, col, stride, R};
+      rows.gather(q.typed_data(), d, b, c.q.data());
+      rows.gather(k.typed_data(), d, b, c.k.data());
+      rows.gather(v.typed_data(), dv, b, c.v.data());
+      std::fill(c.m.begin(), c.m.end(), kFloor);
+      std::fill(c.l.begin(), c.l.end(), 0.0f);
+      std::fill(c.o.begin(), c.o.end(), 0.0f);
       for (long h = 0; h < H; ++h)
-        column_forward(qc.data() + h * R * d, kc.data() + h * R * d, vc.data() + h * R * dv, R,
-                       d, dv, min_rows, scale, mc.data() + h * R, lc.data() + h * R,
-                       oc.data() + h * R * dv, work);
-      grid.scatter(mc.data(), 1, b, col, row_max->typed_data());
-      grid.scatter(lc.data(), 1, b, col, total->typed_data());
-      grid.scatter(oc.data(), dv, b, col, acc->typed_data());
+        for (long q0 = 0; q0 < R; q0 += kQB)
+          attend_forward(c.q.data() + (h * R + q0) * d, c.k.data() + h * R * d,
+                         c.v.data() + h * R * dv, std::min<long>(kQB, R - q0), R, d, dv,
+                         c.lo.data() + q0, c.hi.data() + q0, scale, c.m.data() + h * R + q0,
+                         c.l.data() + h * R + q0, c.o.data() + (h * R + q0) * dv, w);
+      rows.scatter(c.m.data(), 1, b, row_max->typed_data());
+      rows.scatter(c.l.data(), 1, b, total->typed_data());
+      rows.scatter(c.o.data(), dv, b, acc->typed_data());
     }
   return ffi::Error::Success();
 }
@@ -376,58 +433,193 @@ ffi::Error ColumnBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                               ffi::ResultBuffer<ffi::F32> d_q, ffi::ResultBuffer<ffi::F32> d_k,
-                              ffi::ResultBuffer<ffi::F32> d_v, int64_t min_rows, float scale) {
-  const auto qd = q.dimensions(), vd = v.dimensions();
-  if (auto e = check_grid(qd); e.failure()) return e;
-  if (auto e = check_grid(vd); e.failure()) return e;
-  const long B = qd[0], R = qd[1], l = qd[2], H = qd[3], d = qd[4], dv = vd[4];
-  const Column grid{R, l, H};
-  const long nq = H * R * d, nv = H * R * dv;  // one column's q (or k) and v (or dO) floats
-  std::vector<float> qc(nq), kc(nq), vc(nv), oc(nv), lc(H * R), dc(H * R), dqc(nq), dkc(nq),
-      dvc(nv), work;
-  for (long b = 0; b < B; ++b)
-    for (long col = 0; col < l; ++col) {
-      grid.gather(q.typed_data(), d, b, col, qc.data());
-      grid.gather(k.typed_data(), d, b, col, kc.data());
-      grid.gather(v.typed_data(), dv, b, col, vc.data());
-      grid.gather(d_out.typed_data(), dv, b, col, oc.data());
-      grid.gather(lse.typed_data(), 1, b, col, lc.data());
-      grid.gather(delta.typed_data(), 1, b, col, dc.data());
+                              ffi::ResultBuffer<ffi::F32> d_v, int64_t stride, int64_t min_rows,
+                              float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long R = s.N / stride, H = s.H, d = s.d, dv = s.dv;
+  Blocks c;
+  c.q.resize(H * R * d); c.k.resize(H * R * d); c.v.resize(H * R * dv); c.o.resize(H * R * dv);
+  c.m.resize(H * R); c.l.resize(H * R);
+  c.x.resize(H * R * d); c.y.resize(H * R * d); c.z.resize(H * R * dv);
+  c.lo.assign(R, 0); c.hi.resize(R);
+  for (long r = 0; r < R; ++r) c.hi[r] = std::max(0L, r - min_rows + 1);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b)
+    for (long col = 0; col < stride; ++col) {
+      const Rows rows{s.N, H, col, stride, R};
+      rows.gather(q.typed_data(), d, b, c.q.data());
+      rows.gather(k.typed_data(), d, b, c.k.data());
+      rows.gather(v.typed_data(), dv, b, c.v.data());
+      rows.gather(d_out.typed_data(), dv, b, c.o.data());
+      rows.gather(lse.typed_data(), 1, b, c.m.data());
+      rows.gather(delta.typed_data(), 1, b, c.l.data());
+      std::fill(c.x.begin(), c.x.end(), 0.0f);
+      std::fill(c.y.begin(), c.y.end(), 0.0f);
+      std::fill(c.z.begin(), c.z.end(), 0.0f);
       for (long h = 0; h < H; ++h)
-        column_backward(qc.data() + h * R * d, kc.data() + h * R * d, vc.data() + h * R * dv,
-                        oc.data() + h * R * dv, lc.data() + h * R, dc.data() + h * R, R, d, dv,
-                        min_rows, scale, dqc.data() + h * R * d, dkc.data() + h * R * d,
-                        dvc.data() + h * R * dv, work);
-      grid.scatter(dqc.data(), d, b, col, d_q->typed_data());
-      grid.scatter(dkc.data(), d, b, col, d_k->typed_data());
-      grid.scatter(dvc.data(), dv, b, col, d_v->typed_data());
+        for (long q0 = 0; q0 < R; q0 += kQB)
+          attend_backward(c.q.data() + (h * R + q0) * d, c.k.data() + h * R * d,
+                          c.v.data() + h * R * dv, c.o.data() + (h * R + q0) * dv,
+                          c.m.data() + h * R + q0, c.l.data() + h * R + q0,
+                          std::min<long>(kQB, R - q0), R, d, dv, c.lo.data() + q0,
+                          c.hi.data() + q0, scale, c.x.data() + (h * R + q0) * d,
+                          c.y.data() + h * R * d, c.z.data() + h * R * dv, w);
+      rows.scatter(c.x.data(), d, b, d_q->typed_data());
+      rows.scatter(c.y.data(), d, b, d_k->typed_data());
+      rows.scatter(c.z.data(), dv, b, d_v->typed_data());
+    }
+  return ffi::Error::Success();
+}
+
+// The band term's query blocks of kQB in sequence order, each with its window of keys.
+struct BandBlock {
+  long i0, qn, w0, nw;  // queries [i0, i0 + qn), keys [w0, w0 + nw)
+  BandBlock(const Band& band, long N, long i0_) : i0(i0_), qn(std::min<long>(kQB, N - i0_)) {
+    w0 = band.lo(i0);
+    nw = i0 + qn - w0;
+  }
+  void limits(const Band& band, std::vector<int>& lo, std::vector<int>& hi) const {
+    for (long i = 0; i < qn; ++i) {
+      lo[i] = band.lo(i0 + i) - w0;
+      hi[i] = i0 + i + 1 - w0;
+    }
+  }
+};
+
+ffi::Error BandForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> m_in,
+                           ffi::Buffer<ffi::F32> l_in, ffi::Buffer<ffi::F32> acc_in,
+                           ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> total,
+                           ffi::ResultBuffer<ffi::F32> acc, int64_t block, int64_t prev,
+                           int64_t max_distance, bool same_row, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long H = s.H, d = s.d, dv = s.dv;
+  const Band band{max_distance, block, prev, same_row};
+  long most = 0;  // the widest window
+  for (long i0 = 0; i0 < s.N; i0 += kQB) most = std::max(most, BandBlock(band, s.N, i0).nw);
+  Blocks c;
+  c.q.resize(H * kQB * d); c.k.resize(H * most * d); c.v.resize(H * most * dv);
+  c.m.resize(H * kQB); c.l.resize(H * kQB); c.o.resize(H * kQB * dv);
+  c.lo.resize(kQB); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b)
+    for (long i0 = 0; i0 < s.N; i0 += kQB) {
+      const BandBlock blk(band, s.N, i0);
+      blk.limits(band, c.lo, c.hi);
+      const Rows queries{s.N, H, i0, 1, blk.qn}, keys{s.N, H, blk.w0, 1, blk.nw};
+      queries.gather(q.typed_data(), d, b, c.q.data());
+      keys.gather(k.typed_data(), d, b, c.k.data());
+      keys.gather(v.typed_data(), dv, b, c.v.data());
+      queries.gather(m_in.typed_data(), 1, b, c.m.data());
+      queries.gather(l_in.typed_data(), 1, b, c.l.data());
+      queries.gather(acc_in.typed_data(), dv, b, c.o.data());
+      for (long h = 0; h < H; ++h)
+        attend_forward(c.q.data() + h * blk.qn * d, c.k.data() + h * blk.nw * d,
+                       c.v.data() + h * blk.nw * dv, blk.qn, blk.nw, d, dv, c.lo.data(),
+                       c.hi.data(), scale, c.m.data() + h * blk.qn, c.l.data() + h * blk.qn,
+                       c.o.data() + h * blk.qn * dv, w);
+      queries.scatter(c.m.data(), 1, b, row_max->typed_data());
+      queries.scatter(c.l.data(), 1, b, total->typed_data());
+      queries.scatter(c.o.data(), dv, b, acc->typed_data());
+    }
+  return ffi::Error::Success();
+}
+
+ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
+                            ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                            ffi::Buffer<ffi::F32> dq_in, ffi::Buffer<ffi::F32> dk_in,
+                            ffi::Buffer<ffi::F32> dv_in, ffi::ResultBuffer<ffi::F32> d_q,
+                            ffi::ResultBuffer<ffi::F32> d_k, ffi::ResultBuffer<ffi::F32> d_v,
+                            int64_t block, int64_t prev, int64_t max_distance, bool same_row,
+                            float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long H = s.H, d = s.d, dv = s.dv;
+  // The gradients so far (of the terms before this one), unless XLA gave their buffers.
+  for (auto [in, out] : {std::pair{&dq_in, &d_q}, std::pair{&dk_in, &d_k}})
+    if (in->typed_data() != (*out)->typed_data())
+      std::memcpy((*out)->typed_data(), in->typed_data(), in->element_count() * 4);
+  if (dv_in.typed_data() != d_v->typed_data())
+    std::memcpy(d_v->typed_data(), dv_in.typed_data(), dv_in.element_count() * 4);
+  const Band band{max_distance, block, prev, same_row};
+  long most = 0;
+  for (long i0 = 0; i0 < s.N; i0 += kQB) most = std::max(most, BandBlock(band, s.N, i0).nw);
+  Blocks c;
+  c.q.resize(H * kQB * d); c.o.resize(H * kQB * dv); c.m.resize(H * kQB); c.l.resize(H * kQB);
+  c.k.resize(H * most * d); c.v.resize(H * most * dv);
+  c.x.resize(H * kQB * d); c.y.resize(H * most * d); c.z.resize(H * most * dv);
+  c.lo.resize(kQB); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b)
+    for (long i0 = 0; i0 < s.N; i0 += kQB) {
+      const BandBlock blk(band, s.N, i0);
+      blk.limits(band, c.lo, c.hi);
+      const Rows queries{s.N, H, i0, 1, blk.qn}, keys{s.N, H, blk.w0, 1, blk.nw};
+      queries.gather(q.typed_data(), d, b, c.q.data());
+      queries.gather(d_out.typed_data(), dv, b, c.o.data());
+      queries.gather(lse.typed_data(), 1, b, c.m.data());
+      queries.gather(delta.typed_data(), 1, b, c.l.data());
+      keys.gather(k.typed_data(), d, b, c.k.data());
+      keys.gather(v.typed_data(), dv, b, c.v.data());
+      queries.gather(d_q->typed_data(), d, b, c.x.data());  // read, added to, written back
+      keys.gather(d_k->typed_data(), d, b, c.y.data());
+      keys.gather(d_v->typed_data(), dv, b, c.z.data());
+      for (long h = 0; h < H; ++h)
+        attend_backward(c.q.data() + h * blk.qn * d, c.k.data() + h * blk.nw * d,
+                        c.v.data() + h * blk.nw * dv, c.o.data() + h * blk.qn * dv,
+                        c.m.data() + h * blk.qn, c.l.data() + h * blk.qn, blk.qn, blk.nw, d, dv,
+                        c.lo.data(), c.hi.data(), scale, c.x.data() + h * blk.qn * d,
+                        c.y.data() + h * blk.nw * d, c.z.data() + h * blk.nw * dv, w);
+      queries.scatter(c.x.data(), d, b, d_q->typed_data());
+      keys.scatter(c.y.data(), d, b, d_k->typed_data());
+      keys.scatter(c.z.data(), dv, b, d_v->typed_data());
     }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+#define F32 ffi::Buffer<ffi::F32>
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxColumnForward, ColumnForwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("stride")
                                   .Attr<int64_t>("min_rows")
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxColumnBackward, ColumnBackwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("stride")
                                   .Attr<int64_t>("min_rows")
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandForward, BandForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("prev")
+                                  .Attr<int64_t>("max_distance")
+                                  .Attr<bool>("same_row")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandBackward, BandBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("prev")
+                                  .Attr<int64_t>("max_distance")
+                                  .Attr<bool>("same_row")
+                                  .Attr<float>("scale"));
+#undef F32

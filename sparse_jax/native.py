@@ -29,7 +29,9 @@ from absl import logging
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGETS = {"column_forward": "SparseJaxColumnForward",
-           "column_backward": "SparseJaxColumnBackward"}
+           "column_backward": "SparseJaxColumnBackward",
+           "band_forward": "SparseJaxBandForward",
+           "band_backward": "SparseJaxBandBackward"}
 HEAD_DIM_MULTIPLE = 16  # the kernels' vectors run along the head dimension
 
 
@@ -129,22 +131,65 @@ def _result(like, shape):
     return jax.typeof(like).update(shape=tuple(shape), dtype=jnp.dtype(jnp.float32))
 
 
-def _call(name, outs, *args, **attrs):
-    return jax.ffi.ffi_call(f"sparse_jax_{name}", outs, vmap_method="sequential")(*args, **attrs)
+def _call(name, outs, *args, aliases=None, **attrs):
+    return jax.ffi.ffi_call(f"sparse_jax_{name}", outs, vmap_method="sequential",
+                            input_output_aliases=aliases)(*args, **attrs)
+
+
+def _flat(x):  # a grid array [B, R, block, H, ...] as [B, n, H, ...]: a reshape
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _grid(x, like):  # the inverse of _flat, to ``like``'s grid
+    return x.reshape(like.shape[:3] + x.shape[2:])
 
 
 def column_forward(q_g, k_g, v_g, min_rows: int, scale: float):
     """The column term over grid arrays ``[B, R, l, H, d]`` (float32): the row maximum and sum
     of exponentials ``[B, R, l, H]`` and the weighted values ``[B, R, l, H, dv]`` (not divided),
     as the first term of the joint softmax writes them."""
-    stats = _result(q_g, q_g.shape[:-1])
-    return _call("column_forward", (stats, stats, _result(v_g, v_g.shape)),
-                 q_g, k_g, v_g, min_rows=np.int64(min_rows), scale=np.float32(scale))
+    q, k, v = (_flat(x) for x in (q_g, k_g, v_g))
+    stats = _result(q, q.shape[:-1])
+    outs = _call("column_forward", (stats, stats, _result(v, v.shape)), q, k, v,
+                 stride=np.int64(q_g.shape[2]), min_rows=np.int64(min_rows),
+                 scale=np.float32(scale))
+    return tuple(_grid(x, q_g) for x in outs)
 
 
 def column_backward(q_g, k_g, v_g, d_out, lse, delta, min_rows: int, scale: float):
-    """The column term's dq, dk, dv (``[B, R, l, H, d]``, float32) given the output's gradient,
-    the joint log-sum-exp and D = dO · O (``[B, R, l, H]``)."""
-    return _call("column_backward", (_result(q_g, q_g.shape), _result(k_g, k_g.shape),
-                                      _result(v_g, v_g.shape)), q_g, k_g, v_g, d_out, lse, delta,
-                 min_rows=np.int64(min_rows), scale=np.float32(scale))
+    """The column term's dq, dk, dv (grid arrays, float32) given the output's gradient, the joint
+    log-sum-exp and D = dO · O (``[B, R, l, H]``): the first term's, written, not added."""
+    args = [_flat(x) for x in (q_g, k_g, v_g, d_out, lse, delta)]
+    outs = _call("column_backward", tuple(_result(x, x.shape) for x in args[:3]), *args,
+                 stride=np.int64(q_g.shape[2]), min_rows=np.int64(min_rows),
+                 scale=np.float32(scale))
+    return tuple(_grid(x, q_g) for x in outs)
+
+
+def _band_attrs(band, scale):
+    return dict(block=np.int64(band.block), prev=np.int64(band.prev),
+                max_distance=np.int64(-1 if band.max_distance is None else band.max_distance),
+                same_row=bool(band.same_row), scale=np.float32(scale))
+
+
+def band_supported(band) -> bool:
+    """Band terms the kernel takes: every key in the window that the distance and row rules keep
+    (not a subset of residues)."""
+    return band.residues is None
+
+
+def band_forward(q_g, k_g, v_g, row_max, total, acc, band, scale: float):
+    """``band`` (a ``patterns.BandTerm``) merged into the joint softmax's running row maximum,
+    sum and weighted values (grid arrays; updated in place where XLA can)."""
+    args = [_flat(x) for x in (q_g, k_g, v_g, row_max, total, acc)]
+    outs = _call("band_forward", tuple(_result(x, x.shape) for x in args[3:]), *args,
+                 aliases={3: 0, 4: 1, 5: 2}, **_band_attrs(band, scale))
+    return tuple(_grid(x, q_g) for x in outs)
+
+
+def band_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v, band, scale: float):
+    """``d_q, d_k, d_v`` plus ``band``'s gradients (grid arrays, float32)."""
+    args = [_flat(x) for x in (q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v)]
+    outs = _call("band_backward", tuple(_result(x, x.shape) for x in args[6:]), *args,
+                 aliases={6: 0, 7: 1, 8: 2}, **_band_attrs(band, scale))
+    return tuple(_grid(x, q_g) for x in outs)

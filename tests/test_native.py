@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import assert_matches_dense, dense_ref, qkv
 
 from sparse_jax import attention as A
 from sparse_jax import native
 from sparse_jax.patterns import PatternSpec
+from test_attention import SPECS, assert_matches_dense, dense_ref, qkv
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="the CPU kernels do not build here (no C++ compiler?)")
@@ -19,12 +19,21 @@ def native_attention(q, k, v, spec):
     return A.sparse_attention(q, k, v, spec, "native")
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_every_pattern_matches_dense(spec):
+    """Every pattern of the XLA path's tests: its band and column terms fused, the rest (summary
+    keys, a band over chosen residues) on the XLA path, in one joint softmax."""
+    assert_matches_dense(spec, *qkv((2, 200, 2, 16), seed=3), attend=native_attention)
+
+
 @pytest.mark.parametrize("spec,shape", [
     (PatternSpec("strided", stride=4), (2, 37, 3, 16)),  # padded; rows < one block of queries
     (PatternSpec("strided", stride=4, local_width=11), (1, 64, 2, 32)),  # min_rows = 3
     (PatternSpec("strided", stride=8, part="strided"), (2, 96, 1, 16)),  # column term alone
-    (PatternSpec("strided", stride=4), (1, 4 * 150, 2, 48)),  # 150 rows: several query and key blocks
-    (PatternSpec("strided", stride=2), (1, 2 * 300, 1, 16)),  # 300 rows: key blocks of 128 and a rest
+    (PatternSpec("strided", stride=4), (1, 4 * 150, 2, 48)),  # several query and key blocks
+    (PatternSpec("strided", stride=2), (1, 2 * 300, 1, 16)),  # key blocks of 128 and a rest
+    (PatternSpec("local", stride=300), (1, 700, 2, 16)),  # band windows over 128 keys
+    (PatternSpec("fixed", stride=200, c=8), (1, 500, 1, 16)),  # blocks of 200 (same row)
 ], ids=str)
 def test_matches_dense_forward_and_gradients(spec, shape):
     assert_matches_dense(spec, *qkv(shape, seed=11), attend=native_attention)
@@ -61,12 +70,12 @@ def test_other_dtypes_and_head_dims_take_the_xla_path():
     spec = PatternSpec("strided", stride=4)
     for q, k, v in (qkv((1, 40, 2, 8)), qkv((1, 40, 2, 16), dtype=jnp.bfloat16)):
         text = jax.jit(native_attention, static_argnums=3).lower(q, k, v, spec).as_text()
-        assert "sparse_jax_column" not in text
+        assert "sparse_jax_" not in text
         np.testing.assert_allclose(native_attention(q, k, v, spec).astype(jnp.float32),
                                    dense_ref(q, k, v, spec).astype(jnp.float32), atol=2e-2)
     q, k, v = qkv((1, 40, 2, 16))
-    assert "sparse_jax_column_forward" in jax.jit(
-        native_attention, static_argnums=3).lower(q, k, v, spec).as_text()
+    text = jax.jit(native_attention, static_argnums=3).lower(q, k, v, spec).as_text()
+    assert "sparse_jax_column_forward" in text and "sparse_jax_band_forward" in text
 
 
 def test_auto_picks_the_kernels_on_a_cpu():
