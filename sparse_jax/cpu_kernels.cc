@@ -340,25 +340,60 @@ void attend_backward(const float* q, const float* k, const float* v, const float
   }
 }
 
+// dst[0:w] = src[0:w]: inline vector moves for whole vectors (a memcpy call per row of one head
+// cost more than the copy), else a call.
+inline void copy_row(float* dst, const float* src, long w) {
+  if (w % kVW) {
+    std::memcpy(dst, src, w * 4);
+    return;
+  }
+  for (long c = 0; c < w; c += kVW) store(dst + c, load(src + c));
+}
+
 // Rows of a grid array [B, N, H, w] (N positions) at positions start + r * step, r < count,
-// all heads (each row one run of H * w floats), to and from [H, count, w].
+// all heads (each row one run of H * w floats), to and from [H, hs, w] (hs: rows per head in
+// the buffer, count unless given).
 struct Rows {
   long N, H, start, step, count;
   const float* at(const float* x, long w, long b, long r) const {
     return x + ((b * N + start + r * step) * H) * w;
   }
-  void gather(const float* x, long w, long b, float* out) const {
+  void gather(const float* x, long w, long b, float* out, long hs = 0) const {
+    hs = hs ? hs : count;
     for (long r = 0; r < count; ++r) {
       const float* src = at(x, w, b, r);
-      for (long h = 0; h < H; ++h) std::memcpy(out + (h * count + r) * w, src + h * w, w * 4);
+      for (long h = 0; h < H; ++h) copy_row(out + (h * hs + r) * w, src + h * w, w);
     }
   }
-  void scatter(const float* in, long w, long b, float* x) const {
+  void scatter(const float* in, long w, long b, float* x, long hs = 0) const {
+    hs = hs ? hs : count;
     for (long r = 0; r < count; ++r) {
       float* dst = const_cast<float*>(at(x, w, b, r));
-      for (long h = 0; h < H; ++h) std::memcpy(dst + h * w, in + (h * count + r) * w, w * 4);
+      for (long h = 0; h < H; ++h) copy_row(dst + h * w, in + (h * hs + r) * w, w);
     }
   }
+};
+
+// The band's key windows in per-head buffers [H, cap, w] holding positions [b0, end): a query
+// block gathers only the rows its window adds (windows overlap: strided l = 128 reads each key
+// in three blocks), and the buffer moves its rows to the front when the next window would not
+// fit, first handing the rows it drops to `drop` (positions [b0, w0)).
+struct Window {
+  long N, H, cap, b0 = 0, end = 0;
+  template <class Drop, class Buffers>
+  void advance(long w0, long e, long b, Drop drop, Buffers buffers) {
+    if (e - b0 > cap) {
+      drop(Rows{N, H, b0, 1, w0 - b0});
+      for (auto [buf, w] : buffers)
+        for (long h = 0; h < H; ++h)
+          std::memmove(buf + h * cap * w, buf + (h * cap + w0 - b0) * w, (end - w0) * w * 4);
+      b0 = w0;
+    }
+    fresh = Rows{N, H, end, 1, e - end};
+    end = e;
+  }
+  float* rows(float* buf, long w, long h, long from) const { return buf + (h * cap + from - b0) * w; }
+  Rows fresh{0, 0, 0, 1, 0};  // the rows the last advance added
 };
 
 struct Shape {
@@ -500,32 +535,37 @@ ffi::Error BandForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const Band band{max_distance, block, prev, same_row};
   long most = 0;  // the widest window
   for (long i0 = 0; i0 < s.N; i0 += kQB) most = std::max(most, BandBlock(band, s.N, i0).nw);
+  const long cap = most + 16 * kQB;
   Blocks c;
-  c.q.resize(H * kQB * d); c.k.resize(H * most * d); c.v.resize(H * most * dv);
+  c.q.resize(H * kQB * d); c.k.resize(H * cap * d); c.v.resize(H * cap * dv);
   c.m.resize(H * kQB); c.l.resize(H * kQB); c.o.resize(H * kQB * dv);
   c.lo.resize(kQB); c.hi.resize(kQB);
   Work w;
   w.reserve(d, dv);
-  for (long b = 0; b < s.B; ++b)
+  for (long b = 0; b < s.B; ++b) {
+    Window win{s.N, H, cap};
     for (long i0 = 0; i0 < s.N; i0 += kQB) {
       const BandBlock blk(band, s.N, i0);
       blk.limits(band, c.lo, c.hi);
-      const Rows queries{s.N, H, i0, 1, blk.qn}, keys{s.N, H, blk.w0, 1, blk.nw};
+      win.advance(blk.w0, i0 + blk.qn, b, [](const Rows&) {},
+                  std::array{std::pair{c.k.data(), d}, std::pair{c.v.data(), dv}});
+      win.fresh.gather(k.typed_data(), d, b, win.rows(c.k.data(), d, 0, win.fresh.start), cap);
+      win.fresh.gather(v.typed_data(), dv, b, win.rows(c.v.data(), dv, 0, win.fresh.start), cap);
+      const Rows queries{s.N, H, i0, 1, blk.qn};
       queries.gather(q.typed_data(), d, b, c.q.data());
-      keys.gather(k.typed_data(), d, b, c.k.data());
-      keys.gather(v.typed_data(), dv, b, c.v.data());
       queries.gather(m_in.typed_data(), 1, b, c.m.data());
       queries.gather(l_in.typed_data(), 1, b, c.l.data());
       queries.gather(acc_in.typed_data(), dv, b, c.o.data());
       for (long h = 0; h < H; ++h)
-        attend_forward(c.q.data() + h * blk.qn * d, c.k.data() + h * blk.nw * d,
-                       c.v.data() + h * blk.nw * dv, blk.qn, blk.nw, d, dv, c.lo.data(),
+        attend_forward(c.q.data() + h * blk.qn * d, win.rows(c.k.data(), d, h, blk.w0),
+                       win.rows(c.v.data(), dv, h, blk.w0), blk.qn, blk.nw, d, dv, c.lo.data(),
                        c.hi.data(), scale, c.m.data() + h * blk.qn, c.l.data() + h * blk.qn,
                        c.o.data() + h * blk.qn * dv, w);
       queries.scatter(c.m.data(), 1, b, row_max->typed_data());
       queries.scatter(c.l.data(), 1, b, total->typed_data());
       queries.scatter(c.o.data(), dv, b, acc->typed_data());
     }
+  }
   return ffi::Error::Success();
 }
 
@@ -549,37 +589,48 @@ ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const Band band{max_distance, block, prev, same_row};
   long most = 0;
   for (long i0 = 0; i0 < s.N; i0 += kQB) most = std::max(most, BandBlock(band, s.N, i0).nw);
+  const long cap = most + 16 * kQB;
   Blocks c;
   c.q.resize(H * kQB * d); c.o.resize(H * kQB * dv); c.m.resize(H * kQB); c.l.resize(H * kQB);
-  c.k.resize(H * most * d); c.v.resize(H * most * dv);
-  c.x.resize(H * kQB * d); c.y.resize(H * most * d); c.z.resize(H * most * dv);
+  c.k.resize(H * cap * d); c.v.resize(H * cap * dv);
+  c.x.resize(H * kQB * d); c.y.resize(H * cap * d); c.z.resize(H * cap * dv);
   c.lo.resize(kQB); c.hi.resize(kQB);
   Work w;
   w.reserve(d, dv);
-  for (long b = 0; b < s.B; ++b)
+  for (long b = 0; b < s.B; ++b) {
+    Window win{s.N, H, cap};
+    auto write_back = [&](const Rows& rows) {  // key rows no later window holds: dk, dv final
+      rows.scatter(c.y.data(), d, b, d_k->typed_data(), cap);
+      rows.scatter(c.z.data(), dv, b, d_v->typed_data(), cap);
+    };
     for (long i0 = 0; i0 < s.N; i0 += kQB) {
       const BandBlock blk(band, s.N, i0);
       blk.limits(band, c.lo, c.hi);
-      const Rows queries{s.N, H, i0, 1, blk.qn}, keys{s.N, H, blk.w0, 1, blk.nw};
+      win.advance(blk.w0, i0 + blk.qn, b, write_back,
+                  std::array{std::pair{c.k.data(), d}, std::pair{c.v.data(), dv},
+                             std::pair{c.y.data(), d}, std::pair{c.z.data(), dv}});
+      const long at = win.fresh.start;
+      win.fresh.gather(k.typed_data(), d, b, win.rows(c.k.data(), d, 0, at), cap);
+      win.fresh.gather(v.typed_data(), dv, b, win.rows(c.v.data(), dv, 0, at), cap);
+      win.fresh.gather(d_k->typed_data(), d, b, win.rows(c.y.data(), d, 0, at), cap);  // so far
+      win.fresh.gather(d_v->typed_data(), dv, b, win.rows(c.z.data(), dv, 0, at), cap);
+      const Rows queries{s.N, H, i0, 1, blk.qn};
       queries.gather(q.typed_data(), d, b, c.q.data());
       queries.gather(d_out.typed_data(), dv, b, c.o.data());
       queries.gather(lse.typed_data(), 1, b, c.m.data());
       queries.gather(delta.typed_data(), 1, b, c.l.data());
-      keys.gather(k.typed_data(), d, b, c.k.data());
-      keys.gather(v.typed_data(), dv, b, c.v.data());
       queries.gather(d_q->typed_data(), d, b, c.x.data());  // read, added to, written back
-      keys.gather(d_k->typed_data(), d, b, c.y.data());
-      keys.gather(d_v->typed_data(), dv, b, c.z.data());
       for (long h = 0; h < H; ++h)
-        attend_backward(c.q.data() + h * blk.qn * d, c.k.data() + h * blk.nw * d,
-                        c.v.data() + h * blk.nw * dv, c.o.data() + h * blk.qn * dv,
+        attend_backward(c.q.data() + h * blk.qn * d, win.rows(c.k.data(), d, h, blk.w0),
+                        win.rows(c.v.data(), dv, h, blk.w0), c.o.data() + h * blk.qn * dv,
                         c.m.data() + h * blk.qn, c.l.data() + h * blk.qn, blk.qn, blk.nw, d, dv,
                         c.lo.data(), c.hi.data(), scale, c.x.data() + h * blk.qn * d,
-                        c.y.data() + h * blk.nw * d, c.z.data() + h * blk.nw * dv, w);
+                        win.rows(c.y.data(), d, h, blk.w0), win.rows(c.z.data(), dv, h, blk.w0),
+                        w);
       queries.scatter(c.x.data(), d, b, d_q->typed_data());
-      keys.scatter(c.y.data(), d, b, d_k->typed_data());
-      keys.scatter(c.z.data(), dv, b, d_v->typed_data());
     }
+    write_back(Rows{s.N, H, win.b0, 1, win.end - win.b0});
+  }
   return ffi::Error::Success();
 }
 

@@ -34,6 +34,7 @@ def test_every_pattern_matches_dense(spec):
     (PatternSpec("strided", stride=2), (1, 2 * 300, 1, 16)),  # key blocks of 128 and a rest
     (PatternSpec("local", stride=300), (1, 700, 2, 16)),  # band windows over 128 keys
     (PatternSpec("fixed", stride=200, c=8), (1, 500, 1, 16)),  # blocks of 200 (same row)
+    (PatternSpec("local", stride=8), (2, 2500, 1, 16)),  # the key window buffer moves twice
 ], ids=str)
 def test_matches_dense_forward_and_gradients(spec, shape):
     assert_matches_dense(spec, *qkv(shape, seed=11), attend=native_attention)
