@@ -60,6 +60,7 @@ def get_config(arg=None):
     c.model.c = 8  # summary width of the fixed variant, l / 4 (paper)
     c.model.pos_emb = "text"  # row and column of the (16, 32) grid
     c.model.mode = "merged"  # every head attends both parts
+    c.model.attention = "auto"  # on a CPU the fused CPU kernels where they build (else xla)
 
     c.batch_size = 8  # windows per step (4,096 bytes)
     c.total_steps = 2900  # optimizer steps (11.9M bytes: 2.8 passes over the shipped corpus)

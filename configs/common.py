@@ -101,8 +101,10 @@ def base() -> ml_collections.ConfigDict:
     c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay param_dtype)
     c.model.param_dtype = "float32"  # storage dtype of the (master) parameters
-    # sparse attention: xla | pallas (fused kernels; GPU or TPU, interpret mode on a CPU: slow) |
-    # auto (pallas on a GPU or TPU, xla elsewhere); the same numbers, so it may change on resume
+    # sparse attention: xla | native (fused C++ kernels on a CPU, built on first use) | pallas
+    # (fused kernels; GPU or TPU, interpret mode on a CPU: slow) | auto (native on a CPU where it
+    # builds, else xla; pallas on a GPU or TPU); the same numbers, so it may change on resume.
+    # The CPU presets (quickstart, bytes and images size=cpu) set auto.
     c.model.attention = "xla"
     return c
 

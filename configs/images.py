@@ -47,6 +47,7 @@ def get_config(arg=None):
     c.model.d_model = 128  # width
     c.model.num_heads = 2  # heads (paper, CIFAR-10)
     c.model.mode = "merged"  # every head attends both parts
+    c.model.attention = "auto"  # on a CPU the fused CPU kernels where they build (else xla)
     c.batch_size = 8  # pictures per step (24,576 sub-pixels; 4 per core)
     c.total_steps = 2400  # optimizer steps
     c.optimizer.lr = 3e-3  # peak learning rate (small model, short run)

@@ -39,6 +39,7 @@ def get_config(arg=None):
     c.model.c = 4  # summary width of the fixed variant, l / 4 (paper)
     c.model.pos_emb = "text"  # row and column of the (16, 16) grid
     c.model.mode = "merged"  # every head attends both parts
+    c.model.attention = "auto"  # on a CPU the fused CPU kernels where they build (else xla)
 
     c.batch_size = 8  # windows per step (2,048 bytes)
     c.total_steps = 1600  # optimizer steps

@@ -25,7 +25,8 @@ _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context length
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
                            "per context length.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided"], "Attention of this project's "
-                              "runs (the twin is always dense).")
+                              "runs (the twin is always dense): dense, strided or fixed, each "
+                              "optionally @native (the CPU kernels) or @xla.")
 _BASELINES = flags.DEFINE_list("baselines", ["eager"], "The PyTorch twin's modes: eager and/or "
                                "compile (torch.compile); x PyTorch is against the first.")
 _DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on.")

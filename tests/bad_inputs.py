@@ -973,6 +973,9 @@ def build_cases() -> list[Case]:
     err("bench/training: unknown baseline",
         ["benchmark_training", "--seq_lens=64", "--steps=1", "--baselines=jit",
          "--output_dir={tmp}/t"], r"baselines.*jit")
+    err("bench/training: unknown attention implementation",
+        ["benchmark_training", "--seq_lens=64", "--steps=1", "--patterns=strided@cuda",
+         "--output_dir={tmp}/t"], r"patterns.*strided@cuda")
     return cases
 
 

@@ -29,9 +29,13 @@ def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str
                        ) -> dict:
     """The flat config overrides of one benchmark model: configs/bytes.py's tiny size reshaped
     to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
-    `data_path` for `steps` steps with one validation pass at the end."""
+    `data_path` for `steps` steps with one validation pass at the end. ``pattern``: dense,
+    strided or fixed, optionally ``@IMPL`` for the attention's implementation (``@native``: the
+    CPU kernels; default ``xla``)."""
+    pattern, _, attention = pattern.partition("@")
     return {"data.path": data_path, "model.seq_len": seq_len, "model.num_layers": 4,
             "model.d_model": 128, "model.num_heads": 4, "model.pattern": pattern,
+            "model.attention": attention or "xla",
             "model.stride": stride, "model.c": max(1, stride // 4), "batch_size": 12,
             "total_steps": steps, "optimizer.lr": 1e-3,
             "optimizer.warmup_steps": min(100, steps // 10),
@@ -94,6 +98,13 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
     if unknown or not baselines:
         raise ValueError(f"--baselines: {', '.join(unknown) or 'none given'}; choose from "
                          f"{', '.join(BASELINES)}")
+    from sparse_jax.attention import IMPLEMENTATIONS
+
+    bad = [p for p in patterns if p.partition("@")[0] not in ("dense", "strided", "fixed")
+           or p.partition("@")[2] not in ("", *IMPLEMENTATIONS)]
+    if bad:
+        raise ValueError(f"--patterns: {', '.join(bad)}; give dense, strided or fixed, each "
+                         f"optionally @{'/@'.join(IMPLEMENTATIONS)}")
     if not os.path.isfile(data_path):
         raise FileNotFoundError(f"--data: {data_path} is not a file; the shipped corpus is "
                                 "data/kjv.html.gz")
@@ -113,7 +124,8 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                     ["-m", "sparse_jax.bench.training", json.dumps(case)], timeout_s=None)
                 shutil.rmtree(workdir, ignore_errors=True)
                 row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
-                       "stride": None if pattern == "dense" else stride, "steps": num_steps,
+                       "stride": None if overrides["model.pattern"] == "dense" else stride,
+                       "steps": num_steps,
                        "wall_s": time.perf_counter() - start, **out}
                 if "error" not in out:
                     row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
