@@ -54,10 +54,16 @@ inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
 inline vf splat(float x) { return vf{} + x; }
 typedef int32_t vi __attribute__((vector_size(kVW * 4)));
 template <int W, int... T>
-constexpr vi xor_lanes(std::integer_sequence<int, T...>) { return vi{(T ^ W)...}; }
+inline vf swap_lanes(vf x, std::integer_sequence<int, T...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(x, x, (T ^ W)...);
+#else
+  return __builtin_shuffle(x, vi{(T ^ W)...});
+#endif
+}
 template <int W>
 inline vf swap_lanes(vf x) {  // lane t <- lane t ^ W
-  return __builtin_shuffle(x, xor_lanes<W>(std::make_integer_sequence<int, kVW>{}));
+  return swap_lanes<W>(x, std::make_integer_sequence<int, kVW>{});
 }
 template <class Op>
 inline float reduce(vf x, Op op) {  // a tree: log2(kVW) dependent steps, not kVW
@@ -87,9 +93,8 @@ inline vf vexp(vf x) {
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   p = p * r * r + r + splat(1.0f);
-  vi bits = (reinterpret_cast<vi&>(t) - reinterpret_cast<const vi&>(magic) + 127) << 23;
-  vf scale = reinterpret_cast<vf&>(bits);
-  vf out = p * scale;
+  const vi bits = ((vi)t - (vi)magic + 127) << 23;  // 2^n (vector casts keep the bits)
+  const vf out = p * (vf)bits;
   return x < lo ? splat(0.0f) : out;
 }
 
@@ -183,7 +188,8 @@ void pack_transposed(const float* k, long rs, int kn, int d, float scale, float*
 #if defined(__AVX512F__)
   if (d % 16 == 0)
     for (; j0 + 16 <= kn; j0 += 16)
-      for (int c = 0; c < d; c += 16) transpose16(k + j0 * rs + c, rs, kt + c * kKB + j0, kKB, scale);
+      for (int c = 0; c < d; c += 16)
+        transpose16(k + j0 * rs + c, rs, kt + c * kKB + j0, kKB, scale);
 #endif
   for (int c = 0; c < d; ++c) {
     float* dst = kt + c * kKB;
@@ -381,7 +387,7 @@ struct Rows {
 struct Window {
   long N, H, cap, b0 = 0, end = 0;
   template <class Drop, class Buffers>
-  void advance(long w0, long e, long b, Drop drop, Buffers buffers) {
+  void advance(long w0, long e, Drop drop, Buffers buffers) {
     if (e - b0 > cap) {
       drop(Rows{N, H, b0, 1, w0 - b0});
       for (auto [buf, w] : buffers)
@@ -392,7 +398,9 @@ struct Window {
     fresh = Rows{N, H, end, 1, e - end};
     end = e;
   }
-  float* rows(float* buf, long w, long h, long from) const { return buf + (h * cap + from - b0) * w; }
+  float* rows(float* buf, long w, long h, long from) const {  // head h's row of position from
+    return buf + (h * cap + from - b0) * w;
+  }
   Rows fresh{0, 0, 0, 1, 0};  // the rows the last advance added
 };
 
@@ -547,7 +555,7 @@ ffi::Error BandForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
     for (long i0 = 0; i0 < s.N; i0 += kQB) {
       const BandBlock blk(band, s.N, i0);
       blk.limits(band, c.lo, c.hi);
-      win.advance(blk.w0, i0 + blk.qn, b, [](const Rows&) {},
+      win.advance(blk.w0, i0 + blk.qn, [](const Rows&) {},
                   std::array{std::pair{c.k.data(), d}, std::pair{c.v.data(), dv}});
       win.fresh.gather(k.typed_data(), d, b, win.rows(c.k.data(), d, 0, win.fresh.start), cap);
       win.fresh.gather(v.typed_data(), dv, b, win.rows(c.v.data(), dv, 0, win.fresh.start), cap);
@@ -606,7 +614,7 @@ ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
     for (long i0 = 0; i0 < s.N; i0 += kQB) {
       const BandBlock blk(band, s.N, i0);
       blk.limits(band, c.lo, c.hi);
-      win.advance(blk.w0, i0 + blk.qn, b, write_back,
+      win.advance(blk.w0, i0 + blk.qn, write_back,
                   std::array{std::pair{c.k.data(), d}, std::pair{c.v.data(), dv},
                              std::pair{c.y.data(), d}, std::pair{c.z.data(), dv}});
       const long at = win.fresh.start;
