@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import patterns
-from sparse_jax.attention import IMPLEMENTATIONS
+from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.layers import Block, linear
 from sparse_jax.patterns import MODES, PatternSpec, layer_specs
 
@@ -131,6 +131,11 @@ class ModelConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {list(allowed)}")
+        if self.attention == "native":  # on this machine: a CPU, kernels that build
+            try:
+                resolve_implementation("native")
+            except (ValueError, OSError) as e:
+                fail("attention", str(e).splitlines()[0])
         if self.local_width is not None and self.pattern not in ("strided", "local"):
             fail("local_width", f"applies to pattern strided/local, not {self.pattern!r}")
         if self.summary != "paper" and self.pattern != "fixed":

@@ -35,8 +35,9 @@ TARGETS = {"column_forward": "SparseJaxColumnForward",
 HEAD_DIM_MULTIPLE = 16  # the kernels' vectors run along the head dimension
 
 
-class NativeUnavailable(RuntimeError):
-    """The CPU kernels cannot be built or loaded on this machine."""
+class NativeUnavailable(OSError):
+    """The CPU kernels cannot be built or loaded on this machine (an OSError: the scripts print
+    it as one ``error:`` line)."""
 
 
 def _cpu_flags() -> str:
@@ -50,7 +51,12 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str:
-    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    if os.environ.get("CXX"):
+        if not shutil.which(os.environ["CXX"]):
+            raise NativeUnavailable(f"$CXX={os.environ['CXX']} is not a program on this "
+                                    "machine: point it at a C++ compiler, or unset it")
+        return shutil.which(os.environ["CXX"])
+    cxx = shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise NativeUnavailable(
             "no C++ compiler found for the CPU kernels: install one (e.g. apt install g++) or "
@@ -104,7 +110,7 @@ def available() -> bool:
     """Whether the CPU kernels build and load here (the reason is logged once if not)."""
     try:
         _load()
-    except (NativeUnavailable, OSError) as e:
+    except OSError as e:  # NativeUnavailable included
         logging.warning("sparse_jax: the fused CPU kernels are unavailable (%s); "
                         "using the XLA path", e)
         return False
@@ -115,7 +121,9 @@ def require() -> None:
     """Build and load the kernels, or raise ``NativeUnavailable`` with what to do."""
     try:
         _load()
-    except OSError as e:
+    except NativeUnavailable:
+        raise
+    except OSError as e:  # the library would not load
         raise NativeUnavailable(f"loading the CPU kernels failed: {e}") from e
 
 

@@ -484,6 +484,8 @@ def build_cases() -> list[Case]:
     err("check/unknown pattern", tiny("--config.model.pattern=sparse"), r"pattern")
     err("check/unknown attention implementation", tiny("--config.model.attention=cuda"),
         r"attention")
+    err("check/native attention without a compiler", tiny("--config.model.attention=native"),
+        r"attention.*CXX=/nonexistent/c\+\+", env={"CXX": "/nonexistent/c++"})
     err("check/pattern field that does not apply", tiny("--config.model.pattern=fixed"),
         r"local_width")
     err("check/heads do not divide d_model", tiny("--config.model.num_heads=3"),

@@ -96,6 +96,9 @@ def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch):
 
 def test_no_compiler_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(native.NativeUnavailable, match="CXX=/nonexistent/c\\+\\+ is not a"):
+        native.build(tmp_path)
+    monkeypatch.delenv("CXX")
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(native.NativeUnavailable, match="no C\\+\\+ compiler"):
         native.build(tmp_path)
