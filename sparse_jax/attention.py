@@ -422,6 +422,8 @@ def _native_term(term, i, native, *arrays):
         return "column"
     if term.band is not None and _native.band_supported(term.band):
         return "band"
+    if term.residues is not None:
+        return "summary"
     return None
 
 
@@ -441,6 +443,10 @@ def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
         if fused == "band":
             row_max, total, acc = _native.band_forward(q_g, k_g, v_g, row_max, total, acc,
                                                        term.band, scale)
+            continue
+        if fused == "summary":
+            row_max, total, acc = _native.summary_forward(q_g, k_g, v_g, row_max, total, acc,
+                                                          term.residues, scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
@@ -497,6 +503,10 @@ def _grid_attention_bwd(spec, scale, native, residuals, d_out):
         if fused == "band":
             d_q, d_k, d_v = _native.band_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k,
                                                   d_v, term.band, scale)
+            continue
+        if fused == "summary":
+            d_q, d_k, d_v = _native.summary_backward(q_g, k_g, v_g, d_out, lse, delta, d_q,
+                                                     d_k, d_v, term.residues, scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # its dq is the first and only one per query

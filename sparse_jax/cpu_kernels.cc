@@ -642,6 +642,134 @@ ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   return ffi::Error::Success();
 }
 
+// The summary term's keys: residue res[j] of grid row r is key r * s + j; query i sees the keys
+// of the rows before its own, [0, (i / block) * s).
+struct Summary {
+  long N, H, block;
+  ffi::Span<const int64_t> res;
+  long rows() const { return N / block; }
+  long count() const { return rows() * static_cast<long>(res.size()); }
+  const float* at(const float* x, long w, long b, long r, long j) const {
+    return x + ((b * N + r * block + res[j]) * H) * w;
+  }
+  void gather(const float* x, long w, long b, float* out) const {  // to [H, count, w]
+    const long s = res.size(), n = count();
+    for (long r = 0; r < rows(); ++r)
+      for (long j = 0; j < s; ++j)
+        for (long h = 0; h < H; ++h)
+          copy_row(out + (h * n + r * s + j) * w, at(x, w, b, r, j) + h * w, w);
+  }
+  void scatter(const float* in, long w, long b, float* x) const {
+    const long s = res.size(), n = count();
+    for (long r = 0; r < rows(); ++r)
+      for (long j = 0; j < s; ++j)
+        for (long h = 0; h < H; ++h)
+          copy_row(const_cast<float*>(at(x, w, b, r, j)) + h * w, in + (h * n + r * s + j) * w,
+                   w);
+  }
+  void limits(long i0, long qn, std::vector<int>& lo, std::vector<int>& hi) const {
+    for (long i = 0; i < qn; ++i) {
+      lo[i] = 0;
+      hi[i] = (i0 + i) / block * static_cast<long>(res.size());
+    }
+  }
+};
+
+ffi::Error SummaryForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> m_in,
+                              ffi::Buffer<ffi::F32> l_in, ffi::Buffer<ffi::F32> acc_in,
+                              ffi::ResultBuffer<ffi::F32> row_max,
+                              ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> acc,
+                              int64_t block, ffi::Span<const int64_t> residues, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long H = s.H, d = s.d, dv = s.dv;
+  const Summary sum{s.N, H, block, residues};
+  const long S = sum.count();
+  Blocks c;
+  c.k.resize(H * S * d); c.v.resize(H * S * dv);
+  c.q.resize(H * kQB * d); c.m.resize(H * kQB); c.l.resize(H * kQB); c.o.resize(H * kQB * dv);
+  c.lo.resize(kQB); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b) {
+    sum.gather(k.typed_data(), d, b, c.k.data());
+    sum.gather(v.typed_data(), dv, b, c.v.data());
+    for (long i0 = 0; i0 < s.N; i0 += kQB) {
+      const long qn = std::min<long>(kQB, s.N - i0);
+      sum.limits(i0, qn, c.lo, c.hi);
+      const Rows queries{s.N, H, i0, 1, qn};
+      queries.gather(q.typed_data(), d, b, c.q.data());
+      queries.gather(m_in.typed_data(), 1, b, c.m.data());
+      queries.gather(l_in.typed_data(), 1, b, c.l.data());
+      queries.gather(acc_in.typed_data(), dv, b, c.o.data());
+      if (c.hi[qn - 1] > 0)
+        for (long h = 0; h < H; ++h)
+          attend_forward(c.q.data() + h * qn * d, c.k.data() + h * S * d,
+                         c.v.data() + h * S * dv, qn, c.hi[qn - 1], d, dv, c.lo.data(),
+                         c.hi.data(), scale, c.m.data() + h * qn, c.l.data() + h * qn,
+                         c.o.data() + h * qn * dv, w);
+      queries.scatter(c.m.data(), 1, b, row_max->typed_data());
+      queries.scatter(c.l.data(), 1, b, total->typed_data());
+      queries.scatter(c.o.data(), dv, b, acc->typed_data());
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SummaryBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
+                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                               ffi::Buffer<ffi::F32> dq_in, ffi::Buffer<ffi::F32> dk_in,
+                               ffi::Buffer<ffi::F32> dv_in, ffi::ResultBuffer<ffi::F32> d_q,
+                               ffi::ResultBuffer<ffi::F32> d_k, ffi::ResultBuffer<ffi::F32> d_v,
+                               int64_t block, ffi::Span<const int64_t> residues, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long H = s.H, d = s.d, dv = s.dv;
+  for (auto [in, out] : {std::pair{&dq_in, &d_q}, std::pair{&dk_in, &d_k}})
+    if (in->typed_data() != (*out)->typed_data())
+      std::memcpy((*out)->typed_data(), in->typed_data(), in->element_count() * 4);
+  if (dv_in.typed_data() != d_v->typed_data())
+    std::memcpy(d_v->typed_data(), dv_in.typed_data(), dv_in.element_count() * 4);
+  const Summary sum{s.N, H, block, residues};
+  const long S = sum.count();
+  Blocks c;
+  c.k.resize(H * S * d); c.v.resize(H * S * dv); c.y.resize(H * S * d); c.z.resize(H * S * dv);
+  c.q.resize(H * kQB * d); c.o.resize(H * kQB * dv); c.m.resize(H * kQB); c.l.resize(H * kQB);
+  c.x.resize(H * kQB * d);
+  c.lo.resize(kQB); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  for (long b = 0; b < s.B; ++b) {
+    sum.gather(k.typed_data(), d, b, c.k.data());
+    sum.gather(v.typed_data(), dv, b, c.v.data());
+    sum.gather(d_k->typed_data(), d, b, c.y.data());  // the gradients so far, added to
+    sum.gather(d_v->typed_data(), dv, b, c.z.data());
+    for (long i0 = 0; i0 < s.N; i0 += kQB) {
+      const long qn = std::min<long>(kQB, s.N - i0);
+      sum.limits(i0, qn, c.lo, c.hi);
+      if (c.hi[qn - 1] == 0) continue;  // no query of the block sees a summary key
+      const Rows queries{s.N, H, i0, 1, qn};
+      queries.gather(q.typed_data(), d, b, c.q.data());
+      queries.gather(d_out.typed_data(), dv, b, c.o.data());
+      queries.gather(lse.typed_data(), 1, b, c.m.data());
+      queries.gather(delta.typed_data(), 1, b, c.l.data());
+      queries.gather(d_q->typed_data(), d, b, c.x.data());
+      for (long h = 0; h < H; ++h)
+        attend_backward(c.q.data() + h * qn * d, c.k.data() + h * S * d,
+                        c.v.data() + h * S * dv, c.o.data() + h * qn * dv, c.m.data() + h * qn,
+                        c.l.data() + h * qn, qn, c.hi[qn - 1], d, dv, c.lo.data(), c.hi.data(),
+                        scale, c.x.data() + h * qn * d, c.y.data() + h * S * d,
+                        c.z.data() + h * S * dv, w);
+      queries.scatter(c.x.data(), d, b, d_q->typed_data());
+    }
+    sum.scatter(c.y.data(), d, b, d_k->typed_data());
+    sum.scatter(c.z.data(), dv, b, d_v->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define F32 ffi::Buffer<ffi::F32>
@@ -680,5 +808,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandBackward, BandBackwardImpl,
                                   .Attr<int64_t>("prev")
                                   .Attr<int64_t>("max_distance")
                                   .Attr<bool>("same_row")
+                                  .Attr<float>("scale"));
+#undef F32
+
+#define F32 ffi::Buffer<ffi::F32>
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxSummaryForward, SummaryForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<ffi::Span<const int64_t>>("residues")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxSummaryBackward, SummaryBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<ffi::Span<const int64_t>>("residues")
                                   .Attr<float>("scale"));
 #undef F32

@@ -31,7 +31,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGETS = {"column_forward": "SparseJaxColumnForward",
            "column_backward": "SparseJaxColumnBackward",
            "band_forward": "SparseJaxBandForward",
-           "band_backward": "SparseJaxBandBackward"}
+           "band_backward": "SparseJaxBandBackward",
+           "summary_forward": "SparseJaxSummaryForward",
+           "summary_backward": "SparseJaxSummaryBackward"}
 HEAD_DIM_MULTIPLE = 16  # the kernels' vectors run along the head dimension
 
 
@@ -200,4 +202,26 @@ def band_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v, band, scale: 
     args = [_flat(x) for x in (q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v)]
     outs = _call("band_backward", tuple(_result(x, x.shape) for x in args[6:]), *args,
                  aliases={6: 0, 7: 1, 8: 2}, **_band_attrs(band, scale))
+    return tuple(_grid(x, q_g) for x in outs)
+
+
+def _summary_attrs(q_g, residues, scale):
+    return dict(block=np.int64(q_g.shape[2]), residues=np.asarray(residues, np.int64),
+                scale=np.float32(scale))
+
+
+def summary_forward(q_g, k_g, v_g, row_max, total, acc, residues, scale: float):
+    """The summary term (each grid row against ``residues`` of every earlier row) merged into
+    the joint softmax's running statistics, as ``band_forward``."""
+    args = [_flat(x) for x in (q_g, k_g, v_g, row_max, total, acc)]
+    outs = _call("summary_forward", tuple(_result(x, x.shape) for x in args[3:]), *args,
+                 aliases={3: 0, 4: 1, 5: 2}, **_summary_attrs(q_g, residues, scale))
+    return tuple(_grid(x, q_g) for x in outs)
+
+
+def summary_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v, residues, scale: float):
+    """``d_q, d_k, d_v`` plus the summary term's gradients, as ``band_backward``."""
+    args = [_flat(x) for x in (q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v)]
+    outs = _call("summary_backward", tuple(_result(x, x.shape) for x in args[6:]), *args,
+                 aliases={6: 0, 7: 1, 8: 2}, **_summary_attrs(q_g, residues, scale))
     return tuple(_grid(x, q_g) for x in outs)

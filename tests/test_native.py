@@ -21,8 +21,8 @@ def native_attention(q, k, v, spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_every_pattern_matches_dense(spec):
-    """Every pattern of the XLA path's tests: its band and column terms fused, the rest (summary
-    keys, a band over chosen residues) on the XLA path, in one joint softmax."""
+    """Every pattern of the XLA path's tests: its band, column and summary terms fused (a band
+    over chosen residues on the XLA path), in one joint softmax."""
     assert_matches_dense(spec, *qkv((2, 200, 2, 16), seed=3), attend=native_attention)
 
 
@@ -35,6 +35,7 @@ def test_every_pattern_matches_dense(spec):
     (PatternSpec("local", stride=300), (1, 700, 2, 16)),  # band windows over 128 keys
     (PatternSpec("fixed", stride=200, c=8), (1, 500, 1, 16)),  # blocks of 200 (same row)
     (PatternSpec("local", stride=8), (2, 2500, 1, 16)),  # the key window buffer moves twice
+    (PatternSpec("fixed", stride=8, c=4), (1, 600, 2, 16)),  # 300 summary keys: 3 key blocks
 ], ids=str)
 def test_matches_dense_forward_and_gradients(spec, shape):
     assert_matches_dense(spec, *qkv(shape, seed=11), attend=native_attention)
