@@ -414,8 +414,9 @@ def _queries(term, q_g, t, c, scale):
 
 def _native_term(term, i, native, *arrays):
     """Which fused CPU kernel (``sparse_jax.native``) runs term ``i``, if any: "column" for the
-    column term when it comes first (it writes the accumulators), "band" for a band term; only
-    for float32 inputs with a supported head dim."""
+    column term when it comes first (it writes the accumulators), "band" for a band term (not
+    one over chosen residues), "summary" for the summary term; only for float32 inputs with a
+    supported head dim."""
     if not (native and _native.supports(*arrays)):
         return None
     if term.axis == 2 and i == 0:

@@ -1,4 +1,4 @@
-// Fused CPU kernels for the block-sparse attention's band and column terms (XLA FFI calls).
+// Fused CPU kernels for the block-sparse attention's band, column and summary terms (XLA FFI).
 //
 // On XLA:CPU each term ran as batched matmuls on tiles plus tile copies into and out of the
 // grid layout, zeroed accumulators and separate elementwise passes over the scores, and scored
@@ -14,6 +14,7 @@
 // * Band term: query i (in sequence order) sees keys j in [lo(i), i], lo(i) the largest of 0,
 //   i - max_distance (if >= 0), the start of the row prev rows before i's (rows of `block`),
 //   and i's own row start (if same_row).
+// * Summary term: query i sees the keys at residues res[0..s) of every grid row before its own.
 // Forward: merges the term into the running maximum, sum of exponentials and weighted values
 // (not divided) of the joint softmax. Backward: adds the term's dq, dk and dv, given the joint
 // log-sum-exp and D = dO · O per query. Float32 only.

@@ -1,7 +1,7 @@
 """The fused CPU kernels of ``cpu_kernels.cc``: built on first use, registered as XLA FFI targets.
 
-``sparse_attention(..., implementation="native")`` (and "auto" on a CPU) runs the column term of
-a pattern (strided's column attention) through these kernels and the other terms on the XLA path.
+``sparse_attention(..., implementation="native")`` (and "auto" on a CPU) runs a pattern's band,
+column and summary terms through these kernels (a band over chosen residues on the XLA path).
 The source is compiled once per machine with the host's C++ compiler (``$CXX``, else ``c++``),
 ``-O3 -march=native``, against the FFI headers jaxlib ships, into a cache directory
 (``$SPARSE_JAX_CACHE``, else ``~/.cache/sparse_jax``) keyed by the source, the compiler, jaxlib
