@@ -437,6 +437,13 @@ struct Blocks {
   std::vector<int> lo, hi;
 };
 
+// A backward call's outputs start as the gradients of the terms before it: its inputs, or the
+// same buffers where XLA aliased them.
+void start_from(const ffi::Buffer<ffi::F32>& in, ffi::ResultBuffer<ffi::F32>& out) {
+  if (in.typed_data() != out->typed_data())
+    std::memcpy(out->typed_data(), in.typed_data(), in.element_count() * 4);
+}
+
 ffi::Error ColumnForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                              ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> row_max,
                              ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> acc,
@@ -589,12 +596,9 @@ ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   Shape s;
   if (auto e = shape_of(q, v, &s); e.failure()) return e;
   const long H = s.H, d = s.d, dv = s.dv;
-  // The gradients so far (of the terms before this one), unless XLA gave their buffers.
-  for (auto [in, out] : {std::pair{&dq_in, &d_q}, std::pair{&dk_in, &d_k}})
-    if (in->typed_data() != (*out)->typed_data())
-      std::memcpy((*out)->typed_data(), in->typed_data(), in->element_count() * 4);
-  if (dv_in.typed_data() != d_v->typed_data())
-    std::memcpy(d_v->typed_data(), dv_in.typed_data(), dv_in.element_count() * 4);
+  start_from(dq_in, d_q);
+  start_from(dk_in, d_k);
+  start_from(dv_in, d_v);
   const Band band{max_distance, block, prev, same_row};
   long most = 0;
   for (long i0 = 0; i0 < s.N; i0 += kQB) most = std::max(most, BandBlock(band, s.N, i0).nw);
@@ -728,11 +732,9 @@ ffi::Error SummaryBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   Shape s;
   if (auto e = shape_of(q, v, &s); e.failure()) return e;
   const long H = s.H, d = s.d, dv = s.dv;
-  for (auto [in, out] : {std::pair{&dq_in, &d_q}, std::pair{&dk_in, &d_k}})
-    if (in->typed_data() != (*out)->typed_data())
-      std::memcpy((*out)->typed_data(), in->typed_data(), in->element_count() * 4);
-  if (dv_in.typed_data() != d_v->typed_data())
-    std::memcpy(d_v->typed_data(), dv_in.typed_data(), dv_in.element_count() * 4);
+  start_from(dq_in, d_q);
+  start_from(dk_in, d_k);
+  start_from(dv_in, d_v);
   const Summary sum{s.N, H, block, residues};
   const long S = sum.count();
   Blocks c;
@@ -774,6 +776,20 @@ ffi::Error SummaryBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
 }  // namespace
 
 #define F32 ffi::Buffer<ffi::F32>
+namespace {
+// Six buffers in, three out: a merging forward (q, k, v and the running maximum, sum and values
+// in; those three out), or the column backward (q, k, v, dO, log-sum-exp, D in; dq, dk, dv out).
+auto SixToThree() {
+  return ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+      .Ret<F32>().Ret<F32>().Ret<F32>();
+}
+// A merging backward: q, k, v, dO, log-sum-exp, D and the gradients so far in; dq, dk, dv out.
+auto NineToThree() {
+  return ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+      .Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().Ret<F32>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxColumnForward, ColumnForwardImpl,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>()
@@ -783,17 +799,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxColumnForward, ColumnForwardImpl,
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxColumnBackward, ColumnBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                              SixToThree()
                                   .Attr<int64_t>("stride")
                                   .Attr<int64_t>("min_rows")
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandForward, BandForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                              SixToThree()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("prev")
                                   .Attr<int64_t>("max_distance")
@@ -801,31 +813,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandForward, BandForwardImpl,
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandBackward, BandBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                              NineToThree()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("prev")
                                   .Attr<int64_t>("max_distance")
                                   .Attr<bool>("same_row")
                                   .Attr<float>("scale"));
-#undef F32
 
-#define F32 ffi::Buffer<ffi::F32>
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxSummaryForward, SummaryForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                              SixToThree()
                                   .Attr<int64_t>("block")
                                   .Attr<ffi::Span<const int64_t>>("residues")
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxSummaryBackward, SummaryBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>()
+                              NineToThree()
                                   .Attr<int64_t>("block")
                                   .Attr<ffi::Span<const int64_t>>("residues")
                                   .Attr<float>("scale"));

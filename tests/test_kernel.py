@@ -268,22 +268,19 @@ def test_implementation_choice():
                                atol=1e-5)
 
 
-def test_model_attention_option_and_mesh():
-    """``ModelConfig.attention="pallas"`` gives the XLA model's loss and gradients (multi-head
-    fixed with distinct summary blocks, half-size q/k). With the batch split on a mesh (the
-    trainer's ``activation_sharding``) the kernel runs inside ``shard_map`` (XLA does not split
-    a custom call), with the same numbers."""
+def assert_model_matches_xla(base: dict, attention: str):
+    """``ModelConfig(**base, attention=attention)`` gives the XLA model's loss and gradients,
+    alone and with the batch split on a mesh (the trainer's ``activation_sharding``), where the
+    kernel runs inside ``shard_map`` (XLA does not split a custom call)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as Spec
 
-    base = dict(seq_len=32, num_layers=1, d_model=32, num_heads=2, pattern="fixed", stride=16,
-                c=8, mode="multihead", distinct_summaries=True, qk_ratio=0.5)
     mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("data", "fsdp"))
     batch = NamedSharding(mesh, Spec(("data", "fsdp")))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * mesh.size, 32), 0, 256)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * mesh.size, base["seq_len"]), 0, 256)
     results = {}
-    for attention, sharding in [("xla", None), ("pallas", None), ("pallas", batch)]:
-        model = SparseTransformer(ModelConfig(**base, attention=attention), rngs=nnx.Rngs(0))
+    for impl, sharding in [("xla", None), (attention, None), (attention, batch)]:
+        model = SparseTransformer(ModelConfig(**base, attention=impl), rngs=nnx.Rngs(0))
         graph, params = nnx.split(model, nnx.Param)
 
         def loss(params, graph=graph, sharding=sharding):
@@ -292,12 +289,20 @@ def test_model_attention_option_and_mesh():
 
         uses_shard_map = "shard_map" in str(jax.make_jaxpr(loss)(params))
         assert uses_shard_map == (sharding is not None)
-        results[attention, sharding] = jax.jit(jax.value_and_grad(loss))(params)
+        results[impl, sharding] = jax.jit(jax.value_and_grad(loss))(params)
     want_loss, want_grads = results["xla", None]
-    for got_loss, got_grads in [results["pallas", None], results["pallas", batch]]:
+    for got_loss, got_grads in [results[attention, None], results[attention, batch]]:
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
         for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_model_attention_option_and_mesh():
+    """``ModelConfig.attention="pallas"`` gives the XLA model's loss and gradients (multi-head
+    fixed with distinct summary blocks, half-size q/k), also inside ``shard_map`` on a mesh."""
+    base = dict(seq_len=32, num_layers=1, d_model=32, num_heads=2, pattern="fixed", stride=16,
+                c=8, mode="multihead", distinct_summaries=True, qk_ratio=0.5)
+    assert_model_matches_xla(base, "pallas")
     with pytest.raises(ValueError, match="attention"):
         ModelConfig(**base, attention="cuda")
     assert P.check_choice("implementation", "auto", A.IMPLEMENTATIONS) == "auto"

@@ -10,9 +10,14 @@ from sparse_jax import attention as A
 from sparse_jax import native
 from sparse_jax.patterns import PatternSpec
 from test_attention import SPECS, assert_matches_dense, dense_ref, qkv
+from test_kernel import assert_model_matches_xla
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="the CPU kernels do not build here (no C++ compiler?)")
+# No skip where the kernels do not build: the project's tests need a C++ compiler, as "auto"
+# on a CPU does to use them; the first test says what is missing.
+
+
+def test_the_kernels_build_here():
+    native.require()
 
 
 def native_attention(q, k, v, spec):
@@ -118,34 +123,15 @@ def test_a_failed_build_leaves_no_library(tmp_path, monkeypatch):
 
 def test_model_with_native_attention_on_a_mesh():
     """``ModelConfig.attention="native"`` gives the XLA model's loss and gradients (strided,
-    half-size q/k); with the batch split on a mesh the kernels run inside ``shard_map``."""
+    half-size q/k), also inside ``shard_map`` on a mesh, and its program holds the kernels."""
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as Spec
 
     from sparse_jax.model import ModelConfig, SparseTransformer
 
     base = dict(seq_len=64, num_layers=1, d_model=64, num_heads=2, pattern="strided", stride=8,
                 qk_ratio=0.5)
-    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("data", "fsdp"))
-    batch = NamedSharding(mesh, Spec(("data", "fsdp")))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * mesh.size, 64), 0, 256)
-    results = {}
-    for attention, sharding in [("xla", None), ("native", None), ("native", batch)]:
-        model = SparseTransformer(ModelConfig(**base, attention=attention), rngs=nnx.Rngs(0))
-        graph, params = nnx.split(model, nnx.Param)
-
-        def loss(params, graph=graph, sharding=sharding):
-            logits = nnx.merge(graph, params)(tokens, activation_sharding=sharding)
-            return (jax.nn.log_softmax(logits) * jax.nn.one_hot(tokens, 256)).sum()
-
-        text = str(jax.make_jaxpr(loss)(params))
-        assert ("shard_map" in text) == (sharding is not None)
-        assert ("sparse_jax_band" in jax.jit(loss).lower(params).as_text()) == (
-            attention == "native")
-        results[attention, sharding] = jax.jit(jax.value_and_grad(loss))(params)
-    want_loss, want_grads = results["xla", None]
-    for got_loss, got_grads in [results["native", None], results["native", batch]]:
-        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-        for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
+    assert_model_matches_xla(base, "native")
+    model = SparseTransformer(ModelConfig(**base, attention="native"), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 64), jnp.int32)
+    text = nnx.jit(lambda m, x: m(x)).lower(model, tokens).as_text()
+    assert "sparse_jax_band_forward" in text and "sparse_jax_column_forward" in text
