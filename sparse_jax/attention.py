@@ -428,6 +428,11 @@ def _native_term(term, i, native, *arrays):
     return None
 
 
+def _native_args(kind, term):
+    """The pattern arguments of ``kind``'s kernel calls."""
+    return {"column": term.min_rows, "band": term.band, "summary": term.residues}[kind]
+
+
 def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
     """Joint softmax over all terms: each chunk merges its row maximum, sum of exponentials and
     weighted values into the running ones (log-sum-exp). All ``[B, R, block, H, d]``; q is
@@ -438,16 +443,10 @@ def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
     acc = jnp.zeros_like(v_g, jnp.float32)
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
         fused = _native_term(term, i, native, q_g, k_g, v_g)
-        if fused == "column":
-            row_max, total, acc = _native.column_forward(q_g, k_g, v_g, term.min_rows, scale)
-            continue
-        if fused == "band":
-            row_max, total, acc = _native.band_forward(q_g, k_g, v_g, row_max, total, acc,
-                                                       term.band, scale)
-            continue
-        if fused == "summary":
-            row_max, total, acc = _native.summary_forward(q_g, k_g, v_g, row_max, total, acc,
-                                                          term.residues, scale)
+        if fused:  # the column writes the accumulators, the others merge into them
+            so_far = () if fused == "column" else (row_max, total, acc)
+            row_max, total, acc = getattr(_native, f"{fused}_forward")(
+                q_g, k_g, v_g, *so_far, _native_args(fused, term), scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # visits each query once, first: nothing to merge
@@ -497,17 +496,10 @@ def _grid_attention_bwd(spec, scale, native, residuals, d_out):
     d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q_g, k_g, v_g))  # shard_map too
     for i, term in enumerate(_terms(spec, q_g.shape[1], q_g.shape[0] * q_g.shape[3])):
         fused = _native_term(term, i, native, q_g, k_g, v_g)
-        if fused == "column":
-            d_q, d_k, d_v = _native.column_backward(q_g, k_g, v_g, d_out, lse, delta,
-                                                    term.min_rows, scale)
-            continue
-        if fused == "band":
-            d_q, d_k, d_v = _native.band_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k,
-                                                  d_v, term.band, scale)
-            continue
-        if fused == "summary":
-            d_q, d_k, d_v = _native.summary_backward(q_g, k_g, v_g, d_out, lse, delta, d_q,
-                                                     d_k, d_v, term.residues, scale)
+        if fused:  # the column writes dq, dk and dv, the others add to them
+            so_far = () if fused == "column" else (d_q, d_k, d_v)
+            d_q, d_k, d_v = getattr(_native, f"{fused}_backward")(
+                q_g, k_g, v_g, d_out, lse, delta, *so_far, _native_args(fused, term), scale)
             continue
         k_src, v_src = (term.summary(x) if term.residues else x for x in (k_g, v_g))
         once = i == 0 and not term.residues  # its dq is the first and only one per query
