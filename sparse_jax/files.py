@@ -13,7 +13,8 @@ leaves each file either as it was or whole, never torn.
 
 The data cache (`sparse_jax.sources`, `sparse_jax.images`) writes its files the same way, under
 a name unique to the process (`part_suffix`), since several processes may prepare the same file
-at once; the parts that a killed process left behind are removed by the next writer.
+at once; the parts (files or folders) that a killed process left behind are removed by the next
+writer (`remove_dead_parts`). So does the build of the CPU kernels (`sparse_jax.native`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import errno
 import glob
 import json
 import os
+import shutil
 
 TEMPORARY = ".tmp"  # suffix of a file being written (a workdir has one writer: its lock)
 
@@ -48,12 +50,21 @@ def atomic_write(path: str, mode: str = "w", suffix: str = TEMPORARY):
 def part_suffix(path: str) -> str:
     """".part<pid>": the temporary suffix of this process for `path`, after removing the parts of
     `path` whose process is gone (killed mid-write: nothing else would ever remove them)."""
-    for name in glob.glob(glob.escape(path) + ".part*"):
-        pid = name[len(path) + len(".part"):]
+    remove_dead_parts(glob.escape(path) + ".part*")
+    return f".part{os.getpid()}"
+
+
+def remove_dead_parts(pattern: str) -> None:
+    """Removes the files and folders matching `pattern` (a glob of names ending in
+    ".part<pid>") whose process is gone; those of live processes stay."""
+    for name in glob.glob(pattern):
+        pid = name.rpartition(".part")[2]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(OSError):
-                os.remove(name)
-    return f".part{os.getpid()}"
+                if os.path.isdir(name) and not os.path.islink(name):
+                    shutil.rmtree(name)
+                else:
+                    os.remove(name)
 
 
 def _alive(pid: int) -> bool:

@@ -3,11 +3,20 @@
 ``sparse_attention(..., implementation="native")`` (and "auto" on a CPU) runs a pattern's band,
 column and summary terms through these kernels (a band over chosen residues on the XLA path).
 The source is compiled once per machine with the host's C++ compiler (``$CXX``, else ``c++``),
-``-O3 -march=native``, against the FFI headers jaxlib ships, into a cache directory
-(``$SPARSE_JAX_CACHE``, else ``~/.cache/sparse_jax``) keyed by the source, the compiler, jaxlib
-and the CPU's flags, so a cache shared by different machines never loads a build for another
-CPU. Without a compiler "auto" falls back to the XLA path and says why once in the log; "native"
-raises with what to install.
+``-O3 -march=native``, against the FFI headers jaxlib ships, into a cache folder
+(``$SPARSE_JAX_CACHE``, else ``$XDG_CACHE_HOME/sparse_jax`` or ``~/.cache/sparse_jax``) keyed by
+the source, the compiler, jaxlib and the CPU's flags, so a cache shared by different machines
+never loads a build for another CPU. Without a compiler "auto" falls back to the XLA path and
+says why once in the log; "native" raises with what to install.
+
+The cache is vouched for like the data files (``sparse_jax.sources``): each library is written
+whole (``files.atomic_write``) beside ``<library>.verified``, a record of the key it was built
+for and its size and SHA-256. A library is loaded only when its record matches it; a missing,
+short, damaged or foreign file (a full disk, a half-copied home folder, a sync tool) is built
+again in its place before anything maps it, so no bus error can come from the cache. A library
+that still will not load is built once more; a second failure is one line that names the file
+and ``$SPARSE_JAX_CACHE``. A build compiles in ``<library>.build.part<pid>``; the folders that a
+killed build left behind are removed by the next build.
 """
 
 from __future__ import annotations
@@ -15,17 +24,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+
+from sparse_jax import files
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGETS = {"column_forward": "SparseJaxColumnForward",
@@ -35,6 +46,8 @@ TARGETS = {"column_forward": "SparseJaxColumnForward",
            "summary_forward": "SparseJaxSummaryForward",
            "summary_backward": "SparseJaxSummaryBackward"}
 HEAD_DIM_MULTIPLE = 16  # the kernels' vectors run along the head dimension
+CACHE_ENV = "SPARSE_JAX_CACHE"  # the cache folder of the built library
+RECORD = ".verified"  # suffix of the library's record: {"key", "size", "sha256"}
 
 
 class NativeUnavailable(OSError):
@@ -67,44 +80,137 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPARSE_JAX_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse_jax"
-    return Path(root)
+    """$SPARSE_JAX_CACHE, else $XDG_CACHE_HOME/sparse_jax (an absolute path, as the XDG rules
+    ask), else ~/.cache/sparse_jax."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "sparse_jax"
 
 
-def build(cache_dir: Path | None = None) -> Path:
-    """The shared library of ``cpu_kernels.cc`` for this machine, compiled if not cached."""
+def _where(cache_dir: Path) -> str:
+    """What to do about the cache folder `cache_dir`, for an error about it."""
+    named = os.environ.get(CACHE_ENV) and Path(os.environ[CACHE_ENV]).expanduser() == cache_dir
+    return (f"point ${CACHE_ENV} at another folder, or unset it" if named else
+            f"set ${CACHE_ENV} to another folder")
+
+
+def _make_cache(cache_dir: Path) -> None:
+    """Creates `cache_dir`; NativeUnavailable in one line if it is a file or cannot be made."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise NativeUnavailable(f"the CPU kernels' cache {cache_dir} is not a folder (a file "
+                                f"is in the way): {_where(cache_dir)}") from e
+    except OSError as e:
+        raise NativeUnavailable(f"cannot create the CPU kernels' cache {cache_dir} "
+                                f"({e.strerror or e}): {_where(cache_dir)}") from e
+
+
+def _key(cxx: str, flags: list[str]) -> str:
     import jaxlib
 
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    return hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(flags),
+                                     jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()
+
+
+def vouched(library: Path, key: str) -> bool:
+    """Whether `library`'s record names `key` and the file's very size and SHA-256 (read before
+    anything maps the file: a short or damaged one is never loaded)."""
+    try:
+        record = json.loads(Path(str(library) + RECORD).read_text())
+        data = library.read_bytes()
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("key") == key
+            and record.get("size") == len(data)
+            and record.get("sha256") == hashlib.sha256(data).hexdigest())
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> None:
+    """Compiles SOURCE to `out` (NativeUnavailable with the compiler's last words)."""
+    result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
+                            text=True)
+    if result.returncode or not out.is_file():
+        raise NativeUnavailable(f"building {SOURCE.name} with {cxx} failed: "
+                                f"{result.stderr.strip()[-2000:]}")
+
+
+def build(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
+    """The shared library of ``cpu_kernels.cc`` for this machine: the cached one if its record
+    vouches for it (``vouched``), else compiled and written in its place (also with
+    `rebuild`)."""
     cxx = _compiler()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
              f"-I{jax.ffi.include_dir()}"]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(flags),
-                                    jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = _key(cxx, flags)
     cache_dir = Path(cache_dir or _cache_dir())
-    target = cache_dir / f"cpu_kernels-{key}.so"
-    if target.exists():
+    target = cache_dir / f"cpu_kernels-{key[:16]}.so"
+    if not rebuild and vouched(target, key):
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # built aside, then renamed: other
-        built = Path(tmp) / target.name                       # processes never see half a file
-        result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(built)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            raise NativeUnavailable(f"building {SOURCE.name} with {cxx} failed: "
-                                    f"{result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
+    _make_cache(cache_dir)
+    files.remove_dead_parts(str(cache_dir / "cpu_kernels-*.build.part*"))  # killed builds'
+    work = Path(f"{target.with_suffix('.build')}.part{os.getpid()}")
+    try:
+        work.mkdir(exist_ok=True)
+        _compile(cxx, flags, work / target.name)
+        data = (work / target.name).read_bytes()
+        record = {"key": key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for path, content, mode in ((target, data, "wb"),  # the library first: a record
+                                    (Path(str(target) + RECORD), json.dumps(record), "w")):
+            with files.atomic_write(str(path), mode, files.part_suffix(str(path))) as f:
+                f.write(content)                            # never vouches for an older one
+    except NativeUnavailable:
+        raise
+    except OSError as e:  # a full disk, a folder that cannot be written
+        raise NativeUnavailable(files.write_error(
+            str(target), e, f"free some space, or {_where(cache_dir)}").strerror) from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _register(path: Path) -> ctypes.CDLL:
+    """Loads the library at `path` and registers its FFI targets (OSError or AttributeError if
+    it will not load; nothing is registered then)."""
+    library = ctypes.cdll.LoadLibrary(str(path))
+    try:
+        handlers = {name: getattr(library, symbol) for name, symbol in TARGETS.items()}
+    except AttributeError:
+        _unload(library)
+        raise
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(f"sparse_jax_{name}", jax.ffi.pycapsule(handler),
+                                    platform="cpu")
+    return library
+
+
+def _unload(library: ctypes.CDLL) -> None:
+    """dlclose, so that loading the rebuilt file at the same path maps it afresh."""
+    import _ctypes
+
+    try:
+        _ctypes.dlclose(library._handle)
+    except (AttributeError, OSError):
+        pass
 
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    library = ctypes.cdll.LoadLibrary(str(build()))
-    for name, symbol in TARGETS.items():
-        handler = jax.ffi.pycapsule(getattr(library, symbol))
-        jax.ffi.register_ffi_target(f"sparse_jax_{name}", handler, platform="cpu")
-    return library
+    path = build()
+    try:
+        return _register(path)
+    except (OSError, AttributeError) as e:  # vouched for, yet it will not load: build it again
+        logging.warning("sparse_jax: the CPU kernels at %s would not load (%s); building them "
+                        "again", path, e)
+    path = build(rebuild=True)
+    try:
+        return _register(path)
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"the CPU kernels at {path}, built afresh, will not load "
+                                f"({e}); {_where(path.parent)} (one where programs may run, "
+                                "not mounted noexec)") from e
 
 
 @functools.cache
@@ -125,8 +231,8 @@ def require() -> None:
         _load()
     except NativeUnavailable:
         raise
-    except OSError as e:  # the library would not load
-        raise NativeUnavailable(f"loading the CPU kernels failed: {e}") from e
+    except OSError as e:  # e.g. $CXX that cannot be run
+        raise NativeUnavailable(f"building the CPU kernels failed: {e}") from e
 
 
 def supports(*arrays) -> bool:

@@ -1,6 +1,11 @@
 """The fused CPU kernels (``implementation="native"``, ``sparse_jax/cpu_kernels.cc``) against the
 dense reference, and how they are built, cached, chosen and refused."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +17,36 @@ from sparse_jax.patterns import PatternSpec
 from test_attention import SPECS, assert_matches_dense, dense_ref, qkv
 from test_kernel import assert_model_matches_xla
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOREIGN = os.path.realpath(__import__("_ctypes").__file__)  # a shared library, not ours
+
 # No skip where the kernels do not build: the project's tests need a C++ compiler, as "auto"
 # on a CPU does to use them; the first test says what is missing.
 
 
 def test_the_kernels_build_here():
     native.require()
+
+
+def _cut_short(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _seeded(cache):
+    """`cache` holding a copy of this session's build and its record; returns the library."""
+    good = native.build()
+    cache.mkdir(exist_ok=True)
+    for path in good.parent.glob(good.name + "*"):
+        shutil.copy(path, cache / path.name)
+    return cache / good.name
+
+
+def _compile_by_copy(monkeypatch):
+    """The compiler replaced by a copy of the good build (fast); returns the list of builds."""
+    builds, good = [], native.build()
+    monkeypatch.setattr(native, "_compile", lambda cxx, flags, out: builds.append(
+        shutil.copy(good, out)))
+    return builds
 
 
 def native_attention(q, k, v, spec):
@@ -90,14 +119,18 @@ def test_auto_picks_the_kernels_on_a_cpu():
 
 
 def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch):
-    """A second build reuses the library; another CPU (its flags) gets a build of its own."""
-    first = native.build(tmp_path)
+    """A second build reuses the library; another CPU (its flags) gets a build of its own. Each
+    library is written beside its record (key, size, SHA-256), and nothing else is left."""
+    first = _seeded(tmp_path)
     mtime = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
     monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : another cpu")
+    builds = _compile_by_copy(monkeypatch)
     second = native.build(tmp_path)
-    assert second != first and second.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+    assert second != first and second.exists() and len(builds) == 1
+    names = [first.name, second.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names + [n + native.RECORD for n in names])
 
 
 def test_no_compiler_is_one_clear_error(tmp_path, monkeypatch):
@@ -135,3 +168,133 @@ def test_model_with_native_attention_on_a_mesh():
     tokens = jnp.zeros((1, 64), jnp.int32)
     text = nnx.jit(lambda m, x: m(x)).lower(model, tokens).as_text()
     assert "sparse_jax_band_forward" in text and "sparse_jax_column_forward" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache vouched for: a damaged, short or foreign library is never loaded, but built again.
+
+def test_a_library_cut_short_is_built_again_and_the_next_run_trains(tmp_path):
+    """A cached library cut short (a full disk, a half-copied home folder) used to end every
+    later run with "Fatal Python error: Bus error" inside ctypes. The next run builds it again
+    in its place, then trains with the kernels."""
+    cache = tmp_path / "cache"
+    library = _seeded(cache)
+    _cut_short(library)
+    env = {**os.environ, "SPARSE_JAX_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env.pop("SPARSE_JAX_TRACEBACK", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+         "--config=" + os.path.join(ROOT, "configs", "quickstart.py") + ":data=embedded",
+         f"--workdir={tmp_path / 'work'}", "--config.model.attention=native",
+         "--config.data.embedded_bytes=20000", "--config.model.seq_len=64",
+         "--config.model.num_layers=1", "--config.model.d_model=32",
+         "--config.model.num_heads=2", "--config.model.stride=8", "--config.batch_size=4",
+         "--config.total_steps=2", "--config.eval_every=2", "--config.checkpoint_every=2",
+         "--config.log_every=1", "--config.eval_batches=1",
+         "--config.optimizer.warmup_steps=1", "--cpu_devices=1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "step 2" in proc.stdout + proc.stderr
+    assert library.read_bytes() == native.build().read_bytes()
+
+
+@pytest.mark.parametrize("damage", [
+    "cut short", "header only", "empty", "garbage", "foreign", "missing", "no record",
+    "record damaged", "record of another build", "record of another size"])
+def test_a_damaged_cache_is_built_again_before_anything_loads_it(tmp_path, monkeypatch,
+                                                                  damage):
+    """Each way a cached library or its record can be wrong leads to one build in its place
+    (the compiler replaced here by a copy of the good build), never to loading it."""
+    good = native.build()
+    library = _seeded(tmp_path)
+    record = tmp_path / (library.name + native.RECORD)
+    if damage == "cut short":
+        _cut_short(library)
+    elif damage == "header only":
+        library.write_bytes(good.read_bytes()[:4096])
+    elif damage == "empty":
+        library.write_bytes(b"")
+    elif damage == "garbage":
+        library.write_bytes(np.random.default_rng(0).bytes(good.stat().st_size))
+    elif damage == "foreign":
+        shutil.copy(FOREIGN, library)
+    elif damage == "missing":
+        library.unlink()
+    elif damage == "no record":
+        record.unlink()
+    elif damage == "record damaged":
+        record.write_text('{"key": ')
+    elif damage == "record of another build":
+        record.write_text(record.read_text().replace('"key": "', '"key": "0'))
+    elif damage == "record of another size":  # a library cut short, its record rewritten
+        _cut_short(library)
+        record.write_text(record.read_text().replace('"size": ', '"size": 1'))
+    builds = _compile_by_copy(monkeypatch)
+    assert native.build(tmp_path) == library and len(builds) == 1
+    assert library.read_bytes() == good.read_bytes()
+    assert native.build(tmp_path) == library and len(builds) == 1  # vouched for now
+
+
+def test_a_library_that_will_not_load_is_built_again_once(tmp_path, monkeypatch):
+    """A vouched-for library that will not load (here: a foreign one with its own record) is
+    built once more; one that still will not load is one line naming it and the variable."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    builds = []
+
+    def compile_foreign(cxx, flags, out):
+        builds.append(out)
+        shutil.copy(FOREIGN, out)
+
+    monkeypatch.setattr(native, "_compile", compile_foreign)
+    with pytest.raises(native.NativeUnavailable) as e:
+        native._load.__wrapped__()
+    assert len(builds) == 2
+    message = str(e.value)
+    assert "\n" not in message and native.CACHE_ENV in message and "cpu_kernels-" in message
+
+
+def test_cache_that_is_a_file_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    path = tmp_path / "not_a_folder"
+    path.write_text("mine\n")
+    monkeypatch.setenv(native.CACHE_ENV, str(path))
+    with pytest.raises(native.NativeUnavailable, match=f"{path} is not a folder.*point "
+                       f"\\${native.CACHE_ENV} at another folder"):
+        native.build()
+    assert path.read_text() == "mine\n"
+    monkeypatch.setenv(native.CACHE_ENV, str(path / "below"))
+    with pytest.raises(native.NativeUnavailable, match="is not a folder"):
+        native.build()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
+    """A write that fails (EFBIG/ENOSPC) names the library and the variable; no library, record
+    or temporary file or folder is left."""
+    import errno
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _compile_by_copy(monkeypatch)
+    monkeypatch.setattr(native.files, "atomic_write", full)
+    with pytest.raises(native.NativeUnavailable, match="could not write .*cpu_kernels-.*the disk "
+                       f"is full.*{native.CACHE_ENV}"):
+        native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_folders_of_killed_builds_are_removed_by_the_next_build(tmp_path, monkeypatch):
+    """A build killed mid-way leaves cpu_kernels-*.build.part<pid>; the next build removes those
+    of dead processes (any key), and keeps those of live ones."""
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    library = _seeded(tmp_path)
+    builds = _compile_by_copy(monkeypatch)
+    leftovers = [tmp_path / f"cpu_kernels-0123456789abcdef.build.part{dead.pid}",
+                 tmp_path / f"{library.stem}.build.part{dead.pid}"]
+    alive = tmp_path / f"cpu_kernels-0123456789abcdef.build.part{os.getppid()}"
+    for folder in (*leftovers, alive):
+        folder.mkdir()
+        (folder / "half.so").write_bytes(b"\x7fELF")
+    library.unlink()
+    native.build(tmp_path)
+    assert len(builds) == 1 and not any(p.exists() for p in leftovers) and alive.exists()
