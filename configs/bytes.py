@@ -25,6 +25,12 @@ size=cpu_long: size=cpu's budget at 8x its context, 4,096 bytes (strided l=64 wi
   1.689 bits/byte in 9 min 29 s, size=cpu 1.689 in 9 min 49 s: a tie. Neither model's bits
   fall past ~256 bytes of context at this budget (scripts/evaluate.py --min_context), so the
   longer context does not pay yet. README, "Long context", has the figures and what was tried.
+size=gpu: one GPU, bfloat16: 8 layers, d=512, 8 heads, context 4,096, strided l=64 with the
+  paper's 65-byte local window (it spans the stride, so every earlier byte is two hops away),
+  rotary embeddings on top of the text tables (not in the paper), 16 windows per step (65,536
+  bytes). 25.5M parameters. Wall time and bits/byte: the accelerator report measures them
+  (scripts/accelerator_report.py trains it for ~3 minutes on data/cpython_lib.py.gz with as
+  many steps as its measured step time allows; docs/benchmarks/<device>/).
 size=paper | small | tiny: the models of enwik8.py (paper: GPUs; tiny: seconds on a 2-core CPU).
 Target metric: validation bits per byte, which depends on the file; for reference, a unigram
 model scores the file's byte entropy, and on the shipped corpus's valid part gzip -9 costs 2.59,
@@ -39,9 +45,11 @@ from configs import (
 
 def get_config(arg=None):
     args = common.parse_args(arg, pattern=("strided", "fixed", "dense"),
-                             size=("cpu", "cpu_long", "paper", "small", "tiny"))
+                             size=("cpu", "cpu_long", "gpu", "paper", "small", "tiny"))
     if args["size"] == "cpu_long":
         return _cpu_long(args["pattern"])
+    if args["size"] == "gpu":
+        return _gpu(args["pattern"])
     if args["size"] != "cpu":
         c = enwik8.get_config(f"pattern={args['pattern']},size={args['size']}")
         c.data.name = "bytes"  # any file, read as a memory map
@@ -96,4 +104,30 @@ def _cpu_long(pattern: str):
     c.optimizer.warmup_steps = 200  # linear warmup (size=cpu's)
     c.eval_every = 790  # steps between validation passes
     c.checkpoint_every = 790  # steps between checkpoints
+    return c
+
+
+def _gpu(pattern: str):
+    """One GPU: a 25M-parameter model at context 4,096 in bfloat16."""
+    c = get_config(f"pattern={pattern},size=cpu")
+    c.model.seq_len = 4096  # context
+    c.model.num_layers = 8  # residual blocks
+    c.model.d_model = 512  # width
+    c.model.num_heads = 8  # heads of 64 dimensions (the kernels' tiles)
+    c.model.stride = 64  # l = sqrt(context)
+    c.model.local_width = None  # the paper's l + 1 = 65 bytes: the window spans the stride
+    c.model.c = 16  # summary width of the fixed variant, l / 4 (paper)
+    c.model.rotary = True  # relative positions in the scores (not in the paper)
+    c.model.dropout = 0.1  # at the end of each residual branch
+    c.model.dtype = "bfloat16"  # mixed precision, float32 master weights
+    # xla until an accelerator report shows the Pallas kernel faster (README, "Accelerator
+    # report"); the report itself trains with whichever it measured faster.
+    c.model.attention = "xla"
+    c.batch_size = 16  # windows per step (65,536 bytes)
+    c.total_steps = 6000  # optimizer steps
+    c.optimizer.lr = 1e-3  # peak learning rate
+    c.optimizer.warmup_steps = 300  # linear warmup
+    c.log_every = 100  # steps between train-loss lines
+    c.eval_every = 1000  # steps between validation passes
+    c.checkpoint_every = 1000  # steps between checkpoints
     return c

@@ -166,6 +166,43 @@ def _keep(layout: _Layout, q_pos, q_seg, k_pos, k_seg, k_flag):
     return keep
 
 
+def _in_residues(offset, residues):
+    """Whether ``offset`` is one of ``residues`` (None: all), with comparisons alone."""
+    if residues is None:
+        return offset >= 0
+    lo, hi = min(residues), max(residues)
+    if len(residues) == hi - lo + 1:  # a run of residues (the paper's summary): two compares
+        return (offset >= lo) & (offset <= hi)
+    flag = offset < 0  # all False, of offset's kind
+    for r in residues:
+        flag = flag | (offset == r)
+    return flag
+
+
+def mask_rule(spec: patterns.PatternSpec):
+    """``keep(q, k)``: whether query position q attends key position k under ``spec``, on
+    broadcastable integer arrays of any library with ``//``, ``%``, comparisons, ``&`` and
+    ``|`` (NumPy, jax.numpy, torch; scalars too). The union of the terms' rules (``_keep``)
+    in sequence coordinates: what the kernel's block lists keep, and what FlexAttention's
+    ``mask_mod`` needs to attend with the same pattern. Equals ``spec.mask(n)``."""
+    if spec.kind == "dense":
+        return lambda q, k: k <= q
+    layouts = [_layout(term, 1) for term in spec.terms()]
+
+    def keep(q, k):
+        out = None
+        for layout in layouts:
+            b = layout.block
+            if layout.kind == "columns":  # (row, column) of the [rows, block] grid
+                kept = _keep(layout, q // b, q % b, k // b, k % b, k >= 0)
+            else:
+                kept = _keep(layout, q, q // b, k, k // b, _in_residues(k % b, layout.residues))
+            out = kept if out is None else out | kept
+        return out
+
+    return keep
+
+
 # ---------------------------------------------------------------------------------------------
 # Block lists (host, NumPy).
 
