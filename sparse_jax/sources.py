@@ -45,14 +45,9 @@ CORPUS = "data/kjv.html.gz"  # the corpus shipped with the repository (see data/
 
 def _download(url: str, dest: str, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
     """Fetches `url` to `dest` through a temporary file, so `dest` is either complete or absent."""
-    tmp = dest + part_suffix(dest)
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
-            shutil.copyfileobj(response, f, 1 << 20)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(dest, "wb", part_suffix(dest)) as f, \
+            urllib.request.urlopen(url, timeout=timeout) as response:
+        shutil.copyfileobj(response, f, 1 << 20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,22 +142,21 @@ def _gunzip_cached(path: str) -> str:
             raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
                              f"away, or set --config.data.path={raw} to read it instead")
     expected = _checksum(raw)
-    tmp = raw + part_suffix(raw)
     try:
         digest = hashlib.sha256()
-        with gzip.open(path, "rb") as src, open(tmp, "wb") as out:
+        with atomic_write(raw, "wb", part_suffix(raw)) as out, gzip.open(path, "rb") as src:
             while chunk := src.read(1 << 22):
                 digest.update(chunk)
                 out.write(chunk)
-        if expected is not None and digest.hexdigest() != expected[0]:
-            raise ValueError(f"{path} decompresses to bytes with sha256 {digest.hexdigest()[:12]}"
-                             f"..., {expected[1]} expects {expected[0][:12]}... for {raw}; "
-                             f"fetch {path} again (a file of this repository: git checkout -- "
-                             f"{path})")
-        # Vouched for before it appears, so another process never sees it unvouched (a rename
-        # keeps the size and mtime the key records).
-        vouch(raw, {**key, **file_key(tmp)})
-        os.replace(tmp, raw)
+            if expected is not None and digest.hexdigest() != expected[0]:
+                raise ValueError(f"{path} decompresses to bytes with sha256 "
+                                 f"{digest.hexdigest()[:12]}..., {expected[1]} expects "
+                                 f"{expected[0][:12]}... for {raw}; fetch {path} again (a file "
+                                 f"of this repository: git checkout -- {path})")
+            # Vouched for before it appears, so another process never sees it unvouched (the
+            # rename keeps the size and mtime the key records).
+            out.flush()
+            vouch(raw, {**key, **file_key(out.name)})
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
                          f"this repository: git checkout -- {path})") from e
@@ -170,9 +164,6 @@ def _gunzip_cached(path: str) -> str:
         raise write_error(raw, e, f"free some space or make the folder writable, or decompress "
                                   f"{path} elsewhere (gunzip -k) and set --config.data.path to "
                                   "the copy") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return raw
 
 
@@ -218,7 +209,6 @@ def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) 
     """Unzips `member` to `dest` via a checked temporary file; never replaces an existing file
     and never touches the archive. A damaged or wrong archive (or an unwritable folder) raises
     a one-line ValueError (OSError) that names it."""
-    tmp = dest + part_suffix(dest)
     fix = f"fetch {ENWIK8_URL} again (or unzip it yourself and set --config.data.path={dest})"
     try:
         with zipfile.ZipFile(zip_path) as z:
@@ -226,17 +216,16 @@ def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) 
                 raise ValueError(f"{zip_path} has no member {member!r} (it has "
                                  f"{z.namelist()[:5]}); {fix}")
             digest, n = hashlib.md5(), 0
-            with z.open(member) as src, open(tmp, "wb") as out:
+            with atomic_write(dest, "wb", part_suffix(dest)) as out, z.open(member) as src:
                 while chunk := src.read(1 << 22):
                     digest.update(chunk)
                     n += len(chunk)
                     out.write(chunk)
-        if n != size or digest.hexdigest() != md5:
-            raise ValueError(f"{zip_path}: member {member!r} has {n:,} bytes and MD5 "
-                             f"{digest.hexdigest()}, expected {size:,} and {md5}; {fix}")
-        if os.path.exists(dest):
-            raise FileExistsError(f"{dest} appeared while extracting; not replacing it")
-        os.replace(tmp, dest)
+                if n != size or digest.hexdigest() != md5:
+                    raise ValueError(f"{zip_path}: member {member!r} has {n:,} bytes and MD5 "
+                                     f"{digest.hexdigest()}, expected {size:,} and {md5}; {fix}")
+                if os.path.exists(dest):
+                    raise FileExistsError(f"{dest} appeared while extracting; not replacing it")
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
         raise ValueError(f"{zip_path} is damaged or not a zip archive ({e}); {fix}") from e
     except OSError as e:
@@ -245,9 +234,6 @@ def _extract_member(zip_path: str, member: str, dest: str, size: int, md5: str) 
         raise OSError(e.errno, f"cannot unzip {zip_path} to {dest} ({e.strerror or e}); free "
                                "space or make the folder writable, or unzip it elsewhere and set "
                                "--config.data.path to the raw file") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def load_enwik8(path: str, *, download: bool = False, expected_size: int | None = None,

@@ -20,7 +20,7 @@ from conftest import (
     one_line_error,
 )
 from sparse_jax import data as D
-from sparse_jax import sources
+from sparse_jax import files, sources
 
 # ---------------------------------------------------------------------------------------------
 # enwik8 and byte files.
@@ -227,6 +227,9 @@ def test_full_disk_while_decompressing_is_one_line_and_the_next_load_succeeds(tm
         def __exit__(self, *exc):
             self.f.close()
 
+        def __getattr__(self, name):  # flush, fileno, name
+            return getattr(self.f, name)
+
         def write(self, data):
             if len(data) > self.left:
                 self.f.write(data[:self.left])
@@ -239,7 +242,7 @@ def test_full_disk_while_decompressing_is_one_line_and_the_next_load_succeeds(tm
         f = real_open(path, mode, *args, **kwargs)
         return FullAfter(f, 1 << 18) if "w" in mode else f
 
-    monkeypatch.setattr(sources, "open", opener, raising=False)
+    monkeypatch.setattr(files, "open", opener, raising=False)  # what atomic_write opens
     one_line_error(OSError, lambda: sources.load_bytes(gz), tmp_path / "text.txt",
                    "the disk is full", "free some space", "--config.data.path")
     after = files_in(tmp_path)
