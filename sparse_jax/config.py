@@ -27,6 +27,7 @@ import ml_collections
 
 from sparse_jax import data as data_lib
 from sparse_jax import logs
+from sparse_jax.data import Stage
 from sparse_jax.files import append_line, atomic_write, writing
 from sparse_jax.model import ModelConfig, model_config
 
@@ -73,33 +74,40 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     return cfg
 
 
-def context_stages(config, cfg: ModelConfig | None = None) -> tuple[tuple[int, int, int], ...]:
-    """config.context_stages as ((until_step, seq_len, batch_size), ...), checked (ValueError):
-    until_step increasing within (0, total_steps), seq_len within [1, model.seq_len), batch
-    sizes as batch_size's rules (a positive multiple of grad_accum and of the processes)."""
+def context_stages(config, cfg: ModelConfig | None = None) -> tuple[Stage, ...]:
+    """config.context_stages as `Stage`s (until, seq_len, batch_size), checked (ValueError, one
+    line that shows the expected form): until increasing within (0, total_steps), seq_len
+    within [1, model.seq_len), batch sizes as batch_size's rules (a positive multiple of
+    grad_accum and of the processes)."""
     cfg = cfg or model_config(config.model)
-    stages = tuple(tuple(s) for s in (config.get("context_stages") or ()))
-    previous = 0
-    for stage in stages:
-        if len(stage) != 3 or not all(isinstance(x, int) and x > 0 for x in stage):
+    given = config.get("context_stages") or ()
+    form = "a tuple of (until_step, seq_len, batch_size), e.g. ((2000, 256, 16),)"
+    if not isinstance(given, (tuple, list)):
+        raise ValueError(f"config.context_stages={given!r} is not {form}")
+    stages, previous = [], 0
+    for stage in given:
+        if not (isinstance(stage, (tuple, list)) and len(stage) == 3 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in stage)):
             raise ValueError(f"config.context_stages: {stage!r} is not (until_step, seq_len, "
-                             "batch_size) of positive integers")
-        until, seq_len, batch = stage
-        if not previous < until < config.total_steps:
-            raise ValueError(f"config.context_stages: until_step {until} must lie after "
+                             f"batch_size) of positive integers; the field is {form}")
+        stage = Stage(*stage)
+        if not previous < stage.until < config.total_steps:
+            raise ValueError(f"config.context_stages: until_step {stage.until} must lie after "
                              f"{previous} and before total_steps={config.total_steps}")
-        if seq_len >= cfg.seq_len:
-            raise ValueError(f"config.context_stages: seq_len {seq_len} must be below "
+        if stage.seq_len >= cfg.seq_len:
+            raise ValueError(f"config.context_stages: seq_len {stage.seq_len} must be below "
                              f"model.seq_len={cfg.seq_len} (the context of the last stage)")
-        if batch % config.optimizer.grad_accum or batch % jax.process_count():
-            raise ValueError(f"config.context_stages: batch_size {batch} must be divisible by "
-                             f"optimizer.grad_accum={config.optimizer.grad_accum} and the "
-                             f"{jax.process_count()} processes")
-        previous = until
+        if stage.batch_size % config.optimizer.grad_accum or \
+                stage.batch_size % jax.process_count():
+            raise ValueError(f"config.context_stages: batch_size {stage.batch_size} must be "
+                             f"divisible by optimizer.grad_accum={config.optimizer.grad_accum} "
+                             f"and the {jax.process_count()} processes")
+        stages.append(stage)
+        previous = stage.until
     if stages and data_lib.data_config(config.data).is_image:
         raise ValueError("config.context_stages: shorter windows need a byte stream, not "
                          f"images (data.name={config.data.name!r}); set context_stages=()")
-    return stages
+    return tuple(stages)
 
 
 def flat(config) -> dict:

@@ -194,6 +194,16 @@ def _image_rows(images: np.ndarray) -> dict[str, np.ndarray]:
 # Training iterators.
 
 
+class Stage(NamedTuple):
+    """A context stage of a training run: the steps before `until` (those not in an earlier
+    stage) read `batch_size` windows of `seq_len`. `config.context_stages` spells them in this
+    order; `sparse_jax.train` appends the full context until total_steps."""
+
+    until: int
+    seq_len: int
+    batch_size: int
+
+
 class StepIterator:
     """An iterator whose batch at step k is `self.batch_at(k)`: its state is (seed, step)."""
 
@@ -250,6 +260,7 @@ class StagedBatches(StepIterator):
     (seed, k), so the state stays (seed, step) and a resume lands in the right stage."""
 
     def __init__(self, stages: list[tuple[int, StepIterator]], last: StepIterator):
+        """`stages`: (until, the iterator of the steps before until), in step order."""
         super().__init__(last.seed)
         self.stages, self.last = stages, last
 
@@ -319,20 +330,21 @@ class Dataset:
     min_eval: ClassVar[int]  # the fewest items of a split that can be scored
 
     def train_batches(self, batch_size: int, state: dict | None = None,
-                      stages: tuple = ()) -> StepIterator:
+                      stages: tuple[Stage, ...] = ()) -> StepIterator:
         """Endless per-process batches; `.get_state()` / `.set_state()` checkpoint the position.
 
-        `stages`: ((until_step, seq_len, batch_size), ...), the training run's
-        `context_stages` with per-process batch sizes: steps before `until_step` read windows
-        of `seq_len` (byte streams only), the rest full windows of `batch_size`."""
+        `stages`: the training run's context stages (`Stage`: until, seq_len, batch_size) with
+        per-process batch sizes: steps before `until` read windows of `seq_len` (byte streams
+        only), the rest full windows of `batch_size`."""
         it = self._train_iterator(batch_size)
         if stages:
             if self.items != "bytes":
                 raise ValueError(f"context stages need a byte stream; {self.source} holds "
                                  f"{self.items}: set --config.context_stages=()")
-            it = StagedBatches([(until, ByteWindows(
-                self.splits["train"], n, b, self.seed, self.process_index, self.process_count))
-                for until, n, b in stages], it)
+            it = StagedBatches([(stage.until, ByteWindows(
+                self.splits["train"], stage.seq_len, stage.batch_size, self.seed,
+                self.process_index, self.process_count)) for stage in map(Stage._make, stages)],
+                it)
         if state is not None:
             it.set_state(state)
         return it

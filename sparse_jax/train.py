@@ -43,6 +43,7 @@ from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax import workdir as workdir_lib
+from sparse_jax.data import Stage
 from sparse_jax.logs import Logger, Profiler, duration
 from sparse_jax.model import ModelConfig, loss_bits
 from sparse_jax.optim import state_builders
@@ -58,7 +59,7 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     """The ("data", "fsdp") mesh of config.mesh over all devices (see `sparse_jax.sharding`)."""
     mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp)
     batches = {"batch_size": config.batch_size}
-    batches.update({f"context_stages[{i}] batch_size": b for i, (_, _, b) in
+    batches.update({f"context_stages[{i}] batch_size": stage.batch_size for i, stage in
                     enumerate(config_lib.context_stages(config))})
     for name, batch in batches.items():
         micro = batch // config.optimizer.grad_accum
@@ -70,25 +71,26 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     return mesh
 
 
-def stage_shapes(config, cfg: ModelConfig) -> list[tuple[int, int, int]]:
-    """[(until_step, batch_size, seq_len), ...] of the run: its context stages, then the full
-    context until total_steps."""
-    return ([(until, b, n) for until, n, b in config_lib.context_stages(config, cfg)]
-            + [(config.total_steps, config.batch_size, cfg.seq_len)])
+def run_stages(config, cfg: ModelConfig) -> list[Stage]:
+    """The run's context stages (`config_lib.context_stages`), then the full context until
+    total_steps: every step lies in one of them."""
+    return [*config_lib.context_stages(config, cfg),
+            Stage(config.total_steps, cfg.seq_len, config.batch_size)]
 
 
-def tokens_left(shapes: list[tuple[int, int, int]], step: int) -> int:
-    """Tokens of the steps from `step` on (`shapes`: `stage_shapes`): at the current tokens per
+def tokens_left(stages: list[Stage], step: int) -> int:
+    """Tokens of the steps from `step` on (`stages`: `run_stages`): at the current tokens per
     second, the time left (a step of a later, longer stage costs about its tokens' worth)."""
-    starts = [0] + [until for until, _, _ in shapes[:-1]]
-    return sum(max(0, until - max(step, start)) * b * n
-               for start, (until, b, n) in zip(starts, shapes))
+    starts = [0] + [stage.until for stage in stages[:-1]]
+    return sum(max(0, s.until - max(step, start)) * s.batch_size * s.seq_len
+               for start, s in zip(starts, stages))
 
 
-def tokens_at(shapes: list[tuple[int, int, int]], step: int) -> int:
-    """Tokens of the batch that trains step `step` (0-based; `shapes`: `stage_shapes`); the
-    full context from total_steps on, where a finished run resumes."""
-    return next((b * n for until, b, n in shapes if step < until), shapes[-1][1] * shapes[-1][2])
+def tokens_at(stages: list[Stage], step: int) -> int:
+    """Tokens of the batch that trains step `step` (0-based; `stages`: `run_stages`); the full
+    context from total_steps on, where a finished run resumes."""
+    stage = next((s for s in stages if step < s.until), stages[-1])
+    return stage.batch_size * stage.seq_len
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +209,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         workdir_lib.check_data(workdir, config.data, dataset)  # the same data on resume
         processes = jax.process_count()
         iterator = dataset.train_batches(config.batch_size // processes, stages=tuple(
-            (until, n, b // processes) for until, n, b in config_lib.context_stages(config, cfg)))
+            stage._replace(batch_size=stage.batch_size // processes)
+            for stage in config_lib.context_stages(config, cfg)))
         if primary and changes is None:
             config_lib.write_record(workdir, config)
         return _run(config, cfg, mesh, dataset, iterator, workdir, changes)
@@ -239,7 +242,7 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
     rng = jax.random.wrap_key_data(jax.make_array_from_process_local_data(replicated, key_data))
 
     log = Logger(workdir, step, config.total_steps)
-    shapes = stage_shapes(config, cfg)  # (until_step, batch_size, seq_len) of each stage
+    stages = run_stages(config, cfg)
     profiler = Profiler(workdir, config.profile_steps, step)  # traces of chosen steps, if any
     params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     log.print(f"{'Resuming from step ' + str(step) if resuming else 'Starting'} in {workdir}: "
@@ -248,8 +251,8 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
               f"({sharding_lib.per_device_bytes(abstract, dict(mesh.shape)) / 2**20:,.1f} MiB "
               f"of parameters and optimizer state per device), "
               f"batch {config.batch_size} x {cfg.seq_len}" + "".join(
-                  f" (steps < {until}: {b} x {n})" for until, b, n in shapes[:-1]))
-    tokens_per_step = tokens_at(shapes, step)
+                  f" (steps < {s.until}: {s.batch_size} x {s.seq_len})" for s in stages[:-1]))
+    tokens_per_step = tokens_at(stages, step)
     result = {"step": step, "valid_bits": None, "best_valid_bits": best, "interrupted": None}
     pending = None  # (step, metrics) of the last dispatched step, not yet fetched
     clock = {"time": time.time(), "steps": 0}  # throughput since the last log
@@ -283,7 +286,7 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                 if pending is not None:
                     fetch(pending)  # step n - 1, while step n runs
                 step, pending = step + 1, (step + 1, metrics)
-                tokens_per_step = tokens_at(shapes, step - 1)
+                tokens_per_step = tokens_at(stages, step - 1)
                 profiler.step(step, state)
                 clock["steps"] += 1
                 log.progress(step, tokens_per_step)
@@ -301,7 +304,7 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
                     row = {"bits": window["bits"] / n, "grad_norm": window["grad_norm"] / n,
                            "lr": lr, "steps_per_s": speed, "tokens_per_s": speed * tokens_per_step}
                     log.write(step, "train", row)
-                    eta = tokens_left(shapes, step) / max(row["tokens_per_s"], 1e-9)
+                    eta = tokens_left(stages, step) / max(row["tokens_per_s"], 1e-9)
                     log.print(f"step {step}/{config.total_steps}  train {row['bits']:.4f} bits  "
                               f"lr {lr:.2e}  grad norm {row['grad_norm']:.3f}  {speed:.2f} steps/s"
                               f"  {row['tokens_per_s']:,.0f} tok/s  ETA {duration(eta)}")

@@ -22,6 +22,7 @@ from sparse_jax import config as config_lib
 from sparse_jax import data as D
 from sparse_jax import files, optim, sources, train
 from sparse_jax import workdir as workdir_lib
+from sparse_jax.data import Stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -174,11 +175,12 @@ def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, c
     rows = [r for r in read_metrics(workdir) if r["split"] == "train"]
     per_step = [r["tokens_per_s"] / r["steps_per_s"] for r in rows]
     assert per_step == pytest.approx([128] * 3 + [256] * 3)
-    shapes = train.stage_shapes(config, config_lib.check_config(config))
-    assert shapes == [(3, 8, 16), (6, 4, 64)]
-    assert [train.tokens_left(shapes, s) for s in (0, 2, 3, 6)] == [
+    stages = train.run_stages(config, config_lib.check_config(config))
+    assert stages == [Stage(until=3, seq_len=16, batch_size=8), Stage(6, 64, 4)]
+    assert config_lib.context_stages(config) == (stages[0],)  # one spelling: (until, n, batch)
+    assert [train.tokens_left(stages, s) for s in (0, 2, 3, 6)] == [
         3 * 128 + 3 * 256, 128 + 3 * 256, 3 * 256, 0]  # the ETA's work left
-    assert [train.tokens_at(shapes, s) for s in (0, 2, 3, 5, 6)] == [128, 128, 256, 256, 256]
+    assert [train.tokens_at(stages, s) for s in (0, 2, 3, 5, 6)] == [128, 128, 256, 256, 256]
     plain = str(tmp_path / "plain")  # the same run at the full context throughout
     train.train(get_config("quickstart", "data=embedded", **{
         **TINY_TEXT, "total_steps": 6, "log_every": 1, "keep_checkpoints": 10}), plain)
@@ -203,6 +205,10 @@ def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, c
     (((2, 64, 8),), "seq_len 64 must be below model.seq_len=64"),
     (((2, 16, 3),), "batch_size 3 must be divisible by"),
     (((2, 16),), "is not (until_step, seq_len, batch_size)"),
+    ((2, 16, 8), "2 is not (until_step, seq_len, batch_size) of positive integers; the field "
+                 "is a tuple of (until_step, seq_len, batch_size), e.g. ((2000, 256, 16),)"),
+    (((2, 16.0, 8),), "(2, 16.0, 8) is not (until_step, seq_len, batch_size)"),
+    (((True, 16, 8),), "(True, 16, 8) is not (until_step, seq_len, batch_size)"),
     (((2, 16, 8), (2, 32, 8)), "until_step 2 must lie after 2"),
 ])
 def test_bad_context_stages_are_refused_before_anything_runs(tmp_path, stages, message):
