@@ -21,6 +21,9 @@ from sparse_jax.sharding import define_distributed_flags
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to score.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a step number.")
+_ATTENTION = flags.DEFINE_enum("attention", None, ["xla", "native", "pallas", "auto"],
+                               "Attention implementation to read the run with (default: the "
+                               "run's, or XLA where its CPU kernels cannot be built here).")
 _MIN_CONTEXT = flags.DEFINE_integer("min_context", None, "Bytes: score only positions with at "
                                     "least this much context (overlapping windows).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per forward pass over all "
@@ -38,7 +41,8 @@ def main(argv):
     from sparse_jax import evaluate
 
     result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
-                               _MIN_CONTEXT.value, _BATCH_SIZE.value, overwrite=_OVERWRITE.value)
+                               _MIN_CONTEXT.value, _BATCH_SIZE.value, attention=_ATTENTION.value,
+                               overwrite=_OVERWRITE.value)
     print(evaluate.format_table(result))
     print("\nBy position in the window (position j sees j + 1 bytes of context):\n"
           + evaluate.format_positions(result))

@@ -12,6 +12,8 @@ Images: DIR/samples/<step>_seed<S>.png, or with --complete=N the bottom halves o
 (originals, the top halves shown, completions): DIR/samples/<step>_complete_<split>_seed<S>.png.
 --output sets the path. The same --seed gives the same samples. Decoding uses a pattern-aware
 key/value cache: each new byte costs O(|S_i| d) per layer, not a forward pass over the context.
+--attention reads the run with another attention implementation (default: the run's, or XLA
+where its CPU kernels cannot run here).
 """
 
 from absl import app, flags
@@ -33,6 +35,9 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", "latest", "latest | best | a ste
 _COMPLETE = flags.DEFINE_integer("complete", 0, "Images: complete the bottom halves of N "
                                  "images (e.g. 8) of --split from their top halves.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Images for --complete.")
+_ATTENTION = flags.DEFINE_enum("attention", None, ["xla", "native", "pallas", "auto"],
+                               "Attention implementation to read the run with (default: the "
+                               "run's, or XLA where its CPU kernels cannot be built here).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing output file.")
 flags.mark_flags_as_required(["workdir"])
 
@@ -47,7 +52,7 @@ def main(argv):
         top_k=_TOP_K.value, top_p=_TOP_P.value, prompt=_PROMPT.value,
         prompt_file=_PROMPT_FILE.value, seed=_SEED.value, output=_OUTPUT.value,
         checkpoint=_CHECKPOINT.value, complete=_COMPLETE.value, split=_SPLIT.value,
-        overwrite=_OVERWRITE.value)
+        attention=_ATTENTION.value, overwrite=_OVERWRITE.value)
     if not result["image"]:
         for k, text in enumerate(result["samples"]):
             print(f"===== sample {k + 1} =====")

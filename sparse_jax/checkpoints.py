@@ -40,6 +40,7 @@ from flax import nnx
 from sparse_jax import config as config_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax import workdir as workdir_lib
+from sparse_jax.logs import warn
 from sparse_jax.model import SparseTransformer, model_config
 
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"  # set (not 0): keep Orbax's logs of failed writes
@@ -199,13 +200,6 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
-def warn(message: str) -> None:
-    """One `warning:` line on stderr (process 0 only)."""
-    if jax.process_index() == 0:
-        sys.stderr.write(f"warning: {message}\n")
-        sys.stderr.flush()
-
-
 def restore_newest(mgr, args) -> tuple[int, dict, list[tuple[int, str]]]:
     """(step, restored, damaged): `args` (an `ocp.args.Composite`) restored from the newest
     checkpoint that can be read, and [(step, reason)] of the newer ones that cannot (nothing is
@@ -271,7 +265,7 @@ def _placed(pure, mesh):
                         pure, shardings)
 
 
-def restore_model(workdir: str, checkpoint="latest", mesh=None):
+def restore_model(workdir: str, checkpoint="latest", mesh=None, attention: str | None = None):
     """(model, config, step): the run's config and the parameters of one checkpoint.
 
     Only the `params` item is read (never the optimizer state). Safe beside a run that is
@@ -279,11 +273,12 @@ def restore_model(workdir: str, checkpoint="latest", mesh=None):
     and past one that the run's rotation removes while it is read (`restore_newest`). With a
     `mesh` ("data", "fsdp" axes), the parameters land sharded as in training
     (`sparse_jax.sharding`: split over "fsdp", copied over "data"); without one, whole on this
-    process's first device.
+    process's first device. The model attends with `attention`, or as chosen for this machine
+    (`config_lib.for_this_machine`).
     """
     workdir_lib.check_workdir(workdir)
     checkpoint = parse_checkpoint(checkpoint)
-    config = config_lib.read_record(workdir)
+    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
     cfg = model_config(config.model)
     mgr = manager(workdir)
     try:

@@ -27,6 +27,7 @@ import ml_collections
 
 from sparse_jax import data as data_lib
 from sparse_jax import logs
+from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.data import Stage
 from sparse_jax.files import append_line, atomic_write, writing
 from sparse_jax.model import ModelConfig, model_config
@@ -163,6 +164,30 @@ def read_record(workdir: str) -> ml_collections.ConfigDict:
     tuples = lambda d: {k: tuples(v) if isinstance(v, dict) else  # noqa: E731
                         tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return ml_collections.ConfigDict(tuples(raw))
+
+
+def for_this_machine(config: ml_collections.ConfigDict,
+                     attention: str | None = None) -> ml_collections.ConfigDict:
+    """A run's recorded config (`read_record`) with the attention implementation chosen where it
+    is read (evaluation, sampling): every implementation computes the same numbers, so it is a
+    property of the reading machine, not of the run. `attention` (xla | native | pallas | auto)
+    when given; else the recorded one, except that a run trained with "native" (the CPU kernels)
+    where they cannot run (no compiler, not a CPU) is read with "auto" (XLA on a CPU), and a
+    `warning:` line says so. `config` is changed in place and returned."""
+    if attention is not None:
+        if attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={attention!r} must be one of {list(IMPLEMENTATIONS)}")
+        config.model.attention = attention
+    elif config.model.get("attention") == "native":
+        try:
+            resolve_implementation("native")
+        except (ValueError, OSError) as e:
+            config.model.attention = "auto"
+            logs.warn(f"this run trained with attention='native' (the CPU kernels), which "
+                      f"cannot run here ({str(e).splitlines()[0]}); reading it with "
+                      f"attention='{resolve_implementation('auto')}', which computes the same "
+                      "numbers (--attention= chooses)")
+    return config
 
 
 def resume_changes(saved, config, workdir: str) -> dict[str, tuple]:

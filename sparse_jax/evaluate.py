@@ -166,10 +166,13 @@ def result_path(workdir: str, split: str, step: int, min_context: int | None) ->
 
 def evaluate(workdir: str, split: str = "test", checkpoint="latest",
              min_context: int | None = None, batch_size: int | None = None, *,
-             progress: bool = True, write: bool = True, overwrite: bool = False) -> dict:
+             attention: str | None = None, progress: bool = True, write: bool = True,
+             overwrite: bool = False) -> dict:
     """Bits per byte / dim of one checkpoint over the whole `split`; see the module docstring.
 
     batch_size: sequences per forward pass over all devices (default: the training batch).
+    attention: the attention implementation to read the run with (default: the recorded one,
+    or as `config_lib.for_this_machine` chooses where that cannot run here).
     Returns the result dict (also written to `result_path(...)` if `write`; an existing result
     is replaced only with `overwrite`).
     """
@@ -178,7 +181,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     checkpoint = checkpoints.parse_checkpoint(checkpoint)
     if split not in data_lib.SPLITS:
         raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
-    config = config_lib.read_record(workdir)
+    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
     cfg = model_config(config.model)
     batch_size = config.batch_size if batch_size is None else batch_size
     devices, processes = jax.device_count(), jax.process_count()
@@ -203,7 +206,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
     mesh = eval_mesh(config, devices)
     batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
-    model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh)
+    model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh, cfg.attention)
     check_output(step)  # again: a damaged checkpoint may have fallen back to another step
     graphdef, params = nnx.split(model)
     eval_step = _eval_step(graphdef, batch_sharding)

@@ -33,6 +33,13 @@ AGAIN = ("free some space and run the same command again (it resumes from the la
          "checkpoint)")  # what to do when a log cannot be written
 
 
+def warn(message: str) -> None:
+    """One `warning:` line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        sys.stderr.write(f"warning: {message}\n")
+        sys.stderr.flush()
+
+
 def duration(seconds: float) -> str:
     """"m:ss", or "h:mm:ss" from an hour on; "?" when unknown (NaN or infinite)."""
     if not math.isfinite(seconds):

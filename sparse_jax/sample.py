@@ -111,7 +111,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            prompt: str | bytes | None = None, prompt_file: str | None = None, seed: int = 0,
            output: str | None = None, checkpoint="latest", complete: int = 0,
-           split: str = "test", overwrite: bool = False) -> dict:
+           split: str = "test", attention: str | None = None, overwrite: bool = False) -> dict:
     """Samples from a checkpoint of the run in ``workdir`` and writes them (module docstring);
     an existing output file is replaced only with ``overwrite``.
 
@@ -119,7 +119,8 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     as fit). Images: ``num_samples`` whole images, or with ``complete=N`` the bottom halves of N
     images of ``split`` spread evenly over it (``picked``). Returns {"samples", "path", "step",
     "seconds", ...}: samples are bytes (prompt included) or uint8 images [N, rows, columns,
-    channels].
+    channels]. ``attention``: the implementation to read the run with (default: the recorded
+    one, or as ``config_lib.for_this_machine`` chooses where that cannot run here).
     """
     # Every argument is checked before parameters or data are read.
     workdir_lib.check_workdir(workdir)
@@ -128,7 +129,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, "
                              f"got {value!r}")
-    config = config_lib.read_record(workdir)
+    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
     cfg, data_cfg = model_lib.model_config(config.model), data_lib.data_config(config.data)
     check_sampling(temperature, top_k, top_p, cfg.vocab_size)
     image = data_cfg.is_image
@@ -156,7 +157,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         return output or os.path.join(workdir, "samples", name)
 
     workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite)
-    model, config, step = checkpoints.restore_model(workdir, checkpoint)
+    model, config, step = checkpoints.restore_model(workdir, checkpoint, attention=cfg.attention)
     path = output_path(step)
     workdir_lib.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
     settings = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -298,3 +298,45 @@ def test_folders_of_killed_builds_are_removed_by_the_next_build(tmp_path, monkey
     library.unlink()
     native.build(tmp_path)
     assert len(builds) == 1 and not any(p.exists() for p in leftovers) and alive.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementation is chosen where a run is read.
+
+
+def test_a_native_run_is_read_with_xla_where_the_kernels_cannot_run(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A run trained with attention='native', evaluated and sampled on a machine where the
+    kernels cannot be built: read with XLA (a warning line says so), the same bits; the
+    `attention` argument (the scripts' --attention) chooses, and a bad choice is one line."""
+    from sparse_jax import evaluate as E
+    from sparse_jax import sample as S
+    from sparse_jax import train
+    from test_train import TINY_TEXT, get_config
+
+    workdir = str(tmp_path / "run")
+    train.train(get_config("quickstart", "data=embedded", **{
+        **TINY_TEXT, "model__d_model": 32, "model__attention": "native"}), workdir)
+    here = E.evaluate(workdir, "valid", progress=False, write=False)
+    capsys.readouterr()
+
+    def no_compiler():
+        raise native.NativeUnavailable("no C++ compiler found for the CPU kernels: install one")
+
+    monkeypatch.setattr(native, "_load", no_compiler)
+    monkeypatch.setattr(native, "available", lambda: False)
+    there = E.evaluate(workdir, "valid", progress=False, write=False)
+    err = capsys.readouterr().err
+    assert "warning: this run trained with attention='native'" in err, err
+    assert "no C++ compiler" in err and "reading it with attention='xla'" in err
+    assert there["bits"] == pytest.approx(here["bits"], abs=1e-5)
+    chosen = E.evaluate(workdir, "valid", progress=False, write=False, attention="xla")
+    assert chosen["bits"] == there["bits"] and "warning" not in capsys.readouterr().err
+    result = S.sample(workdir, 1, 8, output=str(tmp_path / "sample.txt"))
+    assert len(result["samples"][0]) == 1 + 8
+    with pytest.raises(ValueError, match="attention='native': no C\\+\\+ compiler"):
+        E.evaluate(workdir, "valid", write=False, attention="native")
+    with pytest.raises(ValueError, match="attention='cuda' must be one of"):
+        S.sample(workdir, 1, 8, attention="cuda")
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert '"attention": "native"' in f.read()  # the record is left as trained
