@@ -59,18 +59,41 @@ IMPLEMENTATIONS = ("xla", "native", "pallas", "auto")
 _NEG = -1e30  # finite "minus infinity" for masked scores: no NaN in values or gradients
 _FLOOR = -1e20  # floor of a row maximum: exp(_NEG - _FLOOR) == 0 even for a row with no key
 
+_AXES = ("batch", "seq", "heads", "head_dim")
+
+
+def _check_array(name: str, x, axes: tuple[str, ...]) -> None:
+    """ValueError naming `name` unless `x` is a floating-point array of rank len(axes) with no
+    axis of size 0 (which would divide by zero or reduce nothing further on)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"{name} must be an array [{', '.join(axes)}], got "
+                         f"{type(x).__name__}")
+    if x.ndim != len(axes):
+        raise ValueError(f"{name} must be [{', '.join(axes)}] (rank {len(axes)}); got shape "
+                         f"{tuple(x.shape)}")
+    for i, (axis, size) in enumerate(zip(axes, x.shape)):
+        if size == 0:
+            raise ValueError(f"{name} has size 0 along axis {i} ({axis}): shape "
+                             f"{tuple(x.shape)}; every axis needs at least 1")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be floating point, got {x.dtype}")
+
+
 def _check_qkv(q, k, v):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if hasattr(x, "ndim") and x.ndim != 4:
+            raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                             if all(hasattr(y, "shape") for y in (q, k, v)) else
+                             f"{name} must be [batch, seq, heads, head_dim]; got shape "
+                             f"{tuple(x.shape)}")
+        _check_array(name, x, _AXES)
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape, got {q.shape} and {k.shape}")
     if v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must match q in [batch, seq, heads], got {v.shape} vs {q.shape}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +116,15 @@ def dense_attention(q, k, v, mask):
     (``mask[..., i, j]``: query i may attend key j). Rows with no key give zeros.
     """
     _check_qkv(q, k, v)
+    mask = jnp.asarray(mask, dtype=bool)
+    batch, n, heads, _ = q.shape
+    try:
+        jnp.broadcast_shapes(mask.shape, (batch, heads, n, n))
+    except ValueError:
+        raise ValueError(f"mask of shape {mask.shape} does not broadcast to [batch, heads, n, n] "
+                         f"= {(batch, heads, n, n)}") from None
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    probs, total = _masked_exp(scores / math.sqrt(q.shape[-1]), jnp.asarray(mask, dtype=bool))
+    probs, total = _masked_exp(scores / math.sqrt(q.shape[-1]), mask)
     probs = probs / jnp.maximum(total, 1e-30)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32))
     return out.astype(q.dtype)
@@ -123,6 +153,9 @@ def decode_attention(q_BHD, k_BKHD, v_BKHD, valid):
     input dtype, so a step rounds as its row of the full pass does. Returns [B, H, dv] in q's
     dtype; zeros for a query with no valid key.
     """
+    _check_array("q", q_BHD, ("batch", "heads", "head_dim"))
+    _check_array("k", k_BKHD, ("batch", "keys", "heads", "head_dim"))
+    _check_array("v", v_BKHD, ("batch", "keys", "heads", "value_dim"))
     q_BHD = q_BHD * jnp.asarray(1.0 / math.sqrt(q_BHD.shape[-1]), q_BHD.dtype)
     scores = jnp.einsum("bhd,bkhd->bhk", q_BHD, k_BKHD, preferred_element_type=jnp.float32)
     probs, total = _masked_exp(scores, valid)
@@ -654,6 +687,9 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     _check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):
         raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
+    if block_sizes is not None and not isinstance(block_sizes, kernel.BlockSizes):
+        raise ValueError(f"block_sizes must be a kernel.BlockSizes or None, got "
+                         f"{type(block_sizes).__name__}")
     implementation = resolve_implementation(implementation)
     batch, seq_len, heads, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -692,6 +728,9 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
 
 def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla"):
     """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``."""
+    _check_qkv(q, k, v)
+    if not specs:
+        raise ValueError("specs must hold at least one PatternSpec, got none")
     heads = q.shape[2]
     if heads % len(specs):
         raise ValueError(f"{heads} heads cannot be split evenly into {len(specs)} groups "

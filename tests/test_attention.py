@@ -1,6 +1,8 @@
 """Block-sparse attention against the dense masked reference, forward and gradients; the decoding
 step; the NNX attention layer."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,3 +334,39 @@ def test_bad_inputs():
                                                       "multihead", distinct_summaries=True)[:3])
     with pytest.raises(ValueError, match="divisible"):
         SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "native"])
+@pytest.mark.parametrize("name,shapes,message", [
+    ("batch", [(0, 16, 2, 16)] * 3, "q has size 0 along axis 0 (batch)"),
+    ("seq", [(1, 0, 2, 16)] * 3, "q has size 0 along axis 1 (seq)"),
+    ("heads", [(1, 16, 0, 16)] * 3, "q has size 0 along axis 2 (heads)"),
+    ("head_dim", [(1, 16, 2, 0)] * 3, "q has size 0 along axis 3 (head_dim)"),
+    ("value_dim", [(1, 16, 2, 16)] * 2 + [(1, 16, 2, 0)], "v has size 0 along axis 3"),
+])
+def test_zero_sizes_name_the_argument_and_axis(implementation, name, shapes, message):
+    """Zero-size arrays used to end in a ZeroDivisionError or an empty max() deep inside."""
+    q, k, v = (jnp.ones(s) for s in shapes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        A.sparse_attention(q, k, v, PatternSpec("strided", stride=4), implementation)
+
+
+def test_other_bad_arguments_of_the_public_functions():
+    spec = PatternSpec("strided", stride=4)
+    q, k, v = qkv((1, 16, 2, 8))
+    for call, message in [
+        (lambda: A.sparse_attention([[1.0]], k, v, spec), "q must be an array"),
+        (lambda: A.sparse_attention(q, k, v, spec, block_sizes="big"), "block_sizes must be"),
+        (lambda: A.multi_spec_attention(q, k, v, []), "at least one PatternSpec"),
+        (lambda: A.multi_spec_attention(q[0], k[0], v[0], [spec, spec]),
+         r"got shapes \(16, 2, 8\)"),  # the shapes given, not those of a head group
+        (lambda: A.dense_attention(q, k, v, jnp.ones((3, 3), bool)), "mask of shape"),
+        (lambda: A.dense_attention(q[:, :0], k[:, :0], v[:, :0], jnp.ones((0, 0), bool)),
+         r"along axis 1 \(seq\)"),
+        (lambda: A.decode_attention(q[:, 0], k[:, :, 0], v, jnp.ones((1, 2, 16), bool)),
+         r"k must be \[batch, keys, heads, head_dim\]"),
+        (lambda: A.decode_attention(q[:, 0], k[:, :0], v[:, :0], jnp.ones((1, 2, 0), bool)),
+         r"k has size 0 along axis 1 \(keys\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
