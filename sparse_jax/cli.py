@@ -19,6 +19,9 @@ allocates a step's buffers afresh on every call, and glibc maps blocks over 32 M
 and unmaps them on free, so every step touched them page by page again: ~390,000 page faults per
 training step at context 1,024, a third of the step. With 2 MB pages a step takes ~1,700 and runs
 1.5x faster (docs/benchmarks/training). Set SPARSE_JAX_HUGE_PAGES=0 to run without.
+
+The switches SPARSE_JAX_TRACEBACK and SPARSE_JAX_HUGE_PAGES take 1 or 0 (or are unset); any
+other value is one `error:` line before anything runs (`check_environment`), not a guess.
 """
 
 from __future__ import annotations
@@ -46,10 +49,28 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+SWITCHES = (TRACEBACK_ENV, HUGE_PAGES_ENV)  # environment variables that take 1 or 0
+
+
+def env_switch(name: str, default: bool, env=None) -> bool:
+    """The switch `name` of `env` (default: this process's environment): "1" on, "0" off, unset
+    or empty `default`; ValueError (one line naming it) for any other value."""
+    value = (os.environ if env is None else env).get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${name}={value!r} must be 1 or 0 (or unset); set it to one of them")
+    return default if value == "" else value == "1"
+
+
+def check_environment(env=None) -> None:
+    """ValueError for a malformed value of an environment variable the scripts read."""
+    for name in SWITCHES:
+        env_switch(name, False, env)
+
+
 def _tracebacks_wanted() -> bool:
     verbose = "verbosity" in flags.FLAGS and flags.FLAGS.is_parsed() \
         and flags.FLAGS["verbosity"].value >= 1
-    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0") or verbose
+    return env_switch(TRACEBACK_ENV, False) or verbose
 
 
 def fail(message: str, status: int = 1):
@@ -113,7 +134,7 @@ def huge_pages_env(env: dict | None = None) -> dict:
 
 
 def _huge_pages_supported(env: dict) -> bool:
-    if env.get(HUGE_PAGES_ENV, "") == "0" or not sys.platform.startswith("linux"):
+    if not env_switch(HUGE_PAGES_ENV, True, env) or not sys.platform.startswith("linux"):
         return False
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
@@ -138,6 +159,10 @@ def _restart_with_huge_pages() -> None:
 def run(main, huge_pages: bool = False) -> None:
     """`absl.app.run(main)` with the one error path of the module docstring; `huge_pages`:
     restart under `huge_pages_env` first."""
+    try:
+        check_environment()
+    except ValueError as e:
+        fail(str(e), 2)
     if huge_pages:
         _restart_with_huge_pages()
 

@@ -218,12 +218,21 @@ def initialize_distributed(coordinator_address: str | None = None,
     detects the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU). Without either it does nothing
     (one process). On CPU, cross-process collectives use gloo.
     """
-    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    named = "--coordinator_address"
+    if not coordinator_address and os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        coordinator_address, named = os.environ["JAX_COORDINATOR_ADDRESS"], \
+            "$JAX_COORDINATOR_ADDRESS"
     if not (auto or coordinator_address or num_processes or process_id is not None):
         return False
+    if coordinator_address:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{named}={coordinator_address!r} must be HOST:PORT (e.g. "
+                             "10.0.0.1:1234), the address of process 0")
     if coordinator_address and not auto and (num_processes is None or process_id is None):
-        raise ValueError("a coordinator address needs --num_processes and --process_id (or "
-                         "--jax_distributed to read them from the cluster launcher)")
+        raise ValueError(f"a coordinator address ({named}={coordinator_address}) needs "
+                         "--num_processes and --process_id (or --jax_distributed to read them "
+                         "from the cluster launcher)")
     if num_processes is not None and process_id is not None and \
             not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sparse_jax import cli
 
 
@@ -17,6 +19,29 @@ def test_huge_pages_env_adds_the_tunable_once_and_keeps_others(monkeypatch):
 
 def test_huge_pages_can_be_turned_off():
     assert cli.huge_pages_env({cli.HUGE_PAGES_ENV: "0"}) == {cli.HUGE_PAGES_ENV: "0"}
+
+
+def test_switches_take_1_or_0_and_refuse_anything_else():
+    """SPARSE_JAX_HUGE_PAGES=no used to leave huge pages on (only "0" turned them off), and
+    SPARSE_JAX_TRACEBACK=no turned tracebacks on."""
+    for name in cli.SWITCHES:
+        assert cli.env_switch(name, True, {}) is True and cli.env_switch(name, False, {}) is False
+        assert cli.env_switch(name, True, {name: "0"}) is False
+        assert cli.env_switch(name, False, {name: " 1"}) is True
+        for value in ("no", "false", "yes", "2", "off"):
+            with pytest.raises(ValueError, match=f"\\${name}='{value}' must be 1 or 0"):
+                cli.check_environment({name: value})
+
+
+def test_a_malformed_switch_is_one_line_before_anything_runs(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("from sparse_jax import cli\n"
+                      "cli.run(lambda argv: print('ran'), huge_pages=True)\n")
+    env = {**os.environ, cli.HUGE_PAGES_ENV: "no"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"error: ${cli.HUGE_PAGES_ENV}='no' must be 1 or 0 (or unset); set it to one of them"]
 
 
 def test_a_script_restarts_once_with_its_arguments(tmp_path):

@@ -114,6 +114,13 @@ def test_distributed_start_up_needs_size_and_rank(monkeypatch):
         S.initialize_distributed("127.0.0.1:1234")
     with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
         S.initialize_distributed("127.0.0.1:1234", 2, 2)
+    for address in ("garbage", "127.0.0.1", "127.0.0.1:port", ":1234", "host:70000"):
+        with pytest.raises(ValueError, match=f"--coordinator_address='{address}' must be "
+                                             "HOST:PORT"):
+            S.initialize_distributed(address, 2, 0)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "garbage")  # named as the variable
+    with pytest.raises(ValueError, match=r"\$JAX_COORDINATOR_ADDRESS='garbage' must be HOST:PORT"):
+        S.initialize_distributed()
 
 
 @pytest.mark.slow  # starts other processes
