@@ -94,6 +94,17 @@ def test_block_lists_keep_exactly_the_pattern(spec, seq_len, sizes):
     assert listed_pairs(spec, seq_len, sizes) == want
 
 
+@pytest.mark.parametrize("spec", LIST_SPECS + [PatternSpec("strided", stride=128),
+                                               PatternSpec("fixed", stride=128, c=32),
+                                               PatternSpec("dense")], ids=str)
+def test_mask_rule_is_the_pattern(spec):
+    """kernel.mask_rule (FlexAttention's mask_mod in the accelerator report) on index grids ==
+    the pattern's mask, at lengths below, at and past the block."""
+    for n in (1, 37, 300):
+        assert np.array_equal(K.mask_rule(spec)(np.arange(n)[:, None], np.arange(n)[None, :]),
+                              spec.mask(n))
+
+
 def test_block_lists_skip_the_strided_pattern():
     """The point of the layouts: at n = 16,384, l = 128 (keys per query ~ 2√n) the listed tiles
     are a few percent of the causal triangle (3.5%), and 2/3 of what they score is kept (a
