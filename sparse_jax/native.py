@@ -128,13 +128,24 @@ def vouched(library: Path, key: str) -> bool:
             and record.get("sha256") == hashlib.sha256(data).hexdigest())
 
 
+_DISK_FULL = ("No space left on device", "File too large", "File size limit exceeded",
+              "Disk quota exceeded")  # what a compiler or linker says when it cannot write
+
+
 def _compile(cxx: str, flags: list[str], out: Path) -> None:
-    """Compiles SOURCE to `out` (NativeUnavailable with the compiler's last words)."""
+    """Compiles SOURCE to `out` (NativeUnavailable with the compiler's last words, or saying
+    that the disk is full where they say so)."""
     result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
                             text=True)
     if result.returncode or not out.is_file():
-        raise NativeUnavailable(f"building {SOURCE.name} with {cxx} failed: "
-                                f"{result.stderr.strip()[-2000:]}")
+        words = " ".join(result.stderr.split())
+        full = [reason for reason in _DISK_FULL if reason in words]
+        if full:
+            cache_dir = out.parent.parent
+            raise NativeUnavailable(f"could not build the CPU kernels: the disk is full ({cxx} "
+                                    f"says: {full[0]}); free some space in {cache_dir} and the "
+                                    f"temporary folder, or {_where(cache_dir)}")
+        raise NativeUnavailable(f"building {SOURCE.name} with {cxx} failed: {words[-2000:]}")
 
 
 def build(cache_dir: Path | None = None, rebuild: bool = False) -> Path:

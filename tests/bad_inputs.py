@@ -39,6 +39,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import fnmatch
+import glob
 import gzip
 import hashlib
 import json
@@ -138,6 +139,16 @@ class Fixtures:
                     self._failed[name] = str(e)
                     raise
             return self._built[name]
+
+    def _build_kernels(self) -> str:
+        """A cache folder holding this machine's build of the CPU kernels (and its record)."""
+        folder = os.path.join(self.root, "kernels")
+        proc = subprocess.run([sys.executable, "-c", "import sys\nfrom sparse_jax import native"
+                               "\nnative.build(sys.argv[1])", folder], env=self.env,
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode or not any(n.endswith(".so") for n in os.listdir(folder)):
+            raise SetupError(f"building the CPU kernels: {proc.stderr.strip()[-300:]}")
+        return folder
 
     def _build_trained(self) -> str:
         folder = os.path.join(self.root, "trained")
@@ -246,6 +257,57 @@ def train_here(*extra, workdir="{work}", argv=tiny):
     whose config.json names files there), with `extra` flags."""
     def run(ctx):
         run_command(argv(*extra, workdir=workdir), ctx.tmp, ctx.env, what="training in setup")
+    return run
+
+
+def kernels_cache(how: str = "", dest: str = "cache"):
+    """{tmp}/cache holding a copy of the CPU kernels' build, then damaged: "cut short" (half
+    the library), "garbage" (random bytes of its size), "foreign" (another shared library at
+    its name), "record" (its record damaged), "" (left whole)."""
+    def run(ctx):
+        shutil.copytree(ctx.fixtures.get("kernels"), ctx.path(dest))
+        library = glob_paths(ctx.path(dest, "*.so"))[0]
+        with open(library, "rb") as f:
+            good = f.read()
+        if how == "cut short":
+            content = good[:len(good) // 2]
+        elif how == "garbage":
+            content = random.Random(0).randbytes(len(good))
+        elif how == "foreign":
+            import _ctypes
+            with open(os.path.realpath(_ctypes.__file__), "rb") as f:
+                content = f.read()
+        elif how == "record":
+            with open(library + ".verified", "w") as f:
+                f.write('{"key": ')
+            return
+        else:
+            return
+        with open(library, "wb") as f:
+            f.write(content)
+    return run
+
+
+def glob_paths(pattern: str) -> list[str]:
+    return sorted(glob.glob(pattern))
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def recorded_attention(value: str, dest: str = "work"):
+    """Rewrites the run's config.json as if it had trained with model.attention=`value`."""
+    def run(ctx):
+        path = ctx.path(dest, "config.json")
+        with open(path) as f:
+            record = json.load(f)
+        record["model"]["attention"] = value
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)
     return run
 
 
@@ -407,6 +469,28 @@ def unchanged(*rels):
 
 def changed(rel):
     return lambda run: [] if run.after.get(rel) != run.before.get(rel) else [f"{rel} unchanged"]
+
+
+def kernels_rebuilt(dest: str = "cache"):
+    """The cache's library is again the good build (the fixture's), vouched for."""
+    def check(run):
+        good = run.ctx.fixtures.get("kernels")
+        problems = []
+        for name in os.listdir(good):
+            mine = run.ctx.path(dest, name)
+            with open(os.path.join(good, name), "rb") as a:
+                if not os.path.isfile(mine):
+                    problems.append(f"{dest}/{name} is missing")
+                    continue
+                with open(mine, "rb") as b:
+                    if a.read() != b.read():
+                        problems.append(f"{dest}/{name} is not the good build")
+        return problems
+    return check
+
+
+def absent(*rels):
+    return lambda run: [f"{rel} still exists" for rel in rels if glob_paths(run.ctx.path(rel))]
 
 
 def all_of(*checks):
@@ -889,6 +973,72 @@ def build_cases() -> list[Case]:
         r"4_seed0\.txt|samples", setup=trained_run, fsize_limit=4 * 1024,
         env={"JAX_ENABLE_COMPILATION_CACHE": "false"})
 
+    # -- the CPU kernels' build and cache (SPARSE_JAX_CACHE={tmp}/cache) -----------------------
+    cache = {"SPARSE_JAX_CACHE": "{tmp}/cache"}
+    native_run = ("--config.model.attention=native", "--config.model.d_model=32")  # head dim 16
+    trains = all_of(exists("work/checkpoints/4"), kernels_rebuilt())
+    rebuilt = "a damaged, short or foreign library in the cache is built again, never loaded"
+    ok("kernels/library cut short (was: Bus error)", tiny(*native_run), trains,
+       setup=kernels_cache("cut short"), may_change=("cache/*",), env=cache, rule=rebuilt)
+    ok("kernels/library of random bytes", tiny(*native_run), trains,
+       setup=kernels_cache("garbage"), may_change=("cache/*",), env=cache, rule=rebuilt)
+    auto_run = ("--config.model.attention=auto", "--config.model.d_model=32")
+    ok("kernels/foreign library, auto (was: AttributeError)", tiny(*auto_run), trains,
+       setup=kernels_cache("foreign"), may_change=("cache/*",), env=cache, rule=rebuilt)
+    ok("kernels/record damaged", tiny(*native_run), trains, setup=kernels_cache("record"),
+       may_change=("cache/*",), env=cache, rule=rebuilt)
+    err("kernels/SPARSE_JAX_CACHE is a file, native", tiny(*native_run),
+        r"{tmp}/cache is not a folder.*point \$SPARSE_JAX_CACHE at another folder",
+        setup=write("cache", "mine\n"), env=cache)
+    ok("kernels/SPARSE_JAX_CACHE is a file, auto", tiny(*auto_run),
+       all_of(exists("work/checkpoints/4"), output_matches(r"unavailable.*not a folder.*XLA",
+                                                           "stderr")),
+       setup=write("cache", "mine\n"), env=cache,
+       rule="'auto' without the kernels runs on the XLA path and says why")
+    ok("kernels/folders of killed builds removed", tiny(*native_run),
+       all_of(exists("work/checkpoints/4"),
+              absent("cache/cpu_kernels-0123456789abcdef.build.part*")),
+       setup=lambda ctx: os.makedirs(ctx.path(
+           "cache", f"cpu_kernels-0123456789abcdef.build.part{dead_pid()}", "tmp")),
+       may_change=("cache/*",), env=cache, timeout=300,
+       rule="the next build removes the folders of builds that were killed")
+    err("kernels/full disk while building (ulimit -f 100 KiB)", tiny(*native_run),
+        r"disk is full.*SPARSE_JAX_CACHE", fsize_limit=100 * 1024,
+        env={**cache, "JAX_ENABLE_COMPILATION_CACHE": "false"}, timeout=300)
+    reads_xla = output_matches(r"^warning: this run trained with attention='native'.*cannot run "
+                               r"here.*reading it with attention='xla'", "stderr")
+    no_compiler = {"CXX": "/nonexistent/c++"}
+    ok("evaluate/a native run without a compiler", [*ev, "--split=valid"],
+       all_of(exists("work/eval/valid_4.json"), reads_xla),
+       setup=seq(trained_run, recorded_attention("native")), env=no_compiler,
+       may_change=("work/eval/*",), rule="the implementation is chosen where a run is read")
+    ok("sample/a native run without a compiler", sa, all_of(exists("work/samples/4_seed0.txt"),
+                                                            reads_xla),
+       setup=seq(trained_run, recorded_attention("native")), env=no_compiler,
+       rule="the implementation is chosen where a run is read")
+    ok("evaluate/--attention=xla", [*ev, "--split=valid", "--attention=xla"],
+       exists("work/eval/valid_4.json"), setup=trained_run)
+    err("evaluate/--attention=cuda", [*ev, "--attention=cuda"], r"attention.*cuda",
+        setup=trained_run)
+    err("sample/--attention=native without a compiler", [*sa, "--attention=native"],
+        r"attention='native'.*CXX=/nonexistent", setup=trained_run, env=no_compiler)
+
+    # -- environment variables and config literals --------------------------------------------
+    err("env/SPARSE_JAX_HUGE_PAGES=no (was: taken as on)", tiny(),
+        r"SPARSE_JAX_HUGE_PAGES='no' must be 1 or 0", env={"SPARSE_JAX_HUGE_PAGES": "no"})
+    err("env/SPARSE_JAX_TRACEBACK=yes", tiny(), r"SPARSE_JAX_TRACEBACK='yes' must be 1 or 0",
+        env={"SPARSE_JAX_TRACEBACK": "yes"})
+    err("env/JAX_COORDINATOR_ADDRESS not HOST:PORT", tiny(),
+        r"\$JAX_COORDINATOR_ADDRESS='garbage' must be HOST:PORT",
+        env={"JAX_COORDINATOR_ADDRESS": "garbage"})
+    err("env/--coordinator_address without a port", tiny("--coordinator_address=10.0.0.1",
+                                                          "--num_processes=2", "--process_id=0"),
+        r"--coordinator_address='10.0.0.1' must be HOST:PORT")
+    err("check/context_stages flat (was: TypeError)", tiny("--config.context_stages=(2,16,8)"),
+        r"context_stages: 2 is not .*e\.g\. \(\(2000, 256, 16\),\)")
+    err("check/context_stages of pairs", tiny("--config.context_stages=((2,16),)"),
+        r"context_stages: \(2, 16\) is not \(until_step, seq_len, batch_size\)")
+
     # -- scripts/describe.py ------------------------------------------------------------------
     ds = ["describe", f"--config={CONFIG}"]
     ok("describe/quickstart", ["describe", "--config={root}/configs/quickstart.py"],
@@ -1066,7 +1216,8 @@ def run_case(case: Case, fixtures: Fixtures, env: dict, scratch: str, keep: bool
     tmp, logs = os.path.join(folder, "case"), os.path.join(folder, "logs")
     os.makedirs(tmp)
     os.makedirs(logs)
-    case_env = {**env, **case.env}
+    case_env = {**env, **{k: v.format(tmp=tmp, work=os.path.join(tmp, "work"), root=ROOT)
+                          for k, v in case.env.items()}}
     ctx = Ctx(tmp, fixtures, case_env, logs)
     result["folder"] = tmp
     start = time.time()

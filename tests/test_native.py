@@ -340,3 +340,12 @@ def test_a_native_run_is_read_with_xla_where_the_kernels_cannot_run(tmp_path, mo
         S.sample(workdir, 1, 8, attention="cuda")
     with open(os.path.join(workdir, "config.json")) as f:
         assert '"attention": "native"' in f.read()  # the record is left as trained
+
+
+def test_a_compiler_that_cannot_write_says_the_disk_is_full(tmp_path, monkeypatch):
+    out = tmp_path / "cache" / "cpu_kernels-x.build.part1" / "cpu_kernels-x.so"
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "/usr/bin/ld: final link failed: No space left on device\ncollect2: error"))
+    with pytest.raises(native.NativeUnavailable, match=r"the disk is full .*No space left on "
+                       f"device\\); free some space in {tmp_path / 'cache'}"):
+        native._compile("c++", [], out)
