@@ -135,7 +135,8 @@ class ModelConfig:
             try:
                 resolve_implementation("native")
             except (ValueError, OSError) as e:
-                fail("attention", str(e).splitlines()[0])
+                fail("attention", f"{str(e).splitlines()[0]}; or set attention='auto' (the "
+                                  "same numbers, on the XLA path where the kernels cannot run)")
         if self.local_width is not None and self.pattern not in ("strided", "local"):
             fail("local_width", f"applies to pattern strided/local, not {self.pattern!r}")
         if self.summary != "paper" and self.pattern != "fixed":

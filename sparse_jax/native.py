@@ -75,7 +75,7 @@ def _compiler() -> str:
     if not cxx:
         raise NativeUnavailable(
             "no C++ compiler found for the CPU kernels: install one (e.g. apt install g++) or "
-            "set $CXX, or use implementation='xla'")
+            "set $CXX")
     return cxx
 
 
