@@ -7,9 +7,10 @@ present, else a fixed-seed split by --config.data.split_fractions; see sparse_ja
   python scripts/evaluate.py --workdir=workdirs/images_cpu --split=test
   python scripts/sample.py --workdir=workdirs/images_cpu --complete=8
 The first run decodes the pictures once into <folder>.sparse_jax/pixels.npy (CIFAR-10's 60,000
-JPEGs: seconds); later runs map that file. The presets read 32 x 32 x 3 pictures (context
-3,072, stride 96 = one row of 32 pixels x 3 channels); pictures of another size are refused
-with the overrides that fit them (--config.model.image_shape, seq_len and stride).
+JPEGs: seconds); later runs map that file. The model's picture shape comes from the pictures:
+model.image_shape = (H, W, C), seq_len = H*W*C, stride = W*C (one row of sub-pixels) and the
+fixed variant's c = stride / 4, each unless set with --config.model.*; the run's first line
+says what it chose (sparse_jax.images.fill_model_shape). CIFAR-10: (32, 32, 3), 3,072, 96, 24.
 Variants: pattern = strided (default) | fixed | dense; size = cpu (default) | tiny.
 
 size=cpu: sized for a 2-core CPU and a 30-minute budget on 50,000 pictures of 32 x 32 x 3:
@@ -40,6 +41,11 @@ def get_config(arg=None):
     # train / valid / test of a folder without train/ and test/; with them, valid is this share
     # of train/ (CIFAR-10: 2,000 of 50,000, as the paper's 48,000 / 2,000 / 10,000)
     c.data.split_fractions = (0.92, 0.04, 0.04)
+    # From the pictures when the run starts (images.fill_model_shape), unless overridden:
+    c.model.image_shape = ()  # (rows, columns, channels)
+    c.model.seq_len = 0  # rows x columns x channels sub-pixels
+    c.model.stride = 0  # l: one row of sub-pixels
+    c.model.c = 0  # summary width of the fixed variant: l / 4
     if args["size"] == "tiny":
         return c
     c.model.schedule = common.base().model.schedule  # every layer alike (mode below)

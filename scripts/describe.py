@@ -32,6 +32,10 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
     del argv
     config = _CONFIG.value
+    if "data" in config:  # configs/images.py takes the model's shape from its pictures
+        from sparse_jax import images
+
+        images.fill_model_shape(config)
     cfg = model_lib.model_config(config.model)
     batch_size = _BATCH_SIZE.value or config.get("batch_size", 1)
     info = sizing.describe(cfg, batch_size)

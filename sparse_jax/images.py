@@ -287,6 +287,60 @@ def _record_split(cache: str, record: dict) -> None:
         pass
 
 
+def _cache_key(files: list[str], keys: list[tuple[int, int]]) -> dict:
+    """What the decoded cache must have been made from: every picture's name, size and mtime."""
+    listing = hashlib.sha256("".join(f"{rel}\0{size}\0{mtime}\n" for rel, (size, mtime)
+                                     in zip(files, keys)).encode()).hexdigest()
+    return {"listing_sha256": listing, "pictures": len(files)}
+
+
+def folder_shape(path: str) -> tuple[int, int, int]:
+    """(H, W, C) of the pictures in `path`: the decoded cache's when it is current, else read
+    from every picture's header (nothing decoded); the same one-line errors as `load_folder`."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(path))).rstrip(os.sep) or os.sep
+    _require_folder(folder)
+    files, keys, others = _list(folder)
+    _layout(folder, files, others)  # no pictures, or train/ without test/: its one line
+    pixels = _cached(os.path.join(cache_dir(folder), "pixels.npy"), _cache_key(files, keys),
+                     len(files))
+    return tuple(pixels.shape[1:]) if pixels is not None else _check_headers(folder, files)
+
+
+FROM_PICTURES = ()  # model.image_shape of a preset that takes the shape from its pictures
+
+
+def fill_model_shape(config) -> str | None:
+    """For a picture-folder run (configs/images.py) whose model fields are left to the pictures:
+    image_shape ``FROM_PICTURES`` becomes the pictures' (H, W, C), a seq_len of 0 H·W·C, a stride
+    of 0 one row of sub-pixels (W·C) and a summary width c of 0 a quarter of the stride (the
+    paper's l and c for CIFAR-10). Returns the line that says what it chose, or None when there
+    was nothing to choose. Fields the user set (``--config.model.*``) are kept, and checked by
+    the model and the data as usual."""
+    model = config.model
+    if config.data.name != "images" or not (tuple(model.image_shape) == FROM_PICTURES
+                                            or 0 in (model.seq_len, model.stride, model.c)):
+        return None
+    chosen = {}
+    if tuple(model.image_shape) == FROM_PICTURES:
+        if not config.data.path:
+            raise ValueError("this config takes the model's picture shape from the pictures: "
+                             "give --config.data.path=FOLDER (or set --config.model.image_shape"
+                             "=(H,W,C) and --config.model.seq_len=H*W*C)")
+        chosen["image_shape"] = folder_shape(config.data.path)
+    h, w, c = chosen.get("image_shape") or tuple(model.image_shape)
+    if not model.seq_len:
+        chosen["seq_len"] = h * w * c
+    if not model.stride:
+        chosen["stride"] = w * c
+    if not model.c:
+        chosen["c"] = max(1, (chosen.get("stride") or model.stride) // 4)
+    for name, value in chosen.items():
+        model[name] = value
+    fields = ", ".join(f"model.{k}={v}" for k, v in chosen.items())
+    return (f"pictures of {h}x{w}x{c} (rows x columns x channels): {fields} (set them with "
+            "--config.model.* to choose others)")
+
+
 def load_folder(path: str, split_fractions=(0.9, 0.05, 0.05),
                 check_shape: Callable[[tuple[int, int, int]], None] | None = None) -> Folder:
     """The pictures of `path` (module docstring): mapped from the cache, or decoded into it.
@@ -299,9 +353,7 @@ def load_folder(path: str, split_fractions=(0.9, 0.05, 0.05),
     _require_folder(folder)
     files, keys, others = _list(folder)
     layout = _layout(folder, files, others)
-    listing = hashlib.sha256("".join(f"{rel}\0{size}\0{mtime}\n" for rel, (size, mtime)
-                                     in zip(files, keys)).encode()).hexdigest()
-    key = {"listing_sha256": listing, "pictures": len(files)}
+    key = _cache_key(files, keys)
     cache = cache_dir(folder)
     if os.path.exists(cache) and not os.path.isdir(cache):
         raise NotADirectoryError(f"{cache}, where the decoded pictures of {folder} are cached, "

@@ -65,6 +65,7 @@ import ml_collections
 
 import configs
 from sparse_jax import config as config_lib
+from sparse_jax import images as images_lib
 from sparse_jax import sharding
 from sparse_jax import train as train_lib
 from sparse_jax import workdir as workdir_lib
@@ -122,6 +123,7 @@ def pattern_configs(config_spec: str, patterns=DEFAULT_PATTERNS, *, steps: int |
         if steps is not None:
             config.total_steps = steps
         try:
+            images_lib.fill_model_shape(config)  # configs/images.py: the pictures' shape
             config_lib.check_config(config)  # model (the pattern fits seq_len) and trainer fields
         except ValueError as e:
             raise ValueError(f"pattern {pattern}: {e}") from e

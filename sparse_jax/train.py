@@ -41,6 +41,7 @@ from sparse_jax import checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
+from sparse_jax import images as images_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax import workdir as workdir_lib
 from sparse_jax.data import Stage
@@ -197,6 +198,9 @@ class _Signals:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) the run of `config` in `workdir`; returns the final metrics. Every
     check that can fail (config, mesh, workdir, data) runs before anything compiles."""
+    chosen = images_lib.fill_model_shape(config)  # configs/images.py: the pictures' shape
+    if chosen and jax.process_index() == 0:
+        print(chosen, flush=True)
     cfg = config_lib.check_config(config)
     mesh = make_mesh(config)
     changes = workdir_lib.prepare_workdir(workdir, config)  # None: a new run

@@ -22,7 +22,7 @@ HELPERS = {"common.py", "__init__.py"}  # shared code and the loader, not config
 VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["strided", "fixed", "dense"],
-                 "size": ["cpu", "cpu_long", "paper", "small", "tiny"]},
+                 "size": ["cpu", "cpu_long", "gpu", "paper", "small", "tiny"]},
     "cifar10.py": {"pattern": ["strided", "fixed", "dense"],
                    "size": ["paper", "small", "mini", "tiny"]},
     "images.py": {"pattern": ["strided", "fixed", "dense"], "size": ["cpu", "tiny"]},
@@ -53,6 +53,9 @@ def test_every_variant_loads_locked_and_builds_a_model_config(name):
     assert module.get_config().to_dict() == module.get_config("").to_dict()  # defaults
     for arg in [None, *variants(name)]:
         config = module.get_config(arg)
+        if tuple(config.model.image_shape) == ():  # images.py: the shape of its pictures
+            assert (config.model.seq_len, config.model.stride, config.model.c) == (0, 0, 0)
+            config.model.update(dict(image_shape=(32, 32, 3), seq_len=3072, stride=96, c=24))
         cfg = model_config(config.model)
         assert isinstance(cfg, ModelConfig)
         with pytest.raises(AttributeError):

@@ -269,6 +269,29 @@ TINY_PICTURES = dict(model__image_shape=(8, 8, 3), model__seq_len=192, model__st
                      data__split_fractions=(0.75, 0.25, 0.0))  # valid: 3 of the 12 in train/
 
 
+def test_the_picture_preset_takes_its_shape_from_the_folder(tmp_path, capsys):
+    """configs/images.py on 8 x 8 pictures with no model override: image_shape, seq_len,
+    stride and c come from the pictures, and the first line says so; an override is kept."""
+    folder = tmp_path / "pics"
+    write_pictures(folder, [f"train/{n}" for n in names("t", 8)] + [f"test/{n}" for n in
+                                                                     names("s", 2)], (8, 8, 3))
+    config = get_config("images", "size=tiny", data__path=str(folder), total_steps=2,
+                        eval_every=2, checkpoint_every=2, model__d_model=16,
+                        data__split_fractions=(0.75, 0.25, 0.0))
+    result = train.train(config, str(tmp_path / "run"))
+    assert result["step"] == 2 and 0 < result["valid_bits"] < 9
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "pictures of 8x8x3" in first and "model.seq_len=192" in first, first
+    m = config.model
+    assert (tuple(m.image_shape), m.seq_len, m.stride, m.c) == ((8, 8, 3), 192, 24, 6)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert tuple(recorded["image_shape"]) == (8, 8, 3) and recorded["seq_len"] == 192
+    chosen = get_config("images", "size=tiny", data__path=str(folder), model__stride=12)
+    assert "model.stride" not in images.fill_model_shape(chosen) and chosen.model.stride == 12
+    with pytest.raises(ValueError, match="data.path=FOLDER"):
+        images.fill_model_shape(get_config("images", "size=tiny"))
+
+
 def test_train_evaluate_and_complete_pictures_of_a_folder(tmp_path):
     folder = tmp_path / "pics"
     write_pictures(folder, [f"train/{n}" for n in names("t", 12)] + [f"test/{n}" for n in
