@@ -19,7 +19,7 @@ size=paper: 16 images per step for 360,000 steps = 120 epochs of the 48,000 trai
 size=small: 16 layers, 30,000 steps of 16 images (10 epochs). One GPU; wall time and bits/dim
   not measured yet.
 size=mini: 2 layers, d=64, 400 steps of 4 images: a pattern comparison on a 2-core CPU, e.g.
-  on the synthetic images of tests/fake_cifar10.py (see README, "Pattern study"):
+  on the synthetic images of tests/fake_cifar10.py (see docs/pattern_study.md):
     python scripts/compare_patterns.py --config=configs/cifar10.py:size=mini \
         --config.data.data_dir=workdirs/shapes_cifar10/tfds --workdir=workdirs/shapes_study
   Wall time: about 20 minutes for the three patterns on a 2-core CPU, most of it dense;

@@ -7,7 +7,7 @@ split 90% / 5% / 5% into train / valid / test. On the valid part, conditional on
 before it, gzip -9 costs 2.59 bits/byte, xz -9e 1.93 and bzip2 -9 1.86.
 Hardware: a 2-core CPU. Wall time: under 5 minutes from process start (compilation, two
 validation passes and checkpoints included). Target: validation bits/byte <= 2.00; the measured
-result, wall time and the learning-rate choice are in README, "Results on real data".
+result, wall time and the learning-rate choice are in docs/results.md.
 
 Variants are config arguments:
   pattern = strided (default) | dense | fixed | local   (the same model and budget otherwise)
@@ -15,7 +15,7 @@ Variants are config arguments:
             rows of 32 bytes, 75% of them copies of the row 128 bytes back, with the model
             built for it (stride 127, so the strided part sees each copy source; 2 layers,
             context 508). Bits/byte floor 0.76 for a model that sees the copies, 2.94 for
-            one that does not (results: README, "Pattern study").
+            one that does not (results: docs/pattern_study.md).
 """
 
 from configs import common

@@ -20,7 +20,7 @@ The machine needs JAX for its accelerator, flax, optax, orbax-checkpoint, absl-p
 matplotlib and pillow (torch and triton for the flex stage). What it lacks travels as wheels:
 --wheels=FOLDER installs every wheel there into a temporary folder put first on the path, with
 no network and no dependency resolution, leaving the machine's own jax and CUDA untouched. Fill
-the folder on a machine with network (README, "Accelerator report"), with what is missing only:
+the folder on a machine with network (README, "Accelerators"), with what is missing only:
 a carried package wins over the machine's, and flax 0.12.8 carried beside jax 0.11.2 failed to
 import (jax.experimental.hijax), where the machine's own flax 0.12.10 worked.
 """

@@ -12,7 +12,7 @@ resumes from its latest checkpoint. SIGTERM / Ctrl-C save a checkpoint and stop 
 Many devices: the mesh spans all devices (config.mesh: data x fsdp; mesh.fsdp > 1 shards the
 parameters and optimizer state). Many hosts: every process runs the same command, with
 --jax_distributed under a cluster launcher that JAX detects (SLURM, Open MPI, Kubernetes, Cloud
-TPU), or with --coordinator_address=HOST:PORT --num_processes=N --process_id=I. See README.
+TPU), or with --coordinator_address=HOST:PORT --num_processes=N --process_id=I. See docs/scaling.md.
 """
 
 import signal

@@ -25,7 +25,7 @@ are always allowed; so are files whose name contains "lock" (the trainer's lock)
 
 Prints a table (case, expected, got, verdict) and "N cases: X ok, Y failed, Z skipped",
 writes the results as JSON to --output, and exits with status 1 if any case failed. A case's
-`rule` names the documented behaviour it checks (README, "Reruns on an existing workdir" and
+`rule` names the documented behaviour it checks (docs/robustness.md and
 "Errors"), listed by --list. Running as root
 skips the cases that need file permissions to be enforced (chmod). A full disk is simulated
 with a file-size limit (`ulimit -f`: writes fail with EFBIG, "File too large").

@@ -1,5 +1,6 @@
-"""The README's "Use the attention in your own model" code block runs as printed, gives the
-shapes and dtypes its comments state, and its attention equals the dense masked reference."""
+"""The "In your own model" code block of docs/attention.md (the page the README sends users to
+for the attention API) runs as printed, gives the shapes and dtypes its comments state, and its
+attention equals the dense masked reference."""
 
 import os
 import re
@@ -9,15 +10,16 @@ import numpy as np
 
 from sparse_jax.attention import dense_attention
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-SECTION = "## Use the attention in your own model"
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                      "attention.md")
+SECTION = "## In your own model"
 
 
 def readme_block() -> str:
     """The first ```python block of the section."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    assert SECTION in text, f"README.md has no section {SECTION!r}"
+    assert SECTION in text, f"docs/attention.md has no section {SECTION!r}"
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "the section has no ```python block"
