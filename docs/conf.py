@@ -24,8 +24,10 @@ nb_execution_mode = "force"
 nb_execution_timeout = 300
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
+nb_merge_streams = True  # a training run's lines as one output, not one box per line
 
 autodoc_member_order = "bysource"
+autodoc_preserve_defaults = True  # xp=np, not the repr of the numpy module
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False}
 nitpicky = False

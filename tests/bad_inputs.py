@@ -46,7 +46,6 @@ import json
 import os
 import random
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -164,6 +163,12 @@ def expand(arg, ctx: "Ctx"):
     if isinstance(arg, bytes):
         return arg
     return arg.format(tmp=ctx.tmp, work=ctx.work, root=ROOT)
+
+
+# Runs argv[2:] with RLIMIT_FSIZE set to argv[1] bytes (exec: the same process, the limit kept).
+LIMITED = ("import os, resource, sys; limit = int(sys.argv[1]); "
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
+           "os.execv(sys.argv[2], sys.argv[2:])")
 
 
 def command(argv: list, ctx=None) -> list:
@@ -1231,17 +1236,12 @@ def run_case(case: Case, fixtures: Fixtures, env: dict, scratch: str, keep: bool
         argv = command(case.argv, ctx)
         result["argv"] = [a if isinstance(a, str) else os.fsdecode(a) for a in argv]
         before = snapshot(tmp)
-        limit = case.fsize_limit
-
-        def preexec():
-            if limit is not None:
-                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
+        if case.fsize_limit is not None:  # a "full disk": the limit set by a small launcher
+            argv = [sys.executable, "-c", LIMITED, str(case.fsize_limit), *argv]
         timed_out = False
-        try:
+        try:  # no preexec_fn: it forks this (JAX-loaded, multithreaded) process's hooks
             proc = subprocess.run(argv, cwd=tmp, env=case_env, capture_output=True,
-                                  timeout=case.timeout, preexec_fn=preexec,
-                                  start_new_session=True)
+                                  timeout=case.timeout, start_new_session=True)
             rc, out, err_ = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as e:
             timed_out, rc = True, None

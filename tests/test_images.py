@@ -273,13 +273,11 @@ def test_the_picture_preset_takes_its_shape_from_the_folder(tmp_path, capsys):
     """configs/images.py on 8 x 8 pictures with no model override: image_shape, seq_len,
     stride and c come from the pictures, and the first line says so; an override is kept."""
     folder = tmp_path / "pics"
-    write_pictures(folder, [f"train/{n}" for n in names("t", 8)] + [f"test/{n}" for n in
-                                                                     names("s", 2)], (8, 8, 3))
-    config = get_config("images", "size=tiny", data__path=str(folder), total_steps=2,
-                        eval_every=2, checkpoint_every=2, model__d_model=16,
-                        data__split_fractions=(0.75, 0.25, 0.0))
+    write_pictures(folder, [f"train/{n}" for n in names("t", 50)] + [f"test/{n}" for n in
+                                                                      names("s", 2)], (8, 8, 3))
+    config = get_config("images", "size=tiny", data__path=str(folder))  # only the folder
     result = train.train(config, str(tmp_path / "run"))
-    assert result["step"] == 2 and 0 < result["valid_bits"] < 9
+    assert result["step"] == 4 and 0 < result["valid_bits"] < 9
     first = capsys.readouterr().out.splitlines()[0]
     assert "pictures of 8x8x3" in first and "model.seq_len=192" in first, first
     m = config.model
