@@ -7,14 +7,14 @@ Stages, in order, each in its own process with its own time cap (seconds), so th
 a hang in one costs one line and the rest still run: env 15 (device, driver, CUDA and package
 versions, a bf16 matmul), tests 90 (the kernel tests of tests/test_kernel.py, compiled for the
 device), attention 70 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
-forward + backward at 16k, 8k, 32k, 64k), flex 70 (PyTorch FlexAttention with the same block
-masks, and PyTorch's dense SDPA), train_step 85 (the one-GPU preset's step, and the paper's
-enwik8 model at 16,384 bytes: fixed through XLA and Pallas against dense), preset 150
-(configs/bytes.py:size=gpu trained for 90 s of steps on the code corpus with the faster
-implementation, its test bits by copy distance, a 1,000-byte sample). --stages runs a subset
-(e.g. to rerun one that failed), --caps=STAGE=SECONDS,... changes caps, --budget_s caps the
-whole run. Writes results.md (the summary tables),
-results.json (every figure), log.txt (every stage's output) and sample.txt to --output_dir.
+forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 70 (PyTorch
+FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 85 (the one-GPU
+preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and Pallas
+against dense), preset 150 (configs/bytes.py:size=gpu trained for 90 s of steps on the code
+corpus with the faster implementation, its test bits by copy distance, a 1,000-byte sample).
+--stages runs a subset (e.g. to rerun one that failed), --caps=STAGE=SECONDS,... changes caps,
+--budget_s caps the whole run. Writes results.md (the summary tables), results.json (every
+figure), log.txt (every stage's output) and sample.txt to --output_dir.
 
 The machine needs JAX for its accelerator, flax, optax, orbax-checkpoint, absl-py, tqdm,
 matplotlib and pillow (torch and triton for the flex stage). What it lacks travels as wheels:

@@ -16,7 +16,8 @@ The stages, in order:
   tests       tests/test_kernel.py with the kernels compiled (not interpreted): the dense
               reference checks at float32 and bfloat16
   attention   forward + backward, bfloat16, B=1 H=8 d=64: strided and fixed through XLA and
-              Pallas against cuDNN's fused dense attention, at 16k, 8k, 32k then 64k
+              Pallas against cuDNN's fused dense attention, at 16k, 8k, 32k then 64k, then
+              other kernel tiles at 16k
   flex        the same patterns in PyTorch FlexAttention compiled with the same block mask, and
               PyTorch's fused dense attention (SDPA)
   train_step  a training step (loss, gradients, AdamW) of the paper's enwik8 model at 16,384
@@ -83,7 +84,8 @@ def plan_for(dry_run: bool) -> dict:
             "attention": {"seq_lens": [256], "batch": 1, "heads": 2, "head_dim": 16,
                           "repeats": 2, "patterns": ["dense@xla", "strided:16@xla",
                                                      "strided:16@pallas:16x16",
-                                                     "fixed:16:4@xla"]},
+                                                     "fixed:16:4@xla"],
+                          "tiles": {"seq_len": 128, "patterns": ["fixed:16:4@pallas:16x32"]}},
             "flex": {"seq_lens": [128], "compile": False},  # forward only: no CPU backward
             "train_step": {"cases": [
                 {"name": "tiny strided@xla", "batch_size": 2, "model": dict(
@@ -105,7 +107,12 @@ def plan_for(dry_run: bool) -> dict:
         "attention": {"seq_lens": [16384, 8192, 32768, 65536], "batch": 1, "heads": 8,
                       "head_dim": 64, "repeats": 10,
                       "patterns": ["dense@cudnn", "strided:128@xla", "strided:128@pallas",
-                                   "fixed:128:32@xla", "fixed:128:32@pallas"]},
+                                   "fixed:128:32@xla", "fixed:128:32@pallas"],
+                      # after every length: other kernel tiles at 16k (the first report ran
+                      # 64 x 64 only; strided reached 2.3% of the bf16 peak there)
+                      "tiles": {"seq_len": 16384, "patterns": [
+                          "strided:128@pallas:128x64", "strided:128@pallas:128x128",
+                          "fixed:128:32@pallas:128x64", "fixed:128:32@pallas:128x128"]}},
         "flex": {"seq_lens": [16384, 8192, 32768, 65536], "compile": True},
         "train_step": {"cases": [
             {"name": "preset strided@pallas", "batch_size": 16,
@@ -223,43 +230,45 @@ def _stage_attention(plan: dict) -> dict:
     p = plan["attention"]
     peak = peak_tflops(jax.devices()[0].device_kind)
     rows = []
-    for n in p["seq_lens"]:
-        for pattern in p["patterns"]:
-            if time.time() > plan["deadline"] - 5:
-                rows.append({"pattern": pattern, "seq_len": n, "error": "not run: stage time up"})
-                continue
-            row = {"pattern": pattern, "seq_len": n}
-            try:
-                spec, implementation, sizes = parse_pattern(pattern, n)
-                shape = (p["batch"], n, p["heads"], p["head_dim"])
-                q, k, v = (jax.random.normal(key, shape, jnp.bfloat16)
-                           for key in jax.random.split(jax.random.PRNGKey(0), 3))
-                if spec.kind == "dense":
-                    def attend(q, k, v, implementation=implementation):
-                        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                            implementation=implementation)
-                else:
-                    def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
-                        return sparse_attention(q, k, v, spec, implementation, sizes)
-                fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
-                    jnp.float32).sum(), argnums=(0, 1, 2)))
-                start = time.perf_counter()
-                compiled = fn.lower(q, k, v).compile()
-                row["compile_s"] = time.perf_counter() - start
-                memory = compiled.memory_analysis()
-                row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
-                                     + memory.output_size_in_bytes) / 1e9
-                row.update(tools.time_call(compiled, q, k, v, repeats=p["repeats"]))
-                keys = spec.mean_keys(n)
-                tflops = _attention_flops(p["batch"], p["heads"], n, keys, p["head_dim"]) / (
-                    row["median_ms"] / 1e3) / 1e12
-                row.update(keys_per_query=keys, tflops=tflops,
-                           of_peak=tflops / peak if peak else None,
-                           device_peak_gb=tools.device_peak_memory_gb())
-            except Exception as e:  # noqa: BLE001  one line, and the next case runs
-                row["error"] = _one_line(e)
-            rows.append(row)
-            _emit({"rows": rows})
+    tiles = p.get("tiles")
+    cases = [(n, pattern) for n in p["seq_lens"] for pattern in p["patterns"]] + (
+        [(tiles["seq_len"], pattern) for pattern in tiles["patterns"]] if tiles else [])
+    for n, pattern in cases:
+        if time.time() > plan["deadline"] - 5:
+            rows.append({"pattern": pattern, "seq_len": n, "error": "not run: stage time up"})
+            continue
+        row = {"pattern": pattern, "seq_len": n}
+        try:
+            spec, implementation, sizes = parse_pattern(pattern, n)
+            shape = (p["batch"], n, p["heads"], p["head_dim"])
+            q, k, v = (jax.random.normal(key, shape, jnp.bfloat16)
+                       for key in jax.random.split(jax.random.PRNGKey(0), 3))
+            if spec.kind == "dense":
+                def attend(q, k, v, implementation=implementation):
+                    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation=implementation)
+            else:
+                def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
+                    return sparse_attention(q, k, v, spec, implementation, sizes)
+            fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
+                jnp.float32).sum(), argnums=(0, 1, 2)))
+            start = time.perf_counter()
+            compiled = fn.lower(q, k, v).compile()
+            row["compile_s"] = time.perf_counter() - start
+            memory = compiled.memory_analysis()
+            row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
+                                 + memory.output_size_in_bytes) / 1e9
+            row.update(tools.time_call(compiled, q, k, v, repeats=p["repeats"]))
+            keys = spec.mean_keys(n)
+            tflops = _attention_flops(p["batch"], p["heads"], n, keys, p["head_dim"]) / (
+                row["median_ms"] / 1e3) / 1e12
+            row.update(keys_per_query=keys, tflops=tflops,
+                       of_peak=tflops / peak if peak else None,
+                       device_peak_gb=tools.device_peak_memory_gb())
+        except Exception as e:  # noqa: BLE001  one line, and the next case runs
+            row["error"] = _one_line(e)
+        rows.append(row)
+        _emit({"rows": rows})
     return {"rows": rows}
 
 
