@@ -10,7 +10,9 @@ Bytes: bits per byte over the split. Default: non-overlapping windows of the mod
 dim over every sub-pixel of the split. Prints a table and writes the result as JSON to
 DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context), with the bits
 by position in the window (buckets 0-63, 64-127, 128-255, ...), drawn in the .png of the same
-name; scripts/plot_positions.py draws several results on one figure.
+name; scripts/plot_positions.py draws several results on one figure. Bytes also get their bits
+by copy class: the bytes an exact copier finds <= 512 back, 513-4,096 back, and the rest
+(--copy_classes sets the bounds; sparse_jax.evaluate explains).
 """
 
 from absl import app, flags
@@ -30,6 +32,9 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per forward pa
                                    "devices (default: the training batch size).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing result of the same "
                                 "split, checkpoint and min_context.")
+_COPY_CLASSES = flags.DEFINE_list("copy_classes", ["512", "4096"], "Bytes: bounds of the classes "
+                                  "of scored bytes by how far back an exact copy of them lies "
+                                  "(empty: none).")
 _JOIN_DISTRIBUTED = define_distributed_flags()  # many hosts: each runs the same command
 flags.mark_flags_as_required(["workdir"])
 
@@ -38,14 +43,23 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _JOIN_DISTRIBUTED()
+    try:
+        copy_edges = tuple(int(e) for e in _COPY_CLASSES.value)
+    except ValueError:
+        raise app.UsageError(f"--copy_classes: integers, got {_COPY_CLASSES.value}") from None
     from sparse_jax import evaluate
 
     result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
-                               _MIN_CONTEXT.value, _BATCH_SIZE.value, attention=_ATTENTION.value,
-                               overwrite=_OVERWRITE.value)
+                               _MIN_CONTEXT.value, _BATCH_SIZE.value, copy_edges=copy_edges,
+                               attention=_ATTENTION.value, overwrite=_OVERWRITE.value)
     print(evaluate.format_table(result))
     print("\nBy position in the window (position j sees j + 1 bytes of context):\n"
           + evaluate.format_positions(result))
+    if result.get("copy_classes"):
+        k = result["copy_classes"]["k"]
+        print(f"\nBy how far back an exact copy of the byte lies (its {k} bytes before it last "
+              "occurred there, followed by the same byte):\n"
+              + evaluate.format_classes(result))
     if "path" in result:
         print(f"Wrote {result['path']} and {result['path'][:-len('.json')]}.png")
 

@@ -119,25 +119,61 @@ def save(result: dict, path: str) -> None:
                                "choose another --output") from e
 
 
+def last_repeat(data, k: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """For each position i of `data` (uint8 [n]): (distance int64 [n], copied bool [n]).
+    distance[i] = i - j, where j is the position right after the last earlier
+    occurrence of the k bytes before i (data[j - k:j] == data[i - k:i], j < i), 0 where they
+    never occurred before (and for i < k); copied[i]: data[j] == data[i], the byte a copier
+    that found that occurrence would predict. Sorting, not hashing: exact and O(n log n)."""
+    data = np.ascontiguousarray(np.asarray(data, np.uint8))
+    n = len(data)
+    distance, copied = np.zeros(n, np.int64), np.zeros(n, bool)
+    if n <= k:
+        return distance, copied
+    keys = np.lib.stride_tricks.sliding_window_view(data, k)[:n - k]  # row r: the k before r + k
+    keys = np.ascontiguousarray(keys).view(np.dtype((np.void, k)))[:, 0]
+    _, group = np.unique(keys, return_inverse=True)
+    order = np.argsort(group.ravel(), kind="stable")  # by key, then by position
+    same = group.ravel()[order[1:]] == group.ravel()[order[:-1]]
+    later, earlier = order[1:][same] + k, order[:-1][same] + k  # positions i and j
+    distance[later] = later - earlier
+    copied[later] = data[earlier] == data[later]
+    return distance, copied
+
+
 def repeat_reach(data, distances, k: int = 12) -> dict[int, dict[str, float]]:
     """For each distance D (0: unlimited), the share of positions i >= k of `data` (uint8) whose
     k preceding bytes last occurred at most D bytes earlier ("seen": a copier with a context of
     D + k bytes finds them) and whose byte equals the byte after that occurrence ("copied": a
-    copier would have predicted it). Byte strings compared exactly; one pass with a dict."""
-    data = bytes(np.asarray(data, np.uint8))
-    limits = {d: d or len(data) for d in distances}
-    seen, copied = dict.fromkeys(limits, 0), dict.fromkeys(limits, 0)
-    last = {}
-    for i in range(k, len(data)):
-        key = data[i - k:i]
-        j = last.get(key)
-        last[key] = i
-        if j is None:
-            continue
-        hit = data[j] == data[i]
-        for d, limit in limits.items():
-            if i - j <= limit:
-                seen[d] += 1
-                copied[d] += hit
-    total = max(len(data) - k, 1)
-    return {d: {"seen": seen[d] / total, "copied": copied[d] / total} for d in distances}
+    copier would have predicted it). Byte strings compared exactly (`last_repeat`)."""
+    distance, copied = last_repeat(data, k)
+    total = max(len(distance) - k, 1)
+    out = {}
+    for d in distances:
+        seen = (distance > 0) & (distance <= (d or len(distance)))
+        out[d] = {"seen": int(seen.sum()) / total, "copied": int((seen & copied).sum()) / total}
+    return out
+
+
+def copy_classes(data, edges=(512, 4096), k: int = 12) -> np.ndarray:
+    """The class of each position of `data` (int8 [n]) by how far back a copier finds its byte
+    (`last_repeat`: the k bytes before it last occurred D back and the byte after them then
+    equals it): class c for edges[c - 1] < D <= edges[c] (edges[-1] = 0), and len(edges) for
+    the rest (copyable only from further back, or not by exact copy: k bytes never seen before,
+    or a different byte after them). With the default edges: 0 = a 512-byte context can copy
+    it, 1 = only a context of 513-4,096 bytes can, 2 = neither."""
+    edges = list(edges)
+    if not edges or any(b <= a for a, b in zip([0, *edges], edges)):
+        raise ValueError(f"copy class edges must be positive and increasing, got {edges}")
+    distance, copied = last_repeat(data, k)
+    classes = np.full(len(distance), len(edges), np.int8)
+    for c, (a, b) in reversed(list(enumerate(zip([0, *edges], edges)))):
+        classes[copied & (distance > a) & (distance <= b)] = c
+    return classes
+
+
+def copy_class_names(edges=(512, 4096)) -> list[str]:
+    """Labels of `copy_classes`' classes: "copy 1-512 back", ..., "rest"."""
+    edges = list(edges)
+    return [f"copy {a + 1:,}-{b:,} back" for a, b in zip([0, *edges], edges)] + [
+        f"rest (no copy within {edges[-1]:,})"]

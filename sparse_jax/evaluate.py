@@ -26,6 +26,14 @@ of positions 0-63, 64-127, 128-255, ..., n/2 - n-1 (with their counts, the bucke
 in `<same name>.png` (`plot_by_position` draws several results on one figure). Training logs
 the same buckets with every validation pass (metrics.jsonl, TensorBoard).
 
+Bits by copy class (bytes): what a long context can buy is mostly copying, so the scored
+bytes are split by how far back an exact copier finds them (`baselines.copy_classes`, k = 12:
+the 12 bytes before a byte last occurred D back in the split and the byte after them then is
+the same): D <= 512, 512 < D <= 4,096, and the rest (further back, or no copy). "copy_classes"
+holds each class's share, count and bits; weighted by their counts they give "bits" exactly
+(the same float32 partial sums, added in float64). A model that reads far back gains most on
+the middle class; `copy_edges` sets other bounds.
+
 Checkpoints are opened read-only (safe while the run is still training). The batch is split
 over all devices (data parallel, and parameters split as in training when the run used
 mesh.fsdp > 1); with several processes each reads its share of the windows.
@@ -47,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparse_jax import checkpoints
+from sparse_jax import baselines, checkpoints
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
@@ -57,16 +65,24 @@ from sparse_jax.logs import Progress
 from sparse_jax.model import model_config, token_bits
 
 
-def make_eval_step(model_def, activation_sharding=None):
+def make_eval_step(model_def, activation_sharding=None, num_classes: int = 0):
     """eval_step(params, batch) -> (bits_N, count_N), float32 [seq_len] each: per position of
     the window, the bits of the masked targets summed over the batch, and how many there were.
+    num_classes > 0: (bits_CN, count_CN), the same split by the targets' classes
+    (batch["classes"], int [batch, seq_len] in [0, num_classes)); elementwise sums, no matmul,
+    so a GPU's reduced-precision float32 dots cannot touch them.
     `activation_sharding`: see `SparseTransformer.from_embeddings`."""
 
     def eval_step(params, batch):
         logits = nnx.merge(model_def, params)(batch["inputs"],
                                               activation_sharding=activation_sharding)
         mask = batch["mask"].astype(jnp.float32)
-        return (token_bits(logits, batch["targets"]) * mask).sum(0), mask.sum(0)
+        bits = token_bits(logits, batch["targets"]) * mask
+        if not num_classes:
+            return bits.sum(0), mask.sum(0)
+        in_class_BCN = (batch["classes"][:, None, :]
+                        == jnp.arange(num_classes)[None, :, None]).astype(jnp.float32)
+        return (bits[:, None] * in_class_BCN).sum(0), (mask[:, None] * in_class_BCN).sum(0)
 
     return eval_step
 
@@ -150,10 +166,44 @@ def eval_mesh(config, devices: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(graphdef, batch_sharding):
-    """`make_eval_step` jitted once per model and mesh; it runs
+def _eval_step(graphdef, batch_sharding, num_classes=0):
+    """`make_eval_step` jitted once per model, mesh and number of byte classes; it runs
     where its arguments live (parameters as restored, batches split over the mesh)."""
-    return jax.jit(make_eval_step(graphdef, batch_sharding))
+    return jax.jit(make_eval_step(graphdef, batch_sharding, num_classes))
+
+
+COPY_EDGES = (512, 4096)  # the byte classes' default bounds: bytes copyable from <= 512 back, ...
+COPY_K = 12  # bytes of context that must repeat for a byte to count as copyable
+
+
+def with_classes(batches, data_T: np.ndarray, classes_T: np.ndarray, seq_len: int,
+                 min_context: int | None, batch_size: int, process_index: int = 0,
+                 process_count: int = 1):
+    """Adds batch["classes"] (int32 [batch, seq_len]: the class of each target, split byte
+    starts[w] + 1 + j) to the byte batches of `Dataset.eval_batches(split, batch_size,
+    min_context)` over the split `data_T`. It recomputes their rows (global batches of
+    batch_size x process_count, this process's block of them, padding rows reading window 0)
+    and checks each batch's first inputs against the split, so the two cannot drift apart."""
+    starts_W = data_lib.eval_windows(data_T, seq_len, min_context).starts
+    count, j = len(starts_W), np.arange(seq_len)
+    padded_T = np.concatenate([classes_T, np.zeros(seq_len + 1, classes_T.dtype)])
+    for first, batch in zip(range(0, count, batch_size * process_count), batches):
+        rows = first + process_index * batch_size + np.arange(batch_size)
+        starts = starts_W[np.where(rows < count, rows, 0)]
+        if not np.array_equal(batch["inputs"][:, 0], data_T[starts]):
+            raise AssertionError(f"evaluation batch at row {first} does not read the windows "
+                                 "with_classes expects (data.eval_batches changed?)")
+        batch["classes"] = padded_T[starts[:, None] + 1 + j].astype(np.int32)
+        yield batch
+
+
+def class_results(bits_C: np.ndarray, count_C: np.ndarray, edges, k: int) -> dict:
+    """The JSON of the byte classes: what they are and each one's count, share and bits."""
+    total = count_C.sum()
+    names = baselines.copy_class_names(edges)
+    return {"k": k, "edges": list(edges), "classes": [
+        {"name": name, "count": int(round(n)), "share": float(n / total) if total else 0.0,
+         "bits": float(b / n) if n else None} for name, b, n in zip(names, bits_C, count_C)]}
 
 
 CURVE_PER_OCTAVE = 4  # buckets per doubling of the context in "position_curve" (plots)
@@ -166,13 +216,15 @@ def result_path(workdir: str, split: str, step: int, min_context: int | None) ->
 
 def evaluate(workdir: str, split: str = "test", checkpoint="latest",
              min_context: int | None = None, batch_size: int | None = None, *,
-             attention: str | None = None, progress: bool = True, write: bool = True,
-             overwrite: bool = False) -> dict:
+             copy_edges=COPY_EDGES, attention: str | None = None, progress: bool = True,
+             write: bool = True, overwrite: bool = False) -> dict:
     """Bits per byte / dim of one checkpoint over the whole `split`; see the module docstring.
 
     batch_size: sequences per forward pass over all devices (default: the training batch).
     attention: the attention implementation to read the run with (default: the recorded one,
     or as `config_lib.for_this_machine` chooses where that cannot run here).
+    copy_edges: bytes only, the bounds of the byte classes by copy distance
+    (`baselines.copy_classes`, k = COPY_K); () or None: no classes.
     Returns the result dict (also written to `result_path(...)` if `write`; an existing result
     is replaced only with `overwrite`).
     """
@@ -190,6 +242,11 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         raise ValueError(f"batch_size must be a positive multiple of the {devices} devices, got "
                          f"{batch_size!r}")
     image = data_lib.data_config(config.data).is_image
+    copy_edges = () if image or not copy_edges else tuple(copy_edges)
+    if copy_edges and any(not isinstance(e, int) or isinstance(e, bool) for e in copy_edges) \
+            or any(b <= a for a, b in zip((0, *copy_edges), copy_edges)):
+        raise ValueError(f"copy_edges must be positive increasing byte distances, got "
+                         f"{copy_edges}")
     if min_context is not None and (image or not 0 <= min_context < cfg.seq_len):
         raise ValueError("min_context applies to byte data only" if image else
                          f"min_context must be in [0, seq_len={cfg.seq_len}), got {min_context}")
@@ -209,7 +266,8 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh, cfg.attention)
     check_output(step)  # again: a damaged checkpoint may have fallen back to another step
     graphdef, params = nnx.split(model)
-    eval_step = _eval_step(graphdef, batch_sharding)
+    num_classes = len(copy_edges) + 1 if copy_edges else 0
+    eval_step = _eval_step(graphdef, batch_sharding, num_classes)
     num_batches = -(-count // batch_size)
     bar = Progress(num_batches, f"{split} step {step}", progress and jax.process_index() == 0)
     start, first_done = time.time(), None  # first_done: the first batch (with compilation)
@@ -221,7 +279,14 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         bar.update(done, min(done * batch_size, count) * cfg.seq_len, "tokens")
 
     batches = dataset.eval_batches(split, batch_size // processes, min_context)
-    by_position = split_bits(eval_step, params, batches, batch_sharding, on_batch=on_batch)
+    if num_classes:  # the class of every byte of the split, then of every target of a batch
+        classes_T = baselines.copy_classes(split_data, copy_edges, COPY_K)
+        batches = with_classes(batches, split_data, classes_T, cfg.seq_len, min_context,
+                               batch_size // processes, jax.process_index(), processes)
+    scores = split_bits(eval_step, params, batches, batch_sharding, on_batch=on_batch)
+    by_position = scores
+    if num_classes:  # float64 sums of the same float32 partials, by position and by class
+        by_position = PositionBits(scores.bits.sum(0), scores.count.sum(0))
     scored, end = by_position.scored, time.time()
 
     # Throughput of the windows actually computed (padding rows excluded), after compilation.
@@ -242,6 +307,9 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         "by_position": by_position.buckets(position_edges(cfg.seq_len)),
         "position_curve": by_position.buckets(position_edges(cfg.seq_len, CURVE_PER_OCTAVE)),
     }
+    if num_classes:  # bits of the bytes a copier finds <= 512, 513-4,096, ... back, and the rest
+        result["copy_classes"] = class_results(scores.bits.sum(1), scores.count.sum(1),
+                                               copy_edges, COPY_K)
     if write and jax.process_index() == 0:
         path = result_path(workdir, split, step, min_context)
         try:
@@ -291,6 +359,17 @@ def format_positions(result: dict) -> str:
     rows += [f"| {b['first']}–{b['last']} | {b['count']:,} | "
              + ("—" if b["bits"] is None else f"{b['bits']:.4f}") + " |"
              for b in result["by_position"]]
+    return "\n".join(rows)
+
+
+def format_classes(result: dict) -> str:
+    """Markdown table of the bits by copy class (`result["copy_classes"]`; "" if none)."""
+    if not result.get("copy_classes"):
+        return ""
+    rows = ["| bytes | share | scored | bits/byte |", "|---|---|---|---|"]
+    rows += [f"| {c['name']} | {c['share']:.1%} | {c['count']:,} | "
+             + ("—" if c["bits"] is None else f"{c['bits']:.4f}") + " |"
+             for c in result["copy_classes"]["classes"]]
     return "\n".join(rows)
 
 

@@ -23,6 +23,7 @@ VARIANTS = {
     "enwik8.py": {"pattern": ["fixed", "strided", "dense"], "size": ["paper", "small", "tiny"]},
     "bytes.py": {"pattern": ["strided", "fixed", "dense"],
                  "size": ["cpu", "cpu_long", "gpu", "paper", "small", "tiny"]},
+    "code.py": {"size": ["short", "long"], "pattern": ["strided", "fixed", "dense"]},
     "cifar10.py": {"pattern": ["strided", "fixed", "dense"],
                    "size": ["paper", "small", "mini", "tiny"]},
     "images.py": {"pattern": ["strided", "fixed", "dense"], "size": ["cpu", "tiny"]},

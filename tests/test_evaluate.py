@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparse_jax import baselines as B
 from sparse_jax import checkpoints, optim, sources, train
 from sparse_jax import config as config_lib
 from sparse_jax import data as D
@@ -210,6 +211,8 @@ def test_script_prints_a_table_and_writes_json(text_run):
     assert proc.returncode == 0, proc.stderr
     assert "| valid | 2 |" in proc.stdout and "bits/byte" in proc.stdout
     assert "| 0–31 |" in proc.stdout and "| 32–63 |" in proc.stdout  # by position
+    assert "| copy 1-512 back |" in proc.stdout and "| rest (no copy within 4,096) |" \
+        in proc.stdout  # by copy class
     path = os.path.join(text_run, "eval", "valid_2_minctx32.json")
     assert f"Wrote {path}" in proc.stdout and os.path.exists(path)
     bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--checkpoint=9"],
@@ -248,6 +251,7 @@ def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, images[..., None], -1)
     assert result["unit"] == "dim" and result["num_scored"] == 5 * 3072
+    assert "copy_classes" not in result  # byte classes are for byte streams
     assert result["bits"] == pytest.approx(nll.mean() / np.log(2), rel=1e-5)
     with pytest.raises(ValueError, match="byte data only"):
         E.evaluate(workdir, "test", min_context=10)
@@ -269,3 +273,106 @@ def test_plot_positions_script_draws_several_results_and_refuses_other_files(tex
                           os.path.join(text_run, "config.json")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "no bits by position" in bad.stderr
+
+
+def reference_last_repeat(data, k):
+    """`baselines.last_repeat` as a plain loop with a dict of last occurrences."""
+    data, last = bytes(np.asarray(data, np.uint8)), {}
+    distance, copied = np.zeros(len(data), np.int64), np.zeros(len(data), bool)
+    for i in range(k, len(data)):
+        j, last[data[i - k:i]] = last.get(data[i - k:i]), i
+        if j is not None:
+            distance[i], copied[i] = i - j, data[j] == data[i]
+    return distance, copied
+
+
+@pytest.mark.parametrize("k", [1, 3, 12])
+def test_last_repeat_equals_a_plain_loop(k):
+    rng = np.random.default_rng(k)
+    for data in [rng.integers(0, 3, 3000), rng.integers(0, 256, 500), np.zeros(40), []]:
+        got, expected = B.last_repeat(data, k), reference_last_repeat(data, k)
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+
+
+def copy_stream(copies, size=20_000, seed=0):
+    """Random bytes in which segment p:p+length is overwritten by the bytes `distance` before it,
+    for each (p, length, distance) of `copies` (sources in untouched random bytes)."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    for p, length, distance in copies:
+        data[p:p + length] = data[p - distance:p - distance + length]
+    return data
+
+
+def test_copy_classes_put_bytes_copied_from_known_distances_in_their_class():
+    """Segments copied from 300, 512, 513, 4,000, 4,096 and 9,000 bytes back (sources and
+    targets all disjoint): each byte of a segment past its first k (whose k bytes before it all
+    lie in the copy) is copyable from that distance and lands in its class (<= 512: 0,
+    513-4,096: 1, further: 2); the first k bytes, the byte after a segment and the random
+    bytes are class 2 (no copy)."""
+    k, copies = 12, [(15_000, 200, 300), (16_000, 100, 512), (17_000, 100, 513),
+                     (18_000, 300, 4_000), (19_700, 100, 4_096), (19_850, 150, 9_000)]
+    data = copy_stream(copies)
+    classes = B.copy_classes(data, (512, 4096), k)
+    expected = np.full(len(data), 2, np.int8)
+    for p, length, distance in copies:
+        expected[p + k:p + length] = 0 if distance <= 512 else 1 if distance <= 4096 else 2
+    np.testing.assert_array_equal(classes, expected)
+    assert B.copy_class_names((512, 4096)) == [
+        "copy 1-512 back", "copy 513-4,096 back", "rest (no copy within 4,096)"]
+    distance, copied = B.last_repeat(data, k)
+    for p, length, d in copies:
+        assert (distance[p + k:p + length] == d).all() and copied[p + k:p + length].all()
+    assert distance[15_200] == 300 and not copied[15_200]  # seen, but another byte follows
+    # The shares agree with repeat_reach's.
+    reach = B.repeat_reach(data, [512, 4096], k)
+    counts = np.bincount(classes, minlength=3)
+    assert counts[0] / (len(data) - k) == pytest.approx(reach[512]["copied"])
+    assert (counts[0] + counts[1]) / (len(data) - k) == pytest.approx(reach[4096]["copied"])
+    for bad in [(), (512, 512), (0, 8), (4096, 512)]:
+        with pytest.raises(ValueError, match="edges"):
+            B.copy_classes(data, bad)
+
+
+@pytest.mark.parametrize("min_context, batch_size", [(None, 3), (40, 5)])
+def test_bits_by_copy_class_average_to_the_bits_and_equal_hand_computed(
+        text_run, min_context, batch_size):
+    """The generated stream repeats rows 128 bytes back (`sources.embedded_bytes`), so with
+    edges (16, 128) most copyable bytes are class 1. Each class's count and bits equal the
+    hand-computed ones of its targets; weighted by their counts the classes give the overall
+    bits exactly (the same float32 partials summed in float64), and so do the positions."""
+    result = E.evaluate(text_run, "valid", 4, min_context, batch_size, copy_edges=(16, 128),
+                        progress=False, write=False)
+    bits, mask, _ = hand_nll(text_run, "valid", 4, min_context)
+    config = config_lib.read_record(text_run)
+    data = D.make_dataset(config.data, 64).splits["valid"]
+    classes_T = B.copy_classes(data, (16, 128), E.COPY_K)
+    windows = D.eval_windows(data, 64, min_context)
+    target_T = np.minimum(windows.starts[:, None] + 1 + np.arange(64), len(data) - 1)
+    classes = result["copy_classes"]
+    assert classes["k"] == 12 and classes["edges"] == [16, 128]
+    assert [c["name"] for c in classes["classes"]] == B.copy_class_names((16, 128))
+    assert [c["count"] for c in classes["classes"]] == np.bincount(classes_T[1:], minlength=3
+                                                                    ).tolist()
+    assert classes["classes"][1]["share"] > 0.5  # the rows copied 128 bytes back
+    assert classes["classes"][0] == {"name": "copy 1-16 back", "count": 0, "share": 0.0,
+                                     "bits": None}  # the stream copies only from 128 back
+    for c, row in enumerate(classes["classes"][1:], 1):
+        in_class = mask & (classes_T[target_T] == c)
+        assert row["count"] == in_class.sum() > 0
+        assert row["bits"] == pytest.approx(bits[in_class].mean(), rel=1e-5)
+    total = sum(c["bits"] * c["count"] for c in classes["classes"] if c["count"])
+    assert total / result["num_scored"] == pytest.approx(result["bits"], rel=1e-12)
+    assert sum(c["share"] for c in classes["classes"]) == pytest.approx(1, rel=1e-12)
+    positions = sum(b["bits"] * b["count"] for b in result["by_position"] if b["count"])
+    assert positions / result["num_scored"] == pytest.approx(result["bits"], rel=1e-12)
+    assert result["bits"] == pytest.approx(bits[mask].mean(), rel=1e-5)
+    table = E.format_classes(result)
+    assert "| copy 17-128 back |" in table and "| rest (no copy within 128) |" in table
+    for bad in [(128, 16), (0,), (16.5,)]:
+        with pytest.raises(ValueError, match="copy_edges"):
+            E.evaluate(text_run, "valid", copy_edges=bad, progress=False, write=False)
+    plain = E.evaluate(text_run, "valid", 4, min_context, batch_size, copy_edges=(),
+                       progress=False, write=False)
+    assert "copy_classes" not in plain and E.format_classes(plain) == ""
+    assert plain["bits"] == pytest.approx(result["bits"], rel=1e-6)
