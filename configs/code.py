@@ -15,7 +15,7 @@ Both presets are configs/bytes.py:size=cpu's model (6 layers, d=128, 4 heads, 1.
 parameters) with rotary embeddings of queries and keys and no absolute position tables, which
 is outside the paper (its text model learns row and column tables): a copy "k bytes back" is
 then one learned direction for every position, the one thing that made a strided model learn a
-two-hop route on the copy stream (README, "Long context").
+two-hop route on the copy stream (docs/long_context.md).
 
 size=short: context 512, strided l=32 with the paper's 33-byte window, merged heads.
 size=long: context 4,096, strided l=64 with the paper's window of l + 1 = 65 bytes, so two hops
