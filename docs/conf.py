@@ -30,7 +30,6 @@ autodoc_member_order = "bysource"
 autodoc_preserve_defaults = True  # xp=np, not the repr of the numpy module
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False}
-nitpicky = False
 
 
 def _literal_bars(app, what, name, obj, options, lines):

@@ -297,8 +297,7 @@ def _stage_flex(plan: dict) -> dict:
     if device == "cuda":
         peak = peak_tflops(torch.cuda.get_device_name())
     patterns = [name.split("@")[0] for name in a["patterns"] if not name.startswith("dense")]
-    cases = [(name, impl) for name in dict.fromkeys(patterns) for impl in ("flex",)]
-    cases = [("dense", "sdpa")] + cases
+    cases = [("dense", "sdpa")] + [(name, "flex") for name in dict.fromkeys(patterns)]
     rows = []
 
     def sync():
@@ -394,7 +393,7 @@ def _stage_train_step(plan: dict) -> dict:
                        model_tflops=info["flops_per_step"] / step_s / 1e12,
                        params=info.get("params"))
             row["mfu"] = row["model_tflops"] / peak if peak else None
-        except BaseException as e:  # noqa: BLE001  SystemExit too: run_model_case may skip
+        except (Exception, SystemExit) as e:  # noqa: BLE001  run_model_case may skip (exit)
             row["error"] = _one_line(e)
         rows.append(row)
         _emit({"rows": rows})
