@@ -96,6 +96,9 @@ def base() -> ml_collections.ConfigDict:
     # image (row, column, channel) | text (row, column of grid) | single | none
     c.model.pos_emb = "text"
     c.model.rotary = False  # rotary embedding of queries and keys (relative; not in the paper)
+    # strided only: column heads read keys/values 1..l bytes back, so that together they reach
+    # every earlier byte in one hop (needs >= l heads on the column; not in the paper)
+    c.model.shifted_heads = False
     c.model.image_shape = (32, 32, 3)  # (rows, columns, channels): pos_emb "image", image data
     c.model.remat = "none"  # none | full | dots: recompute blocks in the backward pass
     c.model.scan_layers = False  # jax.lax.scan over layers (faster compile of deep models)

@@ -48,6 +48,25 @@ def linear(d_in: int, d_out: int, std: float, *, dtype, param_dtype, rngs: nnx.R
                       param_dtype=param_dtype, rngs=rngs)
 
 
+def shift_kv(k_BNHD, v_BNHD, shifts: Sequence[int]):
+    """Head h's keys moved s = ``shifts[h]`` positions later and its values s - 1 (zeros
+    before position 0; s = 0 leaves the head alone): position j then holds the key of j - s
+    and the value of j - s + 1, the byte that followed it. A query matching the key of j - s
+    reads what came next there. Not in the paper."""
+    n = k_BNHD.shape[1]
+
+    def moved(x_BNHD, by):
+        cols = []
+        for h, s in enumerate(by):
+            x_BN1D = x_BNHD[:, :, h:h + 1]
+            if s:
+                x_BN1D = jnp.pad(x_BN1D[:, :max(n - s, 0)], ((0, 0), (min(s, n), 0), (0, 0), (0, 0)))
+            cols.append(x_BN1D)
+        return jnp.concatenate(cols, axis=2)
+
+    return moved(k_BNHD, shifts), moved(v_BNHD, [max(s - 1, 0) for s in shifts])
+
+
 class SparseSelfAttention(nnx.Module):
     """Multi-head causal self-attention over a factorized pattern.
 
@@ -58,13 +77,17 @@ class SparseSelfAttention(nnx.Module):
     N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
     ("xla", "pallas" or "auto", ``attention.sparse_attention``). ``rotary``: queries and keys
     rotated by their position (``rotate``; not in the paper), so scores can depend on distance.
+    ``shifts``: per head, 0 or a shift s >= 1 (``shift_kv``; not in the paper): the head's key
+    at position j is the key of j - s and its value that of j - s + 1, so with the strided
+    column (offsets m·l) heads shifted by 1..l together reach every earlier byte in one hop,
+    and a key can match "the context that preceded this byte" (an induction step in one layer).
     """
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int | None = None, init_std: float | None = None,
                  out_std: float | None = None, implementation: str = "xla",
-                 rotary: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 rotary: bool = False, shifts: Sequence[int] | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         qk_dim = d_model if qk_dim is None else qk_dim
         for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
             if dim % num_heads:
@@ -76,6 +99,13 @@ class SparseSelfAttention(nnx.Module):
         if not specs or num_heads % len(specs):
             raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
                              f"groups ({len(specs)})")
+        shifts = tuple(shifts) if shifts else None
+        if shifts is not None and (len(shifts) != num_heads or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shifts)):
+            raise ValueError(f"shifts must be {num_heads} integers >= 0 (one per head), got "
+                             f"{shifts}")
+        if shifts is not None and not any(shifts):
+            shifts = None
         init_std = 0.125 / math.sqrt(d_model) if init_std is None else init_std
         out_std = init_std if out_std is None else out_std
         dense = functools.partial(linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -87,6 +117,7 @@ class SparseSelfAttention(nnx.Module):
         self.specs = specs
         self.implementation = implementation
         self.rotary = rotary
+        self.shifts = shifts
 
     def __call__(self, x, sharding=None):
         """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
@@ -98,6 +129,8 @@ class SparseSelfAttention(nnx.Module):
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         if self.rotary:
             q, k = (rotate(y, jnp.arange(seq_len)) for y in (q, k))
+        if self.shifts is not None:
+            k, v = shift_kv(k, v, self.shifts)
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation)
         if sharding is not None and resolve_implementation(self.implementation) in ("pallas",
@@ -134,12 +167,26 @@ class SparseSelfAttention(nnx.Module):
         for g, spec in enumerate(self.specs):  # head group g attends with pattern spec
             heads = slice(g * group, (g + 1) * group)
             if spec.kind == "dense":  # every cached position, those after i masked
-                keys, values = k_BFHD[:, :, heads], v_BFHD[:, :, heads]
-                valid = jnp.arange(k_BFHD.shape[1]) <= i
+                row_C = jnp.arange(k_BFHD.shape[1])
+                valid = row_C <= i
             else:
                 row_C = spec.row_keys(i, k_BFHD.shape[1], jnp)
-                valid, safe = row_C >= 0, jnp.maximum(row_C, 0)
+                valid = row_C >= 0
+            if self.shifts is None and spec.kind == "dense":
+                keys, values = k_BFHD[:, :, heads], v_BFHD[:, :, heads]
+            elif self.shifts is None:
+                safe = jnp.maximum(row_C, 0)
                 keys, values = k_BFHD[:, safe, heads], v_BFHD[:, safe, heads]
+            else:  # head h reads the key of j - s and the value of j - s + 1 (zero before 0)
+                keys, values = [], []
+                for h in range(heads.start, heads.stop):
+                    s = self.shifts[h]
+                    for cache_BFD, src_C, out in [(k_BFHD[:, :, h], row_C - s, keys),
+                                                  (v_BFHD[:, :, h], row_C - max(s - 1, 0),
+                                                   values)]:
+                        got = cache_BFD[:, jnp.maximum(src_C, 0)]
+                        out.append(jnp.where((src_C >= 0)[None, :, None], got, 0))
+                keys, values = jnp.stack(keys, 2), jnp.stack(values, 2)
             outs.append(decode_attention(q_BHD[:, heads], keys, values, valid))
         out = self.out(jnp.concatenate(outs, axis=1).reshape(batch, 1, -1))
         return out, (k_cache, v_cache)
@@ -152,7 +199,8 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
-                 attention: str = "xla", rotary: bool = False, dtype=jnp.float32,
+                 attention: str = "xla", rotary: bool = False,
+                 shifts: Sequence[int] | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
         norm = functools.partial(nnx.LayerNorm, d, dtype=dtype, param_dtype=param_dtype)
@@ -161,7 +209,7 @@ class Block(nnx.Module):
         self.attn = SparseSelfAttention(
             d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
             out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, rotary=rotary,
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            shifts=shifts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ff_norm = norm(rngs=rngs)
         self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))
         self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)

@@ -85,6 +85,7 @@ class ModelConfig:
     distinct_summaries: bool = False  # fixed + multihead: head group h uses summary block h
     pos_emb: str = "text"  # image | text | single | none
     rotary: bool = False  # rotary embedding of queries and keys (relative; not in the paper)
+    shifted_heads: bool = False  # strided column heads read keys/values 1..l back (not in paper)
     image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels): data, "image"
     remat: str = "none"  # none | full | dots (see module docstring)
     scan_layers: bool = False  # jax.lax.scan over groups of layers
@@ -122,6 +123,11 @@ class ModelConfig:
         if self.rotary and (self.qk_dim // self.num_heads) % 2:
             fail("rotary", f"needs an even query/key width per head, got "
                            f"{self.qk_dim // self.num_heads}")
+        if not isinstance(self.shifted_heads, bool):
+            fail("shifted_heads", "must be True or False")
+        if self.shifted_heads and self.pattern != "strided":
+            fail("shifted_heads", f"applies to pattern 'strided' (its column of every l-th "
+                                  f"byte), not {self.pattern!r}")
         if not 0.0 <= self.dropout < 1.0:
             fail("dropout", "must be in [0, 1)")
         choices = [("pattern", PATTERNS), ("summary", patterns.SUMMARY_CONVENTIONS),
@@ -166,6 +172,14 @@ class ModelConfig:
             if self.num_heads % len(specs):
                 fail("num_heads", f"cannot be split into {len(specs)} head groups "
                                   f"({', '.join(map(str, specs))})")
+        if self.shifted_heads and self.pattern == "strided":
+            column_groups = {self.num_heads // len(specs) for specs in self.specs()
+                             for spec in specs if _has_column(spec)}
+            if column_groups and min(column_groups) < self.stride:
+                fail("shifted_heads", f"needs at least stride={self.stride} heads attending "
+                                      f"the strided column in a layer (one per shift 1..l, so "
+                                      f"that they reach every offset); a layer has "
+                                      f"{min(column_groups)}: raise num_heads")
         if self.scan_layers and self.num_layers % self.period:
             fail("scan_layers", f"needs num_layers={self.num_layers} to be a multiple of the "
                                 f"schedule period {self.period}")
@@ -210,6 +224,23 @@ class ModelConfig:
     def specs(self) -> list[tuple[PatternSpec, ...]]:
         """``layer_specs`` of every layer."""
         return [self.layer_specs(k) for k in range(self.num_layers)]
+
+    def head_shifts(self, layer: int) -> tuple[int, ...] | None:
+        """With ``shifted_heads``, the key/value shift of each head of layer ``layer``
+        (``layers.shift_kv``): head h of a group attending the strided column is shifted by
+        1 + (h mod l), so the group reaches offset m·l + s for every s in 1..l: every earlier
+        byte in one hop. Heads of local-only groups are not shifted. None without."""
+        if not self.shifted_heads:
+            return None
+        specs = self.layer_specs(layer)
+        group = self.num_heads // len(specs)
+        return tuple(1 + h % self.stride if _has_column(spec) else 0
+                     for spec in specs for h in range(group))
+
+
+def _has_column(spec: PatternSpec) -> bool:
+    """Whether a head group with this pattern attends the strided column (every l-th byte)."""
+    return spec.kind == "strided" and spec.part in ("both", "strided")
 
 
 def model_config(config) -> ModelConfig:
@@ -259,7 +290,7 @@ class _BlockGroup(nnx.Module):
         self.blocks = nnx.List([Block(
             cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
             num_layers=cfg.num_layers, dropout=cfg.dropout, attention=cfg.attention,
-            rotary=cfg.rotary, dtype=DTYPES[cfg.dtype],
+            rotary=cfg.rotary, shifts=cfg.head_shifts(p), dtype=DTYPES[cfg.dtype],
             param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))
             for p in range(cfg.period)])
 

@@ -65,6 +65,10 @@ SCHEDULES = {
     "strided-openai-cycle": dict(pattern="strided", schedule="local,local,strided",
                                  num_layers=3),
     "strided-rotary": dict(pattern="strided", mode="interleaved", rotary=True, pos_emb="none"),
+    # column heads shifted by 1..l (stride 2: two heads, shifts 1 and 2)
+    "strided-shifted": dict(pattern="strided", mode="interleaved", stride=2, rotary=True,
+                            pos_emb="none", shifted_heads=True),
+    "strided-shifted-merged": dict(pattern="strided", stride=2, shifted_heads=True),
     "strided-image-rotary": dict(pattern="strided", rotary=True, pos_emb="image",
                                  image_shape=(4, 2, 2)),  # rows of 2 pixels x 2 channels
     "fixed-merged": dict(pattern="fixed"),
@@ -163,6 +167,15 @@ def reference_logits(params, cfg, x):
                     for m in ("query", "key", "value"))
         if cfg.rotary:
             q, kk = rotary(q), rotary(kk)
+        shifts = cfg.head_shifts(k) or (0,) * cfg.num_heads
+
+        def moved(arr, head, by):  # the head's row j := row j - by (zero before position 0)
+            src = np.arange(n) - by
+            return jnp.where((src >= 0)[None, :, None], arr[:, np.maximum(src, 0), head], 0)
+
+        for head, s in enumerate(shifts):  # key of j - s, value of j - s + 1
+            kk = kk.at[:, :, head].set(moved(kk, head, s))
+            v = v.at[:, :, head].set(moved(v, head, max(s - 1, 0)))
         g = cfg.num_heads // len(specs)  # head group i uses specs[i]
         mask = np.concatenate([np.broadcast_to(s.mask(n), (g, n, n)) for s in specs])
         a = dense(dense_attention(q, kk, v, mask).reshape(*x.shape, -1), p["attn"]["out"])
@@ -172,7 +185,7 @@ def reference_logits(params, cfg, x):
 
 
 @pytest.mark.parametrize("name", ["dense", "fixed-distinct", "strided-openai-cycle",
-                                  "strided-rotary"])
+                                  "strided-rotary", "strided-shifted", "strided-shifted-merged"])
 def test_matches_plain_masked_transformer(name):
     """Forward and parameter gradients equal the reference (half-size QK and FF)."""
     cfg = tiny(qk_ratio=0.5, ff_mult=2.0, **SCHEDULES[name])
@@ -242,7 +255,8 @@ def test_bfloat16_compute_close_to_float32():
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name", ["strided-openai-cycle", "fixed-distinct", "strided-rotary",
-                                  "strided-image-rotary"])
+                                  "strided-image-rotary", "strided-shifted",
+                                  "strided-shifted-merged"])
 def test_decode_step_equals_full_forward(name, scan):
     """init_cache, then decode_step position by position, gives the full forward pass's logits
     at every position, with the layers unrolled or scanned (weights scaled up so that logits
@@ -369,6 +383,9 @@ def test_paper_parameter_counts():
     (dict(pattern="fixed", mode="multihead", distinct_summaries=True), "num_heads"),
     (dict(num_heads=1, mode="multihead"), "num_heads"),
     (dict(local_width=3, pattern="fixed"), "local_width"),
+    (dict(shifted_heads=True, pattern="fixed"), "shifted_heads"),
+    (dict(shifted_heads=True), "shifted_heads"),  # 2 heads on the column, stride 4
+    (dict(shifted_heads=1, stride=2), "shifted_heads"),
     (dict(remat="sometimes"), "remat"),
     (dict(dtype="float64"), "dtype"),
     (dict(scan_layers=True, num_layers=3, mode="interleaved"), "scan_layers"),
