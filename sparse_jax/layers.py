@@ -60,7 +60,8 @@ def shift_kv(k_BNHD, v_BNHD, shifts: Sequence[int]):
         for h, s in enumerate(by):
             x_BN1D = x_BNHD[:, :, h:h + 1]
             if s:
-                x_BN1D = jnp.pad(x_BN1D[:, :max(n - s, 0)], ((0, 0), (min(s, n), 0), (0, 0), (0, 0)))
+                x_BN1D = jnp.pad(x_BN1D[:, :max(n - s, 0)],
+                                 ((0, 0), (min(s, n), 0), (0, 0), (0, 0)))
             cols.append(x_BN1D)
         return jnp.concatenate(cols, axis=2)
 
