@@ -96,6 +96,7 @@ def base() -> ml_collections.ConfigDict:
     # image (row, column, channel) | text (row, column of grid) | single | none
     c.model.pos_emb = "text"
     c.model.rotary = False  # rotary embedding of queries and keys (relative; not in the paper)
+    c.model.rotary_fraction = 1.0  # share of each head's query/key features rotated
     # strided only: column heads read keys/values 1..l bytes back, so that together they reach
     # every earlier byte in one hop (needs >= l heads on the column; not in the paper)
     c.model.shifted_heads = False

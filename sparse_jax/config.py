@@ -43,7 +43,8 @@ RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoi
 SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
 # Fields added after runs were recorded, with the value a record without them trained with.
 ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4,
-         "model.rotary": False, "model.shifted_heads": False}
+         "model.rotary": False, "model.shifted_heads": False,
+         "model.rotary_fraction": 1.0}
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:

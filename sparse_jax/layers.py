@@ -28,18 +28,23 @@ def _dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def rotate(x_BNHD, positions_N, base: float = 10_000.0):
+def rotate(x_BNHD, positions_N, base: float = 10_000.0, dims: int | None = None):
     """Rotary position embedding (Su et al. 2021; not in the Sparse Transformer paper): each
-    pair of features (f, f + D/2) of position p turned by the angle ``p · base^(-2f/D)``, so a
+    pair of features (f, f + R/2) of position p turned by the angle ``p · base^(-2f/R)``, so a
     rotated query and key have a dot product that depends on their distance, not on where they
-    sit. x: [B, n, H, D] (D even); positions: int [n] (may be traced). Computed in float32,
+    sit. x: [B, n, H, D]; positions: int [n] (may be traced). ``dims``: R, the first R features
+    of each head are rotated (even; None: all D), the rest pass unchanged, so that part of a
+    score is the same at every distance (partial rotary, as GPT-NeoX). Computed in float32,
     returned in x's dtype."""
-    half = x_BNHD.shape[-1] // 2
+    dims = x_BNHD.shape[-1] if dims is None else dims
+    half = dims // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.asarray(positions_N, jnp.float32)[:, None] * freqs  # [n, D/2]
+    angles = jnp.asarray(positions_N, jnp.float32)[:, None] * freqs  # [n, R/2]
     cos, sin = (f(angles)[None, :, None] for f in (jnp.cos, jnp.sin))
-    x1, x2 = jnp.split(x_BNHD.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BNHD.dtype)
+    x = x_BNHD.astype(jnp.float32)
+    x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], -1
+                           ).astype(x_BNHD.dtype)
 
 
 def linear(d_in: int, d_out: int, std: float, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -77,7 +82,8 @@ class SparseSelfAttention(nnx.Module):
     Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
     N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
     ("xla", "pallas" or "auto", ``attention.sparse_attention``). ``rotary``: queries and keys
-    rotated by their position (``rotate``; not in the paper), so scores can depend on distance.
+    rotated by their position (``rotate``; not in the paper), so scores can depend on distance;
+    ``rotary_dims``: how many of each head's query/key features (None: all).
     ``shifts``: per head, 0 or a shift s >= 1 (``shift_kv``; not in the paper): the head's key
     at position j is the key of j - s and its value that of j - s + 1, so with the strided
     column (offsets m·l) heads shifted by 1..l together reach every earlier byte in one hop,
@@ -87,8 +93,9 @@ class SparseSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int | None = None, init_std: float | None = None,
                  out_std: float | None = None, implementation: str = "xla",
-                 rotary: bool = False, shifts: Sequence[int] | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 rotary: bool = False, rotary_dims: int | None = None,
+                 shifts: Sequence[int] | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         qk_dim = d_model if qk_dim is None else qk_dim
         for name, dim in [("d_model", d_model), ("qk_dim", qk_dim)]:
             if dim % num_heads:
@@ -97,6 +104,10 @@ class SparseSelfAttention(nnx.Module):
         if rotary and (qk_dim // num_heads) % 2:
             raise ValueError(f"rotary needs an even query/key width per head, got "
                              f"{qk_dim // num_heads}")
+        if rotary_dims is not None and not (0 < rotary_dims <= qk_dim // num_heads
+                                            and rotary_dims % 2 == 0):
+            raise ValueError(f"rotary_dims must be even and in [2, {qk_dim // num_heads}] (the "
+                             f"query/key width per head), got {rotary_dims}")
         if not specs or num_heads % len(specs):
             raise ValueError(f"num_heads={num_heads} must be a multiple of the number of head "
                              f"groups ({len(specs)})")
@@ -118,6 +129,7 @@ class SparseSelfAttention(nnx.Module):
         self.specs = specs
         self.implementation = implementation
         self.rotary = rotary
+        self.rotary_dims = rotary_dims
         self.shifts = shifts
 
     def __call__(self, x, sharding=None):
@@ -129,7 +141,7 @@ class SparseSelfAttention(nnx.Module):
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         if self.rotary:
-            q, k = (rotate(y, jnp.arange(seq_len)) for y in (q, k))
+            q, k = (rotate(y, jnp.arange(seq_len), dims=self.rotary_dims) for y in (q, k))
         if self.shifts is not None:
             k, v = shift_kv(k, v, self.shifts)
         attend = functools.partial(multi_spec_attention, specs=self.specs,
@@ -158,7 +170,7 @@ class SparseSelfAttention(nnx.Module):
         q_BHD, k_BHD, v_BHD = (proj(x_B1D).reshape(batch, self.num_heads, -1)
                                for proj in (self.query, self.key, self.value))
         if self.rotary:  # as row i of the full pass: the cache holds rotated keys
-            q_BHD, k_BHD = (rotate(x[:, None], jnp.asarray(i)[None])[:, 0]
+            q_BHD, k_BHD = (rotate(x[:, None], jnp.asarray(i)[None], dims=self.rotary_dims)[:, 0]
                             for x in (q_BHD, k_BHD))
         k_cache, v_cache = cache
         k_cache = k_cache.at[layer, :, i].set(k_BHD.astype(k_cache.dtype))
@@ -200,7 +212,7 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
-                 attention: str = "xla", rotary: bool = False,
+                 attention: str = "xla", rotary: bool = False, rotary_dims: int | None = None,
                  shifts: Sequence[int] | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
@@ -210,7 +222,7 @@ class Block(nnx.Module):
         self.attn = SparseSelfAttention(
             d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
             out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, rotary=rotary,
-            shifts=shifts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            rotary_dims=rotary_dims, shifts=shifts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ff_norm = norm(rngs=rngs)
         self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))
         self.ff_out = dense(ff_dim, d, 0.125 / math.sqrt(ff_dim) * out_scale)

@@ -85,6 +85,7 @@ class ModelConfig:
     distinct_summaries: bool = False  # fixed + multihead: head group h uses summary block h
     pos_emb: str = "text"  # image | text | single | none
     rotary: bool = False  # rotary embedding of queries and keys (relative; not in the paper)
+    rotary_fraction: float = 1.0  # share of each head's query/key features rotated (rest: none)
     shifted_heads: bool = False  # strided column heads read keys/values 1..l back (not in paper)
     image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels): data, "image"
     remat: str = "none"  # none | full | dots (see module docstring)
@@ -123,6 +124,17 @@ class ModelConfig:
         if self.rotary and (self.qk_dim // self.num_heads) % 2:
             fail("rotary", f"needs an even query/key width per head, got "
                            f"{self.qk_dim // self.num_heads}")
+        if (isinstance(self.rotary_fraction, bool)
+                or not isinstance(self.rotary_fraction, (int, float))
+                or not 0 < self.rotary_fraction <= 1):
+            fail("rotary_fraction", "must be a number in (0, 1]")
+        if self.rotary and self.rotary_dims % 2:
+            width = self.qk_dim // self.num_heads
+            fail("rotary_fraction", f"gives {self.rotary_fraction} x {width} = "
+                                    f"{self.rotary_fraction * width:g} rotated features per head;"
+                                    " it must be a positive even number")
+        if self.rotary_fraction != 1 and not self.rotary:
+            fail("rotary_fraction", "applies with rotary=True")
         if not isinstance(self.shifted_heads, bool):
             fail("shifted_heads", "must be True or False")
         if self.shifted_heads and self.pattern != "strided":
@@ -187,6 +199,14 @@ class ModelConfig:
     @property
     def qk_dim(self) -> int:
         return int(self.qk_ratio * self.d_model)
+
+    @property
+    def rotary_dims(self) -> int:
+        """Rotated query/key features per head (``rotary_fraction`` of the head's width; the
+        fraction must give a whole number)."""
+        width = self.qk_dim // self.num_heads
+        dims = self.rotary_fraction * width
+        return int(dims) if dims == int(dims) and dims >= 1 else 1  # 1: odd, refused
 
     @property
     def ff_dim(self) -> int:
@@ -290,7 +310,8 @@ class _BlockGroup(nnx.Module):
         self.blocks = nnx.List([Block(
             cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
             num_layers=cfg.num_layers, dropout=cfg.dropout, attention=cfg.attention,
-            rotary=cfg.rotary, shifts=cfg.head_shifts(p), dtype=DTYPES[cfg.dtype],
+            rotary=cfg.rotary, rotary_dims=cfg.rotary_dims if cfg.rotary else None,
+            shifts=cfg.head_shifts(p), dtype=DTYPES[cfg.dtype],
             param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))
             for p in range(cfg.period)])
 

@@ -127,7 +127,9 @@ def describe_text(cfg: ModelConfig, info: dict) -> str:
         f"{cfg.num_heads} heads, qk={cfg.qk_dim}, ff={cfg.ff_dim}",
         "positions            "
         + ("no absolute tables" if cfg.pos_emb == "none" else f"{cfg.pos_emb} tables")
-        + (", rotary queries and keys" if cfg.rotary else ""),
+        + (", rotary queries and keys" if cfg.rotary else "")
+        + (f", column heads' keys/values shifted 1..{cfg.stride} back" if cfg.shifted_heads
+           else ""),
         f"keys per query       {info['mean_keys_per_query']:.1f} mean over layers "
         f"(dense: {(cfg.seq_len + 1) / 2:.1f})",
         f"forward FLOPs/token  {info['flops_per_token'] / 1e6:.1f}M",

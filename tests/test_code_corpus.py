@@ -57,8 +57,13 @@ def test_code_presets_read_the_code_corpus_and_differ_only_in_context():
     short, long = (configs.load(f"code:size={s}") for s in ("short", "long"))
     assert short.data.path == long.data.path == "data/cpython_lib.py.gz"
     assert (short.model.seq_len, long.model.seq_len) == (512, 4096)
-    # The long preset's local window spans its stride: two hops reach every earlier byte.
-    assert long.model.local_width is None and long.model.stride == 64
-    for field in ("num_layers", "d_model", "num_heads", "rotary", "pos_emb"):
+    # The same model: shifted heads, one per shift 1..l, so one hop reaches every earlier byte.
+    assert long.model.shifted_heads and long.model.num_heads >= long.model.stride
+    for field in ("num_layers", "d_model", "num_heads", "stride", "local_width", "mode",
+                  "shifted_heads", "rotary", "pos_emb", "pattern"):
         assert short.model[field] == long.model[field], field
     assert np.all([until < long.total_steps for until, _, _ in long.context_stages])
+    # The first presets: the long one's local window spans its stride (two hops reach all).
+    paper = configs.load("code:size=long,heads=paper")
+    assert paper.model.local_width is None and paper.model.stride == 64
+    assert not paper.model.shifted_heads

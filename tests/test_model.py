@@ -67,7 +67,7 @@ SCHEDULES = {
     "strided-rotary": dict(pattern="strided", mode="interleaved", rotary=True, pos_emb="none"),
     # column heads shifted by 1..l (stride 2: two heads, shifts 1 and 2)
     "strided-shifted": dict(pattern="strided", mode="interleaved", stride=2, rotary=True,
-                            pos_emb="none", shifted_heads=True),
+                            rotary_fraction=0.5, pos_emb="none", shifted_heads=True),
     "strided-shifted-merged": dict(pattern="strided", stride=2, shifted_heads=True),
     "strided-image-rotary": dict(pattern="strided", rotary=True, pos_emb="image",
                                  image_shape=(4, 2, 2)),  # rows of 2 pixels x 2 channels
@@ -153,11 +153,11 @@ def reference_logits(params, cfg, x):
         h = (h + params["pos_embeds"][0]["embedding"][pos // cols]
              + params["pos_embeds"][1]["embedding"][pos % cols])
 
-    def rotary(y):  # features (f, f + D/2) as one complex number, times e^(i·pos·base^(-f/(D/2)))
-        half = y.shape[-1] // 2
+    def rotary(y):  # features (f, f + R/2) as one complex number, times e^(i·pos·base^(-f/(R/2)))
+        half = cfg.rotary_dims // 2  # the first R features of a head; the rest pass unchanged
         turn = np.exp(1j * pos[:, None] * 10_000.0 ** (-np.arange(half) / half))[:, None]
-        z = (y[..., :half] + 1j * y[..., half:]) * turn
-        return jnp.concatenate([z.real, z.imag], -1).astype(y.dtype)
+        z = (y[..., :half] + 1j * y[..., half:2 * half]) * turn
+        return jnp.concatenate([z.real, z.imag, y[..., 2 * half:]], -1).astype(y.dtype)
 
     blocks = params["blocks"]
     for k in range(cfg.num_layers):
@@ -280,6 +280,28 @@ def test_decode_step_equals_full_forward(name, scan):
         model.init_cache(2, 17)
 
 
+@pytest.mark.parametrize("mode", ["interleaved", "merged"])
+def test_shifted_heads_reach_every_earlier_byte_in_one_hop(mode):
+    """With ``shifted_heads`` the column heads (strided, l = 4) read keys of j - s for s = 1..4:
+    the key positions a query i reaches through one layer's heads are all of 0..i-1, each once
+    in the interleaved column layer (the value read with the key of p is that of p + 1)."""
+    cfg = ModelConfig(seq_len=40, num_layers=2, d_model=16, num_heads=4, stride=4,
+                      mode=mode, shifted_heads=True)
+    layer = 1 if mode == "interleaved" else 0
+    (spec,), shifts = cfg.layer_specs(layer), cfg.head_shifts(layer)
+    assert shifts == (1, 2, 3, 4)
+    if mode == "interleaved":
+        assert cfg.head_shifts(0) == (0, 0, 0, 0)  # the local layer is left alone
+    keys = spec.indices(cfg.seq_len)
+    for i in range(cfg.seq_len):
+        row = keys[i][keys[i] >= 0]
+        reached = [j - s for s in shifts for j in row if j - s >= 0]
+        if mode == "interleaved":
+            assert sorted(reached) == list(range(i)), i
+        else:
+            assert set(reached) == set(range(i)), i
+
+
 def test_rotary_scores_depend_on_distance_alone():
     """A rotated query and key score the same wherever the pair sits (only i - j counts), and
     differ between distances; an odd query/key width per head is refused."""
@@ -386,6 +408,9 @@ def test_paper_parameter_counts():
     (dict(shifted_heads=True, pattern="fixed"), "shifted_heads"),
     (dict(shifted_heads=True), "shifted_heads"),  # 2 heads on the column, stride 4
     (dict(shifted_heads=1, stride=2), "shifted_heads"),
+    (dict(rotary=True, rotary_fraction=0.125), "rotary_fraction"),  # 1 of 8 features: odd
+    (dict(rotary_fraction=0.5), "rotary_fraction"),  # without rotary
+    (dict(rotary=True, rotary_fraction=0), "rotary_fraction"),
     (dict(remat="sometimes"), "remat"),
     (dict(dtype="float64"), "dtype"),
     (dict(scan_layers=True, num_layers=3, mode="interleaved"), "scan_layers"),
@@ -437,6 +462,8 @@ def test_describe():
     assert positions(tiny()) == ["positions            text tables"]
     assert positions(tiny(pos_emb="none", rotary=True)) == [
         "positions            no absolute tables, rotary queries and keys"]
+    assert positions(tiny(stride=2, shifted_heads=True)) == [
+        "positions            text tables, column heads' keys/values shifted 1..2 back"]
 
 
 def test_describe_script(tmp_path):
