@@ -191,15 +191,15 @@ class SparseSelfAttention(nnx.Module):
                 safe = jnp.maximum(row_C, 0)
                 keys, values = k_BFHD[:, safe, heads], v_BFHD[:, safe, heads]
             else:  # head h reads the key of j - s and the value of j - s + 1 (zero before 0)
-                keys, values = [], []
-                for h in range(heads.start, heads.stop):
-                    s = self.shifts[h]
-                    for cache_BFD, src_C, out in [(k_BFHD[:, :, h], row_C - s, keys),
-                                                  (v_BFHD[:, :, h], row_C - max(s - 1, 0),
-                                                   values)]:
-                        got = cache_BFD[:, jnp.maximum(src_C, 0)]
-                        out.append(jnp.where((src_C >= 0)[None, :, None], got, 0))
-                keys, values = jnp.stack(keys, 2), jnp.stack(values, 2)
+                def rows(cache_BFD, src_C):
+                    got = cache_BFD[:, jnp.maximum(src_C, 0)]
+                    return jnp.where((src_C >= 0)[None, :, None], got, 0)
+
+                shifts = self.shifts[heads]
+                keys = jnp.stack([rows(k_BFHD[:, :, h], row_C - s)
+                                  for h, s in zip(range(heads.start, heads.stop), shifts)], 2)
+                values = jnp.stack([rows(v_BFHD[:, :, h], row_C - max(s - 1, 0))
+                                    for h, s in zip(range(heads.start, heads.stop), shifts)], 2)
             outs.append(decode_attention(q_BHD[:, heads], keys, values, valid))
         out = self.out(jnp.concatenate(outs, axis=1).reshape(batch, 1, -1))
         return out, (k_cache, v_cache)

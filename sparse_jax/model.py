@@ -128,8 +128,8 @@ class ModelConfig:
                 or not isinstance(self.rotary_fraction, (int, float))
                 or not 0 < self.rotary_fraction <= 1):
             fail("rotary_fraction", "must be a number in (0, 1]")
-        if self.rotary and self.rotary_dims % 2:
-            width = self.qk_dim // self.num_heads
+        width = self.qk_dim // self.num_heads
+        if self.rotary and (self.rotary_fraction * width) % 2:  # also catches non-integers
             fail("rotary_fraction", f"gives {self.rotary_fraction} x {width} = "
                                     f"{self.rotary_fraction * width:g} rotated features per head;"
                                     " it must be a positive even number")
@@ -184,7 +184,7 @@ class ModelConfig:
             if self.num_heads % len(specs):
                 fail("num_heads", f"cannot be split into {len(specs)} head groups "
                                   f"({', '.join(map(str, specs))})")
-        if self.shifted_heads and self.pattern == "strided":
+        if self.shifted_heads:  # the pattern is strided (checked above)
             column_groups = {self.num_heads // len(specs) for specs in self.specs()
                              for spec in specs if _has_column(spec)}
             if column_groups and min(column_groups) < self.stride:
@@ -202,11 +202,9 @@ class ModelConfig:
 
     @property
     def rotary_dims(self) -> int:
-        """Rotated query/key features per head (``rotary_fraction`` of the head's width; the
-        fraction must give a whole number)."""
-        width = self.qk_dim // self.num_heads
-        dims = self.rotary_fraction * width
-        return int(dims) if dims == int(dims) and dims >= 1 else 1  # 1: odd, refused
+        """Rotated query/key features per head: ``rotary_fraction`` of the head's width (an even
+        number, checked on construction)."""
+        return int(self.rotary_fraction * (self.qk_dim // self.num_heads))
 
     @property
     def ff_dim(self) -> int:
