@@ -59,8 +59,9 @@ def test_code_presets_read_the_code_corpus_and_differ_only_in_context():
     assert (short.model.seq_len, long.model.seq_len) == (512, 4096)
     # The same model: shifted heads, one per shift 1..l, so one hop reaches every earlier byte.
     assert long.model.shifted_heads and long.model.num_heads >= long.model.stride
+    assert 0 < long.model.rotary_fraction < 1  # part of each head matches at any distance
     for field in ("num_layers", "d_model", "num_heads", "stride", "local_width", "mode",
-                  "shifted_heads", "rotary", "pos_emb", "pattern"):
+                  "shifted_heads", "rotary", "rotary_fraction", "pos_emb", "pattern"):
         assert short.model[field] == long.model[field], field
     assert np.all([until < long.total_steps for until, _, _ in long.context_stages])
     # The first presets: the long one's local window spans its stride (two hops reach all).
