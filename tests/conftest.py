@@ -28,20 +28,6 @@ for _name, _value in [("jax_compilation_cache_dir", _JAX_CACHE),
 os.environ.update(cli.huge_pages_env())
 
 
-# The files with the longest tests (the site build and its executed tutorial, the kill harness,
-# multi-device runs) go first, so that with one worker per core (pyproject.toml's addopts) no
-# worker is left with a long file while the other has finished.
-_SLOW_FILES = ("test_docs.py", "test_kill_harness.py", "test_sharding.py", "test_accelerator.py",
-               "test_train.py", "test_study.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        name = item.path.name
-        return _SLOW_FILES.index(name) if name in _SLOW_FILES else len(_SLOW_FILES)
-    items.sort(key=rank)  # stable: the tests of a file keep their order
-
-
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
