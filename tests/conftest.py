@@ -7,29 +7,65 @@ import shutil
 import tempfile
 import zipfile
 
-import jax
-import numpy as np
-import pytest
+# The tests in this process compile hundreds of small programs and run most of them once or
+# twice: XLA's cheap compile (backend optimisation level 0, no expensive LLVM passes) takes about
+# a fifth off their time on a 2-core CPU. XLA reads XLA_FLAGS once, at the first compile, so a
+# first compile happens here and the variable goes back to what it was: the scripts and notebooks
+# the tests start (training runs whose steps are the cost) compile as users' do.
+_CHEAP_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS or ''} {_CHEAP_COMPILE}".strip()
+import jax  # noqa: E402
 
-import fake_cifar10
-from sparse_jax import cli
-
-# One persistent compilation cache for the session, shared with the subprocesses tests start:
-# runs of the same tiny config (in-process or scripts/train.py) compile once, not every time.
-_JAX_CACHE = tempfile.mkdtemp(prefix="sparse_jax_tests_jax_cache_")
-for _name, _value in [("jax_compilation_cache_dir", _JAX_CACHE),
-                      ("jax_persistent_cache_min_compile_time_secs", 0),
+# Persistent compilation caches for the session, shared with the other pytest-xdist workers
+# (they inherit the controller's environment): runs of the same tiny config compile once, not
+# every time. This process and the scripts it starts keep separate caches, as they compile with
+# different flags and a cache entry's key does not say which. A half-written entry read by
+# another process is a warning and a compile, not an error. (JAX decides at its first compile
+# whether a cache is used: configured before it.)
+_JAX_CACHE = os.environ.get("SPARSE_JAX_TESTS_JAX_CACHE") or tempfile.mkdtemp(
+    prefix="sparse_jax_tests_jax_cache_")
+os.environ["SPARSE_JAX_TESTS_JAX_CACHE"] = _JAX_CACHE
+for _name, _value in [("jax_persistent_cache_min_compile_time_secs", 0),
                       ("jax_persistent_cache_min_entry_size_bytes", 0)]:
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)
+jax.config.update("jax_compilation_cache_dir", os.path.join(_JAX_CACHE, "tests"))
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_JAX_CACHE, "scripts")
 
+jax.jit(lambda x: x + 1)(0).block_until_ready()  # the first compile: XLA_FLAGS is read
+if _XLA_FLAGS is None:
+    del os.environ["XLA_FLAGS"]
+else:
+    os.environ["XLA_FLAGS"] = _XLA_FLAGS
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import fake_cifar10  # noqa: E402
+from sparse_jax import cli  # noqa: E402
 
 # The scripts that tests start find the huge-pages tunable set, so they do not restart for it.
 os.environ.update(cli.huge_pages_env())
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist (`--dist loadgroup` in pyproject's addopts) hands each test to whichever
+    worker is free, except that tests sharing a module-scoped fixture (a trained run, a built
+    study) form a group that runs on one worker, so the fixture is built once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for name in info.names_closure if info else ():
+            definitions = info.name2fixturedefs.get(name)
+            if definitions and definitions[-1].scope == "module":
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+                break
+
+
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run with -n 0)
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

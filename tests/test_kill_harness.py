@@ -18,9 +18,11 @@ import kill_harness
 
 @pytest.mark.slow  # starts other processes
 def test_training_killed_at_random_instants_ends_bit_exact(tmp_path):
-    result = kill_harness.training(4, np.random.default_rng(1), str(tmp_path), log=lambda s: None)
+    """Two kills here (the SIGKILL and SIGTERM of test_train.py hit chosen steps); the manual run
+    makes fifty."""
+    result = kill_harness.training(2, np.random.default_rng(1), str(tmp_path), log=lambda s: None)
     assert result["problems"] == []
-    assert result["kills"] == 4 and result["starts"] >= 5
+    assert result["kills"] == 2 and result["starts"] >= 3
 
 
 @pytest.mark.slow
@@ -55,7 +57,7 @@ def test_evaluate_and_sample_beside_a_training_run_use_a_complete_checkpoint(tmp
             assert train.poll() is None and time.time() < deadline
             time.sleep(0.1)
         used = []
-        for i in range(3):
+        for i in range(2):
             for script, args in [("evaluate.py", ["--split=valid", "--overwrite"]),
                                  ("sample.py", ["--length=8", "--num_samples=1",
                                                 f"--output={tmp_path}/s{i}.txt"])]:
