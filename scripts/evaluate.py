@@ -12,7 +12,8 @@ DIR/eval/<split>_<step>.json (<split>_<step>_minctx<M>.json with --min_context),
 by position in the window (buckets 0-63, 64-127, 128-255, ...), drawn in the .png of the same
 name; scripts/plot_positions.py draws several results on one figure. Bytes also get their bits
 by copy class: the bytes an exact copier finds <= 512 back, 513-4,096 back, and the rest
-(--copy_classes sets the bounds; sparse_jax.evaluate explains).
+(--copy_classes sets the bounds; sparse_jax.evaluate explains). --data=FILE scores a byte model
+on another file (its --split part) instead of the data it trained on.
 """
 
 from absl import app, flags
@@ -35,6 +36,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing result o
 _COPY_CLASSES = flags.DEFINE_list("copy_classes", ["512", "4096"], "Bytes: bounds of the classes "
                                   "of scored bytes by how far back an exact copy of them lies "
                                   "(empty: none).")
+_DATA = flags.DEFINE_string("data", None, "Bytes: score the run on this file instead of its own "
+                            "data (plain or .gz; its --split part, cut as training cuts its own). "
+                            "The result goes to DIR/eval/<file name>/.")
 _JOIN_DISTRIBUTED = define_distributed_flags()  # many hosts: each runs the same command
 flags.mark_flags_as_required(["workdir"])
 
@@ -51,7 +55,8 @@ def main(argv):
 
     result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
                                _MIN_CONTEXT.value, _BATCH_SIZE.value, copy_edges=copy_edges,
-                               attention=_ATTENTION.value, overwrite=_OVERWRITE.value)
+                               attention=_ATTENTION.value, overwrite=_OVERWRITE.value,
+                               data_path=_DATA.value)
     print(evaluate.format_table(result))
     print("\nBy position in the window (position j sees j + 1 bytes of context):\n"
           + evaluate.format_positions(result))

@@ -209,15 +209,19 @@ def class_results(bits_C: np.ndarray, count_C: np.ndarray, edges, k: int) -> dic
 CURVE_PER_OCTAVE = 4  # buckets per doubling of the context in "position_curve" (plots)
 
 
-def result_path(workdir: str, split: str, step: int, min_context: int | None) -> str:
+def result_path(workdir: str, split: str, step: int, min_context: int | None,
+                data_path: str | None = None) -> str:
+    """WORKDIR/eval/<split>_<step>[_minctx<M>].json; a result on another file (`data_path`) goes
+    to WORKDIR/eval/<that file's name>/, beside nothing of the run's own."""
     name = f"{split}_{step}" + (f"_minctx{min_context}" if min_context else "")
-    return os.path.join(workdir, "eval", name + ".json")
+    folder = os.path.join(workdir, "eval", *([os.path.basename(data_path)] if data_path else []))
+    return os.path.join(folder, name + ".json")
 
 
 def evaluate(workdir: str, split: str = "test", checkpoint="latest",
              min_context: int | None = None, batch_size: int | None = None, *,
              copy_edges=COPY_EDGES, attention: str | None = None, progress: bool = True,
-             write: bool = True, overwrite: bool = False) -> dict:
+             write: bool = True, overwrite: bool = False, data_path: str | None = None) -> dict:
     """Bits per byte / dim of one checkpoint over the whole `split`; see the module docstring.
 
     batch_size: sequences per forward pass over all devices (default: the training batch).
@@ -225,6 +229,9 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     or as `config_lib.for_this_machine` chooses where that cannot run here).
     copy_edges: bytes only, the bounds of the byte classes by copy distance
     (`baselines.copy_classes`, k = COPY_K); () or None: no classes.
+    data_path: score a byte model on another file instead of the data it trained on (any file;
+    a .gz is decompressed), cut into splits as training cuts its own (`split` picks the part):
+    how a model trained on one corpus reads another. The run's data record is not checked.
     Returns the result dict (also written to `result_path(...)` if `write`; an existing result
     is replaced only with `overwrite`).
     """
@@ -242,6 +249,14 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         raise ValueError(f"batch_size must be a positive multiple of the {devices} devices, got "
                          f"{batch_size!r}")
     image = data_lib.data_config(config.data).is_image
+    if data_path is not None:
+        if image or cfg.vocab_size != 256:
+            raise ValueError(f"data_path={data_path!r}: only a model of bytes reads another file; "
+                             f"this run models {config.data.name}")
+        if not os.path.isfile(data_path):
+            raise ValueError(f"data_path={data_path!r}: no such file; give a byte file (plain or "
+                             ".gz) to score the run on")
+        config.data.name, config.data.path = "bytes", os.path.abspath(data_path)
     copy_edges = () if image or not copy_edges else tuple(copy_edges)
     if copy_edges and any(not isinstance(e, int) or isinstance(e, bool) for e in copy_edges) \
             or any(b <= a for a, b in zip((0, *copy_edges), copy_edges)):
@@ -253,14 +268,16 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
 
     def check_output(step):
         if write and jax.process_index() == 0:
-            workdir_lib.check_output(result_path(workdir, split, step, min_context), overwrite)
+            workdir_lib.check_output(result_path(workdir, split, step, min_context, data_path),
+                                     overwrite)
 
     check_output(checkpoints.step_of(workdir, checkpoint))
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
                                     vocab_size=cfg.vocab_size, image_shape=cfg.image_shape)
     split_data = dataset.splits[split]
     count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
-    workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
+    if data_path is None:
+        workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
     mesh = eval_mesh(config, devices)
     batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh, cfg.attention)
@@ -297,6 +314,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         "split": split, "step": int(step), "bits": by_position.mean,
         "unit": dataset.unit, "num_scored": scored, "min_context": min_context,
         "dataset": config.data.name, "split_size": len(split_data),
+        "data_path": None if data_path is None else os.path.abspath(data_path),
         "num_sequences": count, "seq_len": cfg.seq_len, "batch_size": batch_size,
         "num_batches": num_batches, "tokens_per_s": timed_rows * cfg.seq_len / timed_s,
         "scored_per_s": scored / (end - start), "timed_batches": timed_batches,
@@ -311,7 +329,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         result["copy_classes"] = class_results(scores.bits.sum(1), scores.count.sum(1),
                                                copy_edges, COPY_K)
     if write and jax.process_index() == 0:
-        path = result_path(workdir, split, step, min_context)
+        path = result_path(workdir, split, step, min_context, data_path)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             plot_by_position([result], path[:-len(".json")] + ".png")  # the JSON last: whole

@@ -29,11 +29,13 @@ def text_run(tmp_path_factory):
     return workdir
 
 
-def hand_nll(workdir, split, step, min_context):
+def hand_nll(workdir, split, step, min_context, data_path=None):
     """(bits [windows, n], scored mask [windows, n], split size) from the model's logits with a
-    float64 NumPy log-softmax, window by window."""
+    float64 NumPy log-softmax, window by window (on the byte file `data_path` if given)."""
     model, config, _ = checkpoints.restore_model(workdir, step)
     n = model.cfg.seq_len
+    if data_path:
+        config.data.name, config.data.path = "bytes", data_path
     data = D.make_dataset(config.data, n).splits[split]
     windows = D.eval_windows(data, n, min_context)
     rows = D.read_windows(data, windows.starts, n)
@@ -46,9 +48,9 @@ def hand_nll(workdir, split, step, min_context):
     return nll / np.log(2), mask, len(data)
 
 
-def hand_bits(workdir, split, step, min_context):
+def hand_bits(workdir, split, step, min_context, data_path=None):
     """Bits per byte by hand (`hand_nll`), the number of scored bytes and the split size."""
-    bits, mask, size = hand_nll(workdir, split, step, min_context)
+    bits, mask, size = hand_nll(workdir, split, step, min_context, data_path)
     return bits[mask].sum() / mask.sum(), int(mask.sum()), size
 
 
@@ -153,12 +155,33 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
                             (dict(checkpoint=-1), "step number"),
                             (dict(split="dev"), "split"), (dict(min_context=64), "min_context"),
                             (dict(min_context=-1), "min_context"), (dict(batch_size=0), "batch"),
-                            (dict(batch_size=2.5), "batch")]:
+                            (dict(batch_size=2.5), "batch"),
+                            (dict(data_path=str(tmp_path / "other.txt")), "no such file")]:
         with pytest.raises(ValueError, match=message):
             E.evaluate(text_run, **kwargs)
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3 .*steps: \[2, 4\]"):
         E.evaluate(text_run, checkpoint=3)
+
+
+def test_another_file_is_scored_as_by_hand_and_written_apart(text_run, tmp_path):
+    """data_path (--data): the run's model scores another byte file's split exactly as by hand,
+    without the run's data record (another file has another fingerprint), and the result goes
+    to eval/<file name>/, leaving the run's own results as they were."""
+    other = tmp_path / "other.txt"
+    other.write_bytes(sources.embedded_bytes(20_000, seed=7).tobytes())
+    own = E.evaluate(text_run, "valid", progress=False, overwrite=True)
+    before = open(own["path"], "rb").read()
+    result = E.evaluate(text_run, "valid", data_path=str(other), progress=False)
+    expected, scored, size = hand_bits(text_run, "valid", 4, None, str(other))
+    assert result["path"] == os.path.join(text_run, "eval", "other.txt", "valid_4.json")
+    assert result["data_path"] == str(other) and result["split_size"] == size == 1000
+    assert result["num_scored"] == scored and result["bits"] == pytest.approx(expected, rel=1e-5)
+    assert result["bits"] != pytest.approx(own["bits"], abs=1e-3)  # another file was read
+    assert open(own["path"], "rb").read() == before
+    assert json.load(open(result["path"]))["bits"] == result["bits"]
+    with pytest.raises(FileExistsError):  # like any result: replaced only with overwrite
+        E.evaluate(text_run, "valid", data_path=str(other), progress=False)
 
 
 @pytest.mark.slow  # starts other processes
@@ -255,6 +278,8 @@ def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
     assert result["bits"] == pytest.approx(nll.mean() / np.log(2), rel=1e-5)
     with pytest.raises(ValueError, match="byte data only"):
         E.evaluate(workdir, "test", min_context=10)
+    with pytest.raises(ValueError, match="only a model of bytes"):
+        E.evaluate(workdir, "test", data_path=str(tmp_path / "run" / "config.json"))
 
 
 def test_plot_positions_script_draws_several_results_and_refuses_other_files(text_run, tmp_path):
