@@ -49,20 +49,6 @@ from sparse_jax import cli  # noqa: E402
 os.environ.update(cli.huge_pages_env())
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """pytest-xdist (`--dist loadgroup` in pyproject's addopts) hands each test to whichever
-    worker is free, except that tests sharing a module-scoped fixture (a trained run, a built
-    study) form a group that runs on one worker, so the fixture is built once."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        for name in info.names_closure if info else ():
-            definitions = info.name2fixturedefs.get(name)
-            if definitions and definitions[-1].scope == "module":
-                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-                break
-
-
 def pytest_sessionfinish(session, exitstatus):
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run with -n 0)
         shutil.rmtree(_JAX_CACHE, ignore_errors=True)
