@@ -257,6 +257,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
             raise ValueError(f"data_path={data_path!r}: no such file; give a byte file (plain or "
                              ".gz) to score the run on")
         config.data.name, config.data.path = "bytes", os.path.abspath(data_path)
+    data_name = config.data.name  # what is read (config is replaced by the checkpoint's below)
     copy_edges = () if image or not copy_edges else tuple(copy_edges)
     if copy_edges and any(not isinstance(e, int) or isinstance(e, bool) for e in copy_edges) \
             or any(b <= a for a, b in zip((0, *copy_edges), copy_edges)):
@@ -313,7 +314,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     result = {
         "split": split, "step": int(step), "bits": by_position.mean,
         "unit": dataset.unit, "num_scored": scored, "min_context": min_context,
-        "dataset": config.data.name, "split_size": len(split_data),
+        "dataset": data_name, "split_size": len(split_data),
         "data_path": None if data_path is None else os.path.abspath(data_path),
         "num_sequences": count, "seq_len": cfg.seq_len, "batch_size": batch_size,
         "num_batches": num_batches, "tokens_per_s": timed_rows * cfg.seq_len / timed_s,

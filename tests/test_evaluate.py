@@ -176,6 +176,7 @@ def test_another_file_is_scored_as_by_hand_and_written_apart(text_run, tmp_path)
     expected, scored, size = hand_bits(text_run, "valid", 4, None, str(other))
     assert result["path"] == os.path.join(text_run, "eval", "other.txt", "valid_4.json")
     assert result["data_path"] == str(other) and result["split_size"] == size == 1000
+    assert (own["dataset"], result["dataset"]) == ("embedded", "bytes")
     assert result["num_scored"] == scored and result["bits"] == pytest.approx(expected, rel=1e-5)
     assert result["bits"] != pytest.approx(own["bits"], abs=1e-3)  # another file was read
     assert open(own["path"], "rb").read() == before
