@@ -5,8 +5,13 @@ from its context can gain on those bytes, and only from a context that reaches t
 
   python scripts/repeats.py --config=configs/bytes.py:size=cpu_long --split=valid \
       --distances=64,512,4096,0
+  python scripts/repeats.py --config=configs/code.py --config.data.path=FILE --split=test \
+      --compressors
 
 The split is read as training reads it (`sparse_jax.data`); distance 0: anywhere earlier in it.
+--compressors adds what gzip -9, bzip2 -9 and xz -9e pay for the split given every split before
+it (`baselines.compressor_bits`; about a minute for 12 MB), the figures to hold a model's bits
+on that split against.
 """
 
 import json
@@ -23,6 +28,8 @@ _DISTANCES = flags.DEFINE_list("distances", ["64", "512", "4096", "0"],
                                "Bytes back a copier may look (0: unlimited).")
 _K = flags.DEFINE_integer("k", 12, "Bytes that must repeat before a copy is predicted.",
                           lower_bound=1)
+_COMPRESSORS = flags.DEFINE_bool("compressors", False, "Also measure what gzip -9, bzip2 -9 "
+                                 "and xz -9e pay for the split given the splits before it.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the result here as JSON.")
 flags.mark_flags_as_required(["config"])
 
@@ -51,12 +58,23 @@ def main(argv):
     for d, row in reach.items():
         print(f"| {f'{d:,} bytes' if d else 'anywhere'} | {row['seen']:.2%} | "
               f"{row['copied']:.2%} |")
+    result = {"split": _SPLIT.value, "bytes": len(split), "k": _K.value,
+              "reach": {str(d): row for d, row in reach.items()}}
+    if _COMPRESSORS.value:
+        from sparse_jax.sources import SPLITS
+
+        before = [dataset.splits[s] for s in SPLITS[:SPLITS.index(_SPLIT.value)]]
+        bits = baselines.compressor_bits(b"".join(bytes(x) for x in before), split)
+        print(f"\nCompressors on the {_SPLIT.value} split, given the {sum(map(len, before)):,} "
+              "bytes before it (bits/byte)\n\n| compressor | bits/byte |\n|---|---|")
+        for name, b in bits.items():
+            print(f"| {name} | {b:.3f} |")
+        result["compressors"] = bits
     if _OUTPUT.value:
         from sparse_jax.files import atomic_write
 
         with atomic_write(_OUTPUT.value) as f:
-            json.dump({"split": _SPLIT.value, "bytes": len(split), "k": _K.value,
-                       "reach": {str(d): row for d, row in reach.items()}}, f, indent=1)
+            json.dump(result, f, indent=1)
         print(f"Wrote {_OUTPUT.value}")
 
 

@@ -3,7 +3,9 @@
 Pictures (`scripts/image_baselines.py`): what general-purpose lossless image codecs cost on a
 split of a folder of pictures, in bits per dim. Byte streams (`repeat_reach`,
 `scripts/repeats.py`): how much of a split exact copying could predict at each context length,
-the ceiling of what a longer context can buy a model that copies.
+the ceiling of what a longer context can buy a model that copies; and what general-purpose
+compressors pay for a split given everything before it (`compressor_bits`), the figure a
+model's test bits/byte are held against.
 
 Each picture is compressed alone (as a file of its own would be) by
 
@@ -18,10 +20,13 @@ folder of JPEGs, the decoded pixels, not the JPEG files.
 
 from __future__ import annotations
 
+import bz2
 import io
 import json
+import lzma
 import os
 import time
+import zlib
 
 import numpy as np
 
@@ -177,3 +182,30 @@ def copy_class_names(edges=(512, 4096)) -> list[str]:
     edges = list(edges)
     return [f"copy {a + 1:,}-{b:,} back" for a, b in zip([0, *edges], edges)] + [
         f"rest (no copy within {edges[-1]:,})"]
+
+
+BYTE_CODECS = {  # name -> compress(bytes) -> bytes, as the command-line tools at these settings
+    "gzip -9": lambda b: zlib.compress(b, 9),
+    "bzip2 -9": lambda b: bz2.compress(b, 9),
+    "xz -9e": lambda b: lzma.compress(b, preset=9 | lzma.PRESET_EXTREME),
+}
+
+
+def compressor_bits(before, part, codecs=tuple(BYTE_CODECS)) -> dict[str, float]:
+    """Bits per byte each compressor pays for `part` given everything in `before` (both bytes or
+    uint8 arrays): 8 x (size(c(before + part)) - size(c(before))) / len(part). A model scored on
+    a test split has read the training text; so has a compressor run over the whole stream, and
+    this is what it spends on the split's bytes. The codecs' own headers cancel. gzip's window
+    is 32 KB and bzip2's block 900 KB, so they use little of `before`; xz uses it all."""
+    before, part = (x if isinstance(x, bytes) else np.asarray(x, np.uint8).tobytes()
+                    for x in (before, part))
+    if not part:
+        raise ValueError("compressor_bits: the part to pay for is empty")
+    unknown = [c for c in codecs if c not in BYTE_CODECS]
+    if unknown:
+        raise ValueError(f"unknown compressors {unknown}; choose from {list(BYTE_CODECS)}")
+    out = {}
+    for name in codecs:
+        compress = BYTE_CODECS[name]
+        out[name] = 8 * (len(compress(before + part)) - len(compress(before))) / len(part)
+    return out

@@ -321,6 +321,28 @@ def test_last_repeat_equals_a_plain_loop(k):
         np.testing.assert_array_equal(got[1], expected[1])
 
 
+def test_compressor_bits_pay_little_for_what_came_before_and_fail_on_bad_input():
+    """A part that repeats text seen 100 KB earlier is nearly free for xz, whose window holds
+    it, and not for gzip, whose 32 KB window does not; fresh random bytes cost every codec
+    about 8 bits; the figure is the difference of two compressed sizes, not the part alone."""
+    rng = np.random.default_rng(0)
+    text = rng.integers(97, 101, 20_000, dtype=np.uint8)  # 4 letters: 2 bits/byte of entropy
+    before = np.concatenate([text, rng.integers(0, 256, 100_000, dtype=np.uint8)])
+    repeated = B.compressor_bits(before, text)
+    assert repeated["xz -9e"] < 0.5, repeated
+    assert 1.9 < repeated["gzip -9"] < 3.3, repeated  # re-codes the letters from scratch
+    fresh = B.compressor_bits(before, rng.integers(0, 256, 20_000, dtype=np.uint8),
+                              ["gzip -9", "bzip2 -9"])
+    assert list(fresh) == ["gzip -9", "bzip2 -9"]
+    assert all(7.9 < b < 8.3 for b in fresh.values()), fresh
+    alone = B.compressor_bits(b"", text, ["xz -9e"])["xz -9e"]
+    assert 1.9 < alone < 2.6, alone  # with nothing before, the letters cost their entropy
+    with pytest.raises(ValueError, match="unknown compressors.*zstd"):
+        B.compressor_bits(before, text, ["zstd"])
+    with pytest.raises(ValueError, match="empty"):
+        B.compressor_bits(before, b"")
+
+
 def copy_stream(copies, size=20_000, seed=0):
     """Random bytes in which segment p:p+length is overwritten by the bytes `distance` before it,
     for each (p, length, distance) of `copies` (sources in untouched random bytes)."""
