@@ -67,32 +67,32 @@ PATTERNS = patterns.KINDS
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of ``SparseTransformer``; validated on construction (ValueError)."""
-    seq_len: int  # context n
-    num_layers: int  # N residual blocks
-    d_model: int  # d
-    num_heads: int
-    vocab_size: int = 256  # bytes
-    ff_mult: float = 4.0  # feed-forward width / d (2.0 = the paper's half-size)
-    qk_ratio: float = 1.0  # query/key width / d (0.5 = half-size)
-    dropout: float = 0.0  # at the end of each residual branch
-    pattern: str = "strided"  # dense | local | strided | fixed
-    stride: int = 128  # l (also the column count of the "text" position grid)
-    c: int = 32  # summary width of "fixed"
-    local_width: int | None = None  # window of strided/local (None: l + 1, the paper)
-    summary: str = "paper"  # fixed summary convention: paper | lra
-    mode: str = "merged"  # merged | interleaved | multihead
-    schedule: str = ""  # cycle of parts per layer, e.g. "local,local,local,strided"
-    distinct_summaries: bool = False  # fixed + multihead: head group h uses summary block h
-    pos_emb: str = "text"  # image | text | single | none
-    rotary: bool = False  # rotary embedding of queries and keys (relative; not in the paper)
-    rotary_fraction: float = 1.0  # share of each head's query/key features rotated (rest: none)
-    shifted_heads: bool = False  # strided column heads read keys/values 1..l back (not in paper)
-    image_shape: tuple[int, int, int] = (32, 32, 3)  # (rows, columns, channels): data, "image"
-    remat: str = "none"  # none | full | dots (see module docstring)
-    scan_layers: bool = False  # jax.lax.scan over groups of layers
-    dtype: str = "float32"  # compute: float32 | bfloat16
-    attention: str = "xla"  # sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
-    param_dtype: str = "float32"  # storage
+    seq_len: int  #: context n
+    num_layers: int  #: N residual blocks
+    d_model: int  #: d
+    num_heads: int  #: H attention heads
+    vocab_size: int = 256  #: bytes
+    ff_mult: float = 4.0  #: feed-forward width / d (2.0 = the paper's half-size)
+    qk_ratio: float = 1.0  #: query/key width / d (0.5 = half-size)
+    dropout: float = 0.0  #: at the end of each residual branch
+    pattern: str = "strided"  #: dense | local | strided | fixed
+    stride: int = 128  #: l (also the column count of the "text" position grid)
+    c: int = 32  #: summary width of "fixed"
+    local_width: int | None = None  #: window of strided/local (None: l + 1, the paper)
+    summary: str = "paper"  #: fixed summary convention: paper | lra
+    mode: str = "merged"  #: merged | interleaved | multihead
+    schedule: str = ""  #: cycle of parts per layer, e.g. "local,local,local,strided"
+    distinct_summaries: bool = False  #: fixed + multihead: head group h uses summary block h
+    pos_emb: str = "text"  #: image | text | single | none
+    rotary: bool = False  #: rotary embedding of queries and keys (relative; not in the paper)
+    rotary_fraction: float = 1.0  #: share of each head's query/key features rotated (rest: none)
+    shifted_heads: bool = False  #: strided column heads read keys/values 1..l back (not in paper)
+    image_shape: tuple[int, int, int] = (32, 32, 3)  #: (rows, columns, channels): data, "image"
+    remat: str = "none"  #: none | full | dots (see module docstring)
+    scan_layers: bool = False  #: jax.lax.scan over groups of layers
+    dtype: str = "float32"  #: compute: float32 | bfloat16
+    attention: str = "xla"  #: sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
+    param_dtype: str = "float32"  #: storage
 
     def __post_init__(self):
         def fail(field, why):
