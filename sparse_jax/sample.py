@@ -10,16 +10,21 @@ the outputs and the ``sample`` entry point.
 
 Conventions. Text: prompts are bytes (``--prompt`` is UTF-8 text, ``--prompt_file`` is read as
 raw bytes, any values); position 0 always reads a real byte, so without a prompt sampling starts
-from a newline. A prompt of P bytes followed by L new bytes feeds P + L - 1 positions, which
-must fit the context n. Images: position 0 reads the constant 0 (as in training), so a sample is
-n new sub-pixels after the prompt [0]; completion prompts with [0] + the top half of an image.
-Completion takes N images spread evenly over the split (its first and last included) and
-samples their bottom halves. A fixed seed gives the same samples for the same model, batch and
-length. Outputs: ``DIR/samples/<step>_seed<S>.txt`` (raw bytes, each sample after a header
-line), ``<step>_seed<S>.png`` (a grid of images), ``<step>_complete_<split>_seed<S>.png`` (three
-rows: the originals, what the model was shown (bottom halves grey), its completions; small
-pictures are enlarged to 96 pixels or more a side, each pixel a square: ``completion_zoom``);
-``--output`` overrides the path.
+from a newline. Samples are of any length: past the context n the window slides (the scheme is
+``sparse_jax.decode``'s: a full window of n + 1 bytes is followed by one that re-reads its last
+n // 2 bytes from position 0, so each byte is drawn from the model's distribution given the
+window before it, at least n // 2 bytes and at most n, and past the first window a byte costs
+about two cached steps). A prompt longer than n is cut to its last n bytes, with one
+``warning:`` line saying so; the samples hold the cut prompt. Images: position 0 reads the
+constant 0 (as in training), so a sample is n new sub-pixels after the prompt [0], one image,
+never more; completion prompts with [0] + the top half of an image. Completion takes N images
+spread evenly over the split (its first and last included) and samples their bottom halves. A
+fixed seed gives the same samples for the same model, batch and prompt (a shorter text sample
+is the start of a longer one). Outputs: ``DIR/samples/<step>_seed<S>.txt`` (raw bytes, each
+sample after a header line), ``<step>_seed<S>.png`` (a grid of images),
+``<step>_complete_<split>_seed<S>.png`` (three rows: the originals, what the model was shown
+(bottom halves grey), its completions; small pictures are enlarged to 96 pixels or more a side,
+each pixel a square: ``completion_zoom``); ``--output`` overrides the path.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 
 import numpy as np
 
-from sparse_jax import checkpoints
+from sparse_jax import checkpoints, logs
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import model as model_lib
@@ -115,9 +120,10 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     """Samples from a checkpoint of the run in ``workdir`` and writes them (module docstring);
     an existing output file is replaced only with ``overwrite``.
 
-    Text: ``num_samples`` continuations of the prompt by ``length`` bytes (default 256 or as many
-    as fit). Images: ``num_samples`` whole images, or with ``complete=N`` the bottom halves of N
-    images of ``split`` spread evenly over it (``picked``). Returns {"samples", "path", "step",
+    Text: ``num_samples`` continuations of the prompt (its last n bytes, n the context) by
+    ``length`` bytes (default 256; any length, the window sliding past n). Images:
+    ``num_samples`` whole images, or with ``complete=N`` the bottom halves of N images of
+    ``split`` spread evenly over it (``picked``). Returns {"samples", "path", "step",
     "seconds", ...}: samples are bytes (prompt included) or uint8 images [N, rows, columns,
     channels]. ``attention``: the implementation to read the run with (default: the recorded
     one, or as ``config_lib.for_this_machine`` chooses where that cannot run here).
@@ -147,9 +153,12 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
             raise ValueError("complete=N needs an image model (one trained on an image "
                              "dataset such as cifar10)")
         text = prompt_bytes(prompt, prompt_file) or b"\n"
-        if length is None:
-            length = max(1, min(DEFAULT_TEXT_LENGTH, cfg.seq_len + 1 - len(text)))
-        check_length(len(text), length, cfg.seq_len)
+        length = DEFAULT_TEXT_LENGTH if length is None else length
+        check_length(len(text), length)
+        if len(text) > cfg.seq_len:
+            logs.warn(f"the prompt ({len(text)} bytes) is longer than the model's context of "
+                      f"{cfg.seq_len} bytes; it is cut to its last {cfg.seq_len} bytes")
+            text = text[-cfg.seq_len:]
 
     def output_path(step):
         name = (f"{step}_complete_{split}_seed{seed}.png" if image and complete else

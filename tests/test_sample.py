@@ -1,6 +1,7 @@
 """Sampling: the cached decoder's logits equal the full forward pass for every attention schedule,
-seeds and greedy decoding, top-k / top-p / temperature, text and image outputs, the script, and
-bad input."""
+and past the context each byte's logits equal the full forward pass over the window it was drawn
+in; seeds and greedy decoding, top-k / top-p / temperature, text and image outputs, the script,
+and bad input."""
 
 import os
 import subprocess
@@ -81,10 +82,70 @@ def test_seeds_greedy_and_prompts():
     full = np.asarray(full_forward(model, jnp.asarray(greedy[:, :-1])))
     np.testing.assert_array_equal(greedy[:, 3:], full.argmax(-1)[:, 2:])
     assert decode.generate(model, np.zeros((2, 32), int), 1, temperature=0).shape == (2, 33)
-    with pytest.raises(ValueError, match="longer than the model's context"):
-        decode.generate(model, np.zeros((1, 33), int), 1)  # a prompt longer than n
-    with pytest.raises(ValueError, match="at most 2 new bytes"):
-        decode.generate(model, np.zeros((1, 31), int), 3)
+    for keep in (0, 33, 2.0, True):
+        with pytest.raises(ValueError, match=r"keep must be an integer in \[1, 32\]"):
+            decode.generate(model, prompt, 40, keep=keep)
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        decode.generate(model, prompt, 0)
+
+
+def test_windows_slide_by_n_plus_1_minus_keep():
+    """(start, known, end): tokens start..end-1 fed from position 0, known..end-1 drawn."""
+    assert decode.windows(3, 30, 32, 16) == [(0, 3, 33)]  # fits: one window, nothing re-read
+    assert decode.windows(3, 96, 32, 16) == [(0, 3, 33), (17, 33, 50), (34, 50, 67),
+                                             (51, 67, 84), (68, 84, 99)]
+    assert decode.windows(40, 3, 32, 16) == [(8, 40, 41), (25, 41, 43)]  # the last 32 read
+    assert decode.windows(1, 4, 4, 4) == [(0, 1, 5)]
+    assert decode.windows(2, 5, 4, 4) == [(0, 2, 5), (1, 5, 6), (2, 6, 7)]  # keep = n: 1 each
+    for prompt, length, n, keep in [(3, 96, 32, 16), (40, 50, 32, 31), (1, 100, 8, 1)]:
+        spans = decode.windows(prompt, length, n, keep)
+        drawn = [t for _, known, end in spans for t in range(known, end)]
+        assert drawn == list(range(prompt, prompt + length))  # each new token once, in order
+        assert all(end - start <= n + 1 and known - start >= min(keep, prompt)
+                   for start, known, end in spans)
+
+
+@pytest.mark.parametrize("overrides, keep", [(dict(pattern="strided"), None),
+                                             (dict(pattern="fixed", rotary=True), 24)])
+def test_past_the_context_each_byte_is_drawn_from_the_full_forward_of_its_window(overrides,
+                                                                                    keep):
+    """3 contexts of new bytes: every drawn byte's logits equal row -1 of the full forward pass
+    over the window before it (the first byte after each re-read included), as `windows` lays
+    them out; greedy bytes are their argmax."""
+    model, n = make(**overrides), TINY["seq_len"]
+    tokens, logits = decode.generate(model, PROMPT, 3 * n, seed=2, top_k=50, keep=keep,
+                                     return_logits=True)
+    assert tokens.shape == (2, 3 + 3 * n) and logits.shape == (2, 2 + 3 * n, 256)
+    spans = decode.windows(3, 3 * n, n, keep or n // 2)
+    assert len(spans) >= 4
+    for start, known, end in spans:
+        full = np.asarray(full_forward(model, jnp.asarray(tokens[:, start:end - 1])))
+        np.testing.assert_allclose(logits[:, known - 1:end - 1], full[:, known - 1 - start:],
+                                   atol=1e-4, rtol=0)
+        # The check has teeth: the first drawn byte after a re-read, fed one byte later.
+        if start:
+            shifted = np.asarray(full_forward(model, jnp.asarray(tokens[:, start + 1:known])))
+            assert np.abs(logits[:, known - 1] - shifted[:, -1]).max() > 1e-2
+    greedy = decode.generate(model, PROMPT, 3 * n, temperature=0, keep=keep)
+    for start, known, end in spans:
+        full = np.asarray(full_forward(model, jnp.asarray(greedy[:, start:end - 1])))
+        np.testing.assert_array_equal(greedy[:, known:end], full.argmax(-1)[:, known - 1 - start:])
+
+
+def test_sliding_is_deterministic_and_reads_only_the_last_n_prompt_tokens():
+    model, n = make(pattern="strided"), TINY["seq_len"]
+    a = decode.generate(model, PROMPT, 3 * n, seed=7)
+    np.testing.assert_array_equal(a, decode.generate(model, PROMPT, 3 * n, seed=7))
+    assert not np.array_equal(a, decode.generate(model, PROMPT, 3 * n, seed=8))
+    np.testing.assert_array_equal(a[:, :3 + 40], decode.generate(model, PROMPT, 40, seed=7))
+    rng = np.random.default_rng(0)
+    long_BP = rng.integers(0, 256, (2, n + 9))
+    other_BP = long_BP.copy()
+    other_BP[:, :9] = rng.integers(0, 256, (2, 9))  # differs only before the last n tokens
+    b = decode.generate(model, long_BP, 50, seed=1)
+    np.testing.assert_array_equal(b[:, :n + 9], long_BP)  # the whole prompt is returned
+    np.testing.assert_array_equal(b[:, n + 9:], decode.generate(model, other_BP, 50,
+                                                                 seed=1)[:, n + 9:])
 
 
 def test_filter_logits_top_k_top_p_temperature():
@@ -129,9 +190,21 @@ def test_text_samples_from_a_workdir(text_run, tmp_path):
     raw = tmp_path / "prompt.bin"
     raw.write_bytes(b"\xff\xfe\x00")  # not UTF-8: a prompt file is read as bytes
     out = S.sample(text_run, 1, prompt_file=str(raw), output=str(tmp_path / "out.txt"))
-    assert out["samples"][0][:3] == b"\xff\xfe\x00" and len(out["samples"][0]) == 65
-    assert out["path"] == str(tmp_path / "out.txt")  # default length: what fits (62 new bytes)
-    assert len(S.sample(text_run, 1)["samples"][0]) == 65  # no prompt: a newline, then 64
+    assert out["samples"][0][:3] == b"\xff\xfe\x00" and len(out["samples"][0]) == 3 + 256
+    assert out["path"] == str(tmp_path / "out.txt")  # default length: 256, past the context
+    assert len(S.sample(text_run, 1)["samples"][0]) == 257  # no prompt: a newline, then 256
+
+
+def test_a_prompt_longer_than_the_context_is_cut_with_one_line(text_run, tmp_path, capsys):
+    prompt = b"\x01" * 10 + bytes(range(100, 164))  # the context is 64
+    result = S.sample(text_run, 2, 5, prompt=prompt, output=str(tmp_path / "cut.txt"))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "prompt" in line]
+    assert warnings == ["warning: the prompt (74 bytes) is longer than the model's context of "
+                        "64 bytes; it is cut to its last 64 bytes"]
+    assert [s[:64] for s in result["samples"]] == [prompt[10:]] * 2
+    assert [len(s) for s in result["samples"]] == [69, 69]
+    S.sample(text_run, 1, 5, prompt=prompt[10:], output=str(tmp_path / "fits.txt"))
+    assert "prompt" not in capsys.readouterr().err  # a prompt that fits: no line
 
 
 def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypatch):
@@ -141,9 +214,8 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
     monkeypatch.setattr(checkpoints, "restore_model", expensive)
     for kwargs, message in [
             (dict(num_samples=0), "num_samples"), (dict(num_samples=-2), "num_samples"),
-            (dict(prompt="x" * 65), "longer than the model's context of 64"),
-            (dict(prompt="x" * 60, length=6), "at most 5 new bytes"),
-            (dict(length=0), "length"), (dict(prompt="caf\udce9"), "not valid UTF-8"),
+            (dict(length=0), "length"), (dict(length=2.5), "length"),
+            (dict(prompt="caf\udce9"), "not valid UTF-8"),
             (dict(prompt="a", prompt_file=str(tmp_path)), "not both"),
             (dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"),
             (dict(top_k=257), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
@@ -157,16 +229,25 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
 
 
 def test_script_prints_and_writes_samples(text_run, tmp_path):
+    """Past the context: a prompt of 70 bytes (cut to 64, one line) and 3 contexts of new bytes
+    (the window re-read 5 times)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(ROOT, "scripts", "sample.py")
     out = tmp_path / "s.txt"
     proc = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--num_samples=2",
-                           "--length=5", "--prompt=hello", "--top_k=10", "--temperature=0.8",
-                           f"--output={out}"], capture_output=True, text=True, env=env,
-                          timeout=120)
+                           "--length=192", "--prompt=" + "x" * 65 + "hello", "--top_k=10",
+                           "--temperature=0.8", f"--output={out}"], capture_output=True,
+                          text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("hello") == 2 and f"Wrote {out}" in proc.stdout
-    assert out.read_bytes().count(b"hello") == 2
+    assert proc.stdout.count("x" * 59 + "hello") == 2 and f"Wrote {out}" in proc.stdout
+    assert [line for line in proc.stderr.splitlines() if "prompt" in line] == [
+        "warning: the prompt (70 bytes) is longer than the model's context of 64 bytes; it is "
+        "cut to its last 64 bytes"]
+    written = out.read_bytes()
+    headers = [f"===== sample {k}/2: step 3, seed 0, prompt 64 bytes + 192 new =====\n".encode()
+               for k in (1, 2)]
+    assert all(h in written for h in headers) and written.count(b"x" * 59 + b"hello") == 2
+    assert len(written) == sum(len(h) + 64 + 192 + 1 for h in headers)
     bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--num_samples=0"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "num_samples must be a positive integer" in bad.stderr
