@@ -12,6 +12,10 @@ Images: DIR/samples/<step>_seed<S>.png, or with --complete=N the bottom halves o
 (originals, the top halves shown, completions): DIR/samples/<step>_complete_<split>_seed<S>.png.
 --output sets the path. The same --seed gives the same samples. Decoding uses a pattern-aware
 key/value cache: each new byte costs O(|S_i| d) per layer, not a forward pass over the context.
+Text samples are of any --length: past the context n the window slides (a full window is
+followed by one that re-reads its last n/2 bytes from position 0; each byte sees n/2 to n bytes,
+and costs about two cached steps past the first window). A prompt longer than n is cut to its
+last n bytes, with one warning line. An image sample is always one whole image.
 --attention reads the run with another attention implementation (default: the run's, or XLA
 where its CPU kernels cannot run here).
 """
@@ -22,8 +26,9 @@ from sparse_jax import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by scripts/train.py.")
 _NUM = flags.DEFINE_integer("num_samples", 4, "Samples (text continuations or images).")
-_LENGTH = flags.DEFINE_integer("length", None, "Text: new bytes per sample (default 256 or as "
-                               "many as fit the context). Images: always the whole image.")
+_LENGTH = flags.DEFINE_integer("length", None, "Text: new bytes per sample, any number (default "
+                               "256; past the context the window slides). Images: always one "
+                               "whole image.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling: smallest set with mass >= p.")

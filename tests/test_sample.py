@@ -273,5 +273,7 @@ def test_images_and_completion(cifar, tmp_path, monkeypatch):
     assert zoom == 3 and Image.open(done["path"]).size == (zoom * (2 * 34 + 2), zoom * (3 * 34 + 2))
     with pytest.raises(ValueError, match="no text prompt"):
         S.sample(workdir, prompt="a")
+    with pytest.raises(ValueError, match="whole images of 3072 sub-pixels; leave length unset"):
+        S.sample(workdir, length=3 * 3072)  # an image model never slides past one image
     with pytest.raises(ValueError, match="exceeds the 5 test images"):
         S.sample(workdir, complete=6)
