@@ -137,10 +137,9 @@ def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float
     window starts with, 1 .. n, default n // 2). Only the last n prompt tokens are read.
 
     Returns int32 [B, P + length] (NumPy), and with ``return_logits`` also float32
-    [B, P + length - 1, vocab]: row t predicts token t + 1 (drawn from it if new), as
-    ``model(window)`` does on the window that held token t + 1 (the first window for the
-    prompt's; NaN for the prompt tokens before it). Within one window that is
-    ``model(tokens[:, :-1])``.
+    [B, P + length - 1, vocab]: row t predicts token t + 1 (drawn from it if new), as the full
+    forward pass over the window that held token t + 1 does (the first window for the prompt's;
+    NaN for the prompt tokens before it). Within one window that is ``model(tokens[:, :-1])``.
     """
     prompt_BP = np.asarray(prompt_BP)
     if prompt_BP.ndim != 2 or not np.issubdtype(prompt_BP.dtype, np.integer):
