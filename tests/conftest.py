@@ -15,6 +15,14 @@ import zipfile
 _CHEAP_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _XLA_FLAGS = os.environ.get("XLA_FLAGS")
 os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS or ''} {_CHEAP_COMPILE}".strip()
+# On a GPU, JAX reserves 75% of the device's memory when its client starts (at the first compile
+# below), once per process: with the suite's pytest-xdist workers (pyproject.toml) every worker
+# after the first died of CUDA_ERROR_OUT_OF_MEMORY on an H100 and no test ran. Allocating on
+# demand lets the workers share the device, so `python -m pytest` runs the same on a GPU
+# machine as on a CPU (where the variable does nothing), and the kernels' compilations still
+# run in parallel; `-n 0` was the other way out, one process with the whole device, but serial.
+# A value already set is kept, and the scripts the tests start inherit it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 
 # Persistent compilation caches for the session, shared with the other pytest-xdist workers
