@@ -904,10 +904,15 @@ def build_cases() -> list[Case]:
     err("sample/top_p 1.5", [*sa, "--top_p=1.5"], r"top_p", setup=trained_run)
     err("sample/length 0", ["sample", "--workdir={work}", "--length=0"], r"length",
         setup=trained_run)
-    err("sample/length longer than the context", ["sample", "--workdir={work}", "--length=1000"],
-        r"length|context|seq_len", setup=trained_run)
+    ok("sample/length past the context (the window slides)",
+       ["sample", "--workdir={work}", "--num_samples=1", "--length=1000"],
+       file_matches("work/samples/4_seed0.txt", r"prompt 1 bytes \+ 1000 new"), setup=trained_run)
     err("sample/num_samples 0", [*sa, "--num_samples=0"], r"num_samples", setup=trained_run)
-    err("sample/prompt too long", [*sa, "--prompt=" + "a" * 100], r"prompt", setup=trained_run)
+    ok("sample/prompt longer than the context (cut, one line)", [*sa, "--prompt=" + "a" * 100],
+       all_of(output_matches(r"^warning: the prompt \(100 bytes\) is longer than the model's "
+                             r"context of 64 bytes; it is cut to its last 64 bytes$", "stderr"),
+              file_matches("work/samples/4_seed0.txt", r"prompt 64 bytes \+ 8 new")),
+       setup=trained_run)
     err("sample/prompt not UTF-8", [*sa, b"--prompt=\xff\xfe"], r"prompt|UTF-8",
         setup=trained_run)
     err("sample/prompt_file missing", [*sa, "--prompt_file={tmp}/nope.txt"], r"nope\.txt",
