@@ -48,15 +48,29 @@ _FAR = 1 << 29  # segment of padding: queries get no key, keys reach no query (i
 _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when listing blocks
 
 
+VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels are combined
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Kernel tiles: ``block_q`` queries by ``block_k`` keys (powers of two; at least 16 on a
-    GPU, multiples of 128 on a TPU), and Triton's ``num_warps`` and ``num_stages``. Hashable: a
-    static argument. Defaults: ``for_backend``."""
+    GPU, multiples of 128 on a TPU), Triton's ``num_warps`` and ``num_stages``, how the terms'
+    kernels are combined (``variant``) and how many heads a GPU program serves
+    (``heads_per_program``). Hashable: a static argument. Defaults: ``for_backend``.
+
+    ``variant``: "terms" (each term's kernels in the term's own layout, float32 outputs merged
+    by log-sum-exp in XLA; both backends) or "chained" (Triton only: every kernel reads and
+    writes the sequence-order arrays, the column term with strided loads; each term's kernel
+    resumes from the previous terms' float32 partial result and the last writes the final
+    output and gradients in the input dtype: no transposes and no merges in XLA).
+    ``heads_per_program``: a power of two dividing the head count; a program walks its block
+    list once for all its heads (Triton only above 1)."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    variant: str = "terms"
+    heads_per_program: int = 1
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -64,10 +78,11 @@ class BlockSizes:
         return BlockSizes() if backend == "triton" else BlockSizes(128, 128)
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
+        for name in ("block_q", "block_k", "heads_per_program"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
+        patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,23 +328,99 @@ def _forward(spec, compiler, q, k, v):
     return out, lse_max + jnp.log(total)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(spec, compiler, q, k, v):
-    return _forward(spec, compiler, q, k, v)[0]
+def _chain(spec, rows, compiler):
+    """The chained variant's plan: the padded grid rows and, per term (the summary term first,
+    band terms last, so the last writes sequence-order outputs), its layout, mask rule, block
+    lists, compiler and ``pallas_kernels.Rows`` of its query and key tiles in sequence-order
+    arrays (packed summary keys: their own array). A column tile must be one run of a column:
+    its tiles are ``col`` = at most the largest power of two dividing ``rows`` (at least 16),
+    and rows are padded to a multiple of ``col`` and so that every tile divides the length
+    (zero rows after the sequence: no real query attends them, and their zero gradient
+    inputs add nothing)."""
+    block, tile = spec.block, max(compiler.block_q, compiler.block_k)
+    step = max(1, tile // (block & -block))  # rows * block a multiple of every tile
+    col = min(tile, max(16, rows & -rows))
+    terms = sorted(spec.terms(), key=lambda t: [patterns.SummaryTerm, patterns.ColumnTerm,
+                                                patterns.BandTerm].index(type(t)))
+    if any(isinstance(t, patterns.ColumnTerm) for t in terms):
+        step = max(step, col)
+    rows = -(-rows // step) * step
+    plan = []
+    for term in terms:
+        layout, comp = _layout(term, rows), compiler
+        if layout.kind == "columns":
+            comp = dataclasses.replace(compiler, block_q=min(compiler.block_q, col),
+                                       block_k=min(compiler.block_k, col))
+            at = tuple(pallas_kernels.Rows(b, block, rows) for b in (comp.block_q,
+                                                                      comp.block_k))
+        else:
+            at = (pallas_kernels.Rows(comp.block_q), pallas_kernels.Rows(comp.block_k))
+        lists = _block_lists(layout, comp.block_q, comp.block_k)[0]
+        plan.append((layout, functools.partial(_keep, layout), lists, comp, at))
+    return rows * block, plan
 
 
-def _attention_fwd(spec, compiler, q, k, v):
-    out, lse = _forward(spec, compiler, q, k, v)
+def _packed(layout, lists, x):
+    """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles."""
+    if layout.kind != "summary":
+        return x
+    return _pad_to(layout.keys(x), lists.k_attrs[0].shape[1])
+
+
+def _chained_forward(spec, compiler, q, k, v):
+    """``_forward`` of the chained variant: output in q's dtype."""
+    n = q.shape[2]
+    length, plan = _chain(spec, n // spec.block, compiler)
+    q, k, v = (_pad_to(x, length) for x in (q, k, v))
+    state = ()
+    for i, (layout, keep, lists, comp, at) in enumerate(plan):
+        state = pallas_kernels.forward(
+            comp, keep, lists, q, *(_packed(layout, lists, x) for x in (k, v)), rows=at,
+            init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32)
+    return state[0][:, :, :n], state[1][:, :, :n, 0]
+
+
+def _chained_backward(spec, compiler, q, k, v, do, lse, delta):
+    """Gradients of the chained variant, each term's kernels adding to the previous terms'
+    (packed summary keys' gradients are put back in sequence order by XLA)."""
+    n = q.shape[2]
+    length, plan = _chain(spec, n // spec.block, compiler)
+    q, k, v, do, lse, delta = (_pad_to(x, length) for x in (q, k, v, do, lse, delta))
+    dq, dkv = (), ()
+    for i, (layout, keep, lists, comp, at) in enumerate(plan):
+        last = i == len(plan) - 1
+        summary = layout.kind == "summary"
+        grads = pallas_kernels.backward(
+            comp, keep, lists, q, *(_packed(layout, lists, x) for x in (k, v)), do, lse, delta,
+            rows=at, init=(dq, () if summary else dkv),
+            dtype=q.dtype if last else jnp.float32)
+        dq = grads[:1]
+        if summary:  # the first term (``_chain``'s order): nothing to add to yet
+            assert not last and not dkv
+            grads = [_pad_to(layout.keys_back(g[:, :, :layout.nk]), length) for g in grads]
+        dkv = tuple(grads[1:])
+    return tuple(g[:, :, :n] for g in (*dq, *dkv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(spec, compiler, variant, q, k, v):
+    return _attention_fwd(spec, compiler, variant, q, k, v)[0]
+
+
+def _attention_fwd(spec, compiler, variant, q, k, v):
+    forward = _chained_forward if variant == "chained" else _forward
+    out, lse = forward(spec, compiler, q, k, v)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(spec, compiler, residuals, d_out):
+def _attention_bwd(spec, compiler, variant, residuals, d_out):
     q, k, v, out, lse = residuals
-    rows = q.shape[2] // spec.block
-    d_out = d_out.astype(jnp.float32)
-    delta = (d_out * out).sum(-1, keepdims=True)
+    delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
+    if variant == "chained":
+        return _chained_backward(spec, compiler, q, k, v, do, lse, delta)
+    rows = q.shape[2] // spec.block
     grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
     for layout, keep, lists in _terms(spec, rows, compiler):
         nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
@@ -364,25 +455,34 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     if interpret is None:
         interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
     sizes = sizes or BlockSizes.for_backend(backend)
+    if backend != "triton" and (sizes.variant != "terms" or sizes.heads_per_program != 1):
+        raise ValueError(f"BlockSizes(variant={sizes.variant!r}, heads_per_program="
+                         f"{sizes.heads_per_program}) needs the triton backend, not {backend}")
     return pallas_kernels.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
-                                   sizes.num_warps, sizes.num_stages)
+                                   sizes.num_warps, sizes.num_stages, sizes.heads_per_program)
 
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
                        backend: str | None = None, interpret: bool | None = None,
                        return_lse: bool = False):
     """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] with n a multiple of
-    ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] float32 (differentiable),
-    or with ``return_lse`` also the log-sum-exp of each row's kept scores [B, H, n] (a row with
-    no key: -1e30; not differentiable). ``sizes``, ``backend``, ``interpret``: ``compiler_for``.
+    ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] (differentiable), float32
+    for ``sizes.variant`` "terms" and q's dtype for "chained", or with ``return_lse`` also the
+    log-sum-exp of each row's kept scores [B, H, n] (a row with no key: -1e30; not
+    differentiable). ``sizes``, ``backend``, ``interpret``: ``compiler_for``.
     """
     compiler = compiler_for(sizes, backend, interpret)
+    variant = (sizes or BlockSizes()).variant
+    if q.shape[1] % compiler.heads_per_program:
+        raise ValueError(f"BlockSizes.heads_per_program={compiler.heads_per_program} must "
+                         f"divide the {q.shape[1]} heads")
     dv = v.shape[-1]
     q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
     if return_lse:
-        out, lse = _forward(spec, compiler, q, k, v)
+        forward = _chained_forward if variant == "chained" else _forward
+        out, lse = forward(spec, compiler, q, k, v)
         return out[..., :dv], lse
-    return _attention(spec, compiler, q, k, v)[..., :dv]
+    return _attention(spec, compiler, variant, q, k, v)[..., :dv]
 
 
 def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -> dict:

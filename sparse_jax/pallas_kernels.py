@@ -55,6 +55,7 @@ class Compiler:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    heads_per_program: int = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,78 +101,148 @@ def _grads(s, lse, delta, do, v):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: a program per (tile, batch, head) loops over its list.
+# GPU: a program per (tile, batch, head group) loops over its list.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Where layout tile ``t`` (``block`` entries) lies along an array's length: ``block``
+    contiguous rows from ``t * block``, or, with ``column`` set (the column term read in sequence
+    order), layout entry ``col * column + r`` is sequence position ``r * stride + col``, so a
+    tile (``block`` divides ``column``) is ``block`` rows ``stride`` apart: one strided load."""
+    block: int
+    stride: int = 1
+    column: int = 0
+
+    def __call__(self, t):
+        if not self.column:
+            return pl.ds(pl.multiple_of(t * self.block, self.block), self.block)
+        start = t * self.block
+        return pl.ds(start % self.column * self.stride + start // self.column, self.block,
+                     stride=self.stride)
+
+
+def _get(ref, g, rows):
+    """Head ``g``'s ``rows`` of a [heads, length, d] ref (the head as a slice: Triton's lowering
+    takes one indexer, interpret mode no integer beside a strided slice)."""
+    x = ref[pl.ds(g, 1), rows, :]
+    return x.reshape(x.shape[1:])
+
+
+def _put(ref, g, rows, x):
+    ref[pl.ds(g, 1), rows, :] = x.reshape(1, *x.shape)
 
 
 def _gpu_over_list(list_ref, step, carry):
     """``step(masked, j, carry)`` over the partial blocks of a list row, then the full ones."""
     n_partial, n_full = list_ref[0], list_ref[1]
     carry = jax.lax.fori_loop(0, n_partial, functools.partial(step, True), carry)
-    return jax.lax.fori_loop(n_partial, n_partial + n_full, functools.partial(step, False), carry)
+    return jax.lax.fori_loop(n_partial, n_full + n_partial, functools.partial(step, False), carry)
 
 
-def _gpu_tile(list_ref, j, block):
-    return pl.ds(pl.multiple_of(list_ref[2 + j] * block, block), block)
+def _resume(o, lse):
+    """The running state of a partial result (output normalised, log-sum-exp NEG: no key)."""
+    seen = lse > NEG / 2
+    return o, jnp.where(seen, lse, FLOOR), seen.astype(jnp.float32)
 
 
-def _gpu_forward(list_ref, q_ref, qp_ref, qs_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, o_ref,
-                 lse_ref, *, keep, block_k):
-    q, q_attrs = q_ref[...], (qp_ref[...], qs_ref[...])
-
-    def step(masked, j, carry):
-        t = _gpu_tile(list_ref, j, block_k)
-        s = _scores(keep, q, k_ref[t, :], q_attrs, (kp_ref[:, t], ks_ref[:, t], kf_ref[:, t]),
-                    masked)
-        return _online(s, *carry, v_ref[t, :])
-
-    carry = _gpu_over_list(list_ref, step, _start(q.shape[0], o_ref.shape[-1]))
-    o_ref[...], lse_ref[...] = _finish(*carry)
-
-
-def _gpu_dq(list_ref, q_ref, qp_ref, qs_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kp_ref,
-            ks_ref, kf_ref, dq_ref, *, keep, block_k):
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_attrs = (qp_ref[...], qs_ref[...])
-
-    def step(masked, j, dq):
-        t = _gpu_tile(list_ref, j, block_k)
-        k = k_ref[t, :]
-        s = _scores(keep, q, k, q_attrs, (kp_ref[:, t], ks_ref[:, t], kf_ref[:, t]), masked)
-        return dq + _dot(_grads(s, lse, delta, do, v_ref[t, :])[1].astype(k.dtype), k)
-
-    dq_ref[...] = _gpu_over_list(list_ref, step, jnp.zeros(dq_ref.shape, jnp.float32))
-
-
-def _gpu_dkv(list_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
-             qp_ref, qs_ref, dk_ref, dv_ref, *, keep, block_q):
-    k, v, k_attrs = k_ref[...], v_ref[...], (kp_ref[...], ks_ref[...], kf_ref[...])
+def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref, v_ref, *refs,
+                 keep, own, listed, resume):
+    """Refs carry a leading head axis (the program's heads, one list); ``own`` and ``listed``:
+    ``Rows`` of this program's query tile and of a listed key tile (own None: the tile is the
+    whole block); ``resume``: refs (o, lse) of earlier terms to start from come first."""
+    o_ref, lse_ref = refs[-2:]
+    rows = slice(None) if own is None else own(pl.program_id(0))
+    heads, q_attrs = range(q_ref.shape[0]), (qp_ref[...], qs_ref[...])
+    qs = [_get(q_ref, g, rows) for g in heads]
+    block_k = listed.block
 
     def step(masked, j, carry):
-        t = _gpu_tile(list_ref, j, block_q)
-        q, do = q_ref[t, :], do_ref[t, :]
-        s = _scores(keep, q, k, (qp_ref[t, :], qs_ref[t, :]), k_attrs, masked)
-        p, ds = _grads(s, lse_ref[t, :], delta_ref[t, :], do, v)
-        return (carry[0] + _dot(ds.astype(q.dtype), q, trans_a=True),
-                carry[1] + _dot(p.astype(do.dtype), do, trans_a=True))
+        t, a = listed(list_ref[2 + j]), Rows(block_k)(list_ref[2 + j])
+        k_attrs = (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a])
+        return tuple(_online(_scores(keep, qs[g], _get(k_ref, g, t), q_attrs, k_attrs, masked),
+                             *carry[g], _get(v_ref, g, t)) for g in heads)
 
-    dk_ref[...], dv_ref[...] = _gpu_over_list(list_ref, step, (
-        jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32)))
+    start = tuple(_resume(_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
+                  _start(qs[g].shape[0], o_ref.shape[-1]) for g in heads)
+    for g, carry in enumerate(_gpu_over_list(list_ref, step, start)):
+        o, lse = _finish(*carry)
+        _put(o_ref, g, rows, o.astype(o_ref.dtype))
+        _put(lse_ref, g, rows, lse)
 
 
-def _gpu_call(compiler, kernel, lists, own, listed, out, name):
-    """pallas_call over (own tile, batch, head): ``own`` arrays are tiled along their length
-    (attributes [N, 1] too), ``listed`` ones passed whole; ``out``: (shape, tile) pairs."""
-    block = out[0][1]
-    grid = (lists.shape[0], *out[0][0][:2])
+def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
+            k_ref, v_ref, *refs, keep, own, listed, resume):
+    """dq of the program's query tile (``_gpu_forward``'s conventions; resume: dq so far)."""
+    dq_ref = refs[-1]
+    rows = slice(None) if own is None else own(pl.program_id(0))
+    heads, q_attrs = range(q_ref.shape[0]), (qp_ref[...], qs_ref[...])
+    qs, dos, lses, deltas = ([_get(ref, g, rows) for g in heads]
+                             for ref in (q_ref, do_ref, lse_ref, delta_ref))
+    block_k = listed.block
 
-    def spec(x, tiled):
-        if x.ndim == 2:  # position attributes
+    def step(masked, j, carry):
+        t, a = listed(list_ref[2 + j]), Rows(block_k)(list_ref[2 + j])
+        k_attrs = (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a])
+        out = []
+        for g in heads:
+            k = _get(k_ref, g, t)
+            s = _scores(keep, qs[g], k, q_attrs, k_attrs, masked)
+            ds = _grads(s, lses[g], deltas[g], dos[g], _get(v_ref, g, t))[1]
+            out.append(carry[g] + _dot(ds.astype(k.dtype), k))
+        return tuple(out)
+
+    start = tuple(_get(refs[0], g, rows) if resume else jnp.zeros(qs[g].shape, jnp.float32)
+                  for g in heads)
+    for g, dq in enumerate(_gpu_over_list(list_ref, step, start)):
+        _put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
+
+
+def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_ref, do_ref,
+             lse_ref, delta_ref, *refs, keep, own, listed, resume):
+    """dk and dv of the program's key tile, over its list of query tiles (resume: dk, dv so
+    far)."""
+    dk_ref, dv_ref = refs[-2:]
+    rows = slice(None) if own is None else own(pl.program_id(0))
+    heads, k_attrs = range(k_ref.shape[0]), (kp_ref[...], ks_ref[...], kf_ref[...])
+    ks, vs = ([_get(ref, g, rows) for g in heads] for ref in (k_ref, v_ref))
+    block_q = listed.block
+
+    def step(masked, j, carry):
+        t, a = listed(list_ref[2 + j]), Rows(block_q)(list_ref[2 + j])
+        q_attrs = (qp_ref[a, :], qs_ref[a, :])
+        out = []
+        for g in heads:
+            q, do = _get(q_ref, g, t), _get(do_ref, g, t)
+            s = _scores(keep, q, ks[g], q_attrs, k_attrs, masked)
+            p, ds = _grads(s, _get(lse_ref, g, t), _get(delta_ref, g, t), do, vs[g])
+            out.append((carry[g][0] + _dot(ds.astype(q.dtype), q, trans_a=True),
+                        carry[g][1] + _dot(p.astype(do.dtype), do, trans_a=True)))
+        return tuple(out)
+
+    start = tuple((_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
+                  (jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
+                  for g in heads)
+    for g, (dk, dv) in enumerate(_gpu_over_list(list_ref, step, start)):
+        _put(dk_ref, g, rows, dk.astype(dk_ref.dtype))
+        _put(dv_ref, g, rows, dv.astype(dv_ref.dtype))
+
+
+def _gpu_call(compiler, kernel, lists, block, inputs, out, name):
+    """pallas_call over (own tile, batch, head group): ``inputs`` are (array, tiled) pairs, a
+    tiled one cut to the program's tile along its length (attributes [N, 1] / [1, N] too),
+    others passed whole (along the length; data arrays [B, H, N, d] always to the program's
+    heads); ``out``: (shape, dtype, tiled) triples."""
+    heads = compiler.heads_per_program
+    grid = (lists.shape[0], out[0][0][0], out[0][0][1] // heads)
+
+    def spec(shape, tiled):
+        if len(shape) == 2:  # position attributes
             if not tiled:
-                return pl.BlockSpec(x.shape, lambda i, b, h: (0, 0))
-            return (pl.BlockSpec((block, 1), lambda i, b, h: (i, 0)) if x.shape[1] == 1 else
+                return pl.BlockSpec(shape, lambda i, b, h: (0, 0))
+            return (pl.BlockSpec((block, 1), lambda i, b, h: (i, 0)) if shape[1] == 1 else
                     pl.BlockSpec((1, block), lambda i, b, h: (0, i)))
-        rows = block if tiled else x.shape[2]
-        return pl.BlockSpec((None, None, rows, x.shape[3]),
+        return pl.BlockSpec((None, heads, block if tiled else shape[2], shape[3]),
                             lambda i, b, h: (b, h, i if tiled else 0, 0))
 
     params = {}
@@ -183,11 +254,10 @@ def _gpu_call(compiler, kernel, lists, own, listed, out, name):
     return pl.pallas_call(
         kernel, grid=grid, interpret=compiler.interpret, name=name,
         in_specs=[pl.BlockSpec((None, lists.shape[1]), lambda i, b, h: (i, 0)),
-                  *(spec(x, True) for x in own), *(spec(x, False) for x in listed)],
-        out_specs=[pl.BlockSpec((None, None, tile, shape[3]), lambda i, b, h: (b, h, i, 0))
-                   for shape, tile in out],
-        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _ in out], **params,
-    )(lists, *own, *listed)
+                  *(spec(x.shape, tiled) for x, tiled in inputs)],
+        out_specs=[spec(shape, tiled) for shape, _, tiled in out],
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out], **params,
+    )(lists, *(x for x, _ in inputs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,36 +378,80 @@ def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, 
 # The passes.
 
 
-def forward(compiler: Compiler, keep, lists: Lists, q, k, v):
-    """Output [B, H, Nq, dv] and log-sum-exp [B, H, Nq, 1] (float32) of one term."""
+def _gpu_inputs(q_attrs, k_attrs, tiled_attrs, data, rows, init):
+    """``_gpu_call``'s inputs: the attributes (q's and k's tiled as ``tiled_attrs`` says: the
+    program's own side), the (array, own side) data, own ones tiled unless ``rows`` addresses
+    them in whole arrays, then ``init`` (whole)."""
+    attrs = [(x, tiled) for tiled, xs in zip(tiled_attrs, (q_attrs, k_attrs)) for x in xs]
+    return [*attrs, *((x, rows is None and own) for x, own in data), *((x, False) for x in init)]
+
+
+def _only_triton(compiler, rows, init, dtype):
+    if compiler.backend != "triton" and (rows is not None or init or dtype != jnp.float32
+                                         or compiler.heads_per_program != 1):
+        raise ValueError(f"chained terms and heads_per_program > 1 need the Triton backend, "
+                         f"not {compiler.backend}")
+
+
+def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=(),
+            dtype=jnp.float32):
+    """Output [B, H, Nq, dv] (``dtype``) and log-sum-exp [B, H, Nq, 1] (float32) of one term.
+    By default q, k, v are in the term's layout; with ``rows`` = (query ``Rows``, key ``Rows``)
+    the tiles are read (and the outputs written) where those say, e.g. strided in sequence
+    order. ``init``: (o, lse) of the earlier terms, float32 where the outputs go, to resume the
+    online softmax from (Triton only)."""
+    _only_triton(compiler, rows, init, dtype)
     batch, heads, nq, _ = q.shape
     bq, bk = compiler.block_q, compiler.block_k
+    if compiler.backend == "triton":
+        own, listed = rows or (None, Rows(bk))
+        out = [((batch, heads, nq, v.shape[3]), dtype, rows is None),
+               ((batch, heads, nq, 1), jnp.float32, rows is None)]
+        inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False),
+                             [(q, True), (k, False), (v, False)], rows, init)
+        kernel = functools.partial(_gpu_forward, keep=keep, own=own, listed=listed,
+                                   resume=bool(init))
+        return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward")
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
     own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
-    if compiler.backend == "triton":
-        kernel = functools.partial(_gpu_forward, keep=keep, block_k=bk)
-        return _gpu_call(compiler, kernel, lists.forward, own, listed, out, "sparse_forward")
     kernel = functools.partial(_tpu_forward, keep=keep, width=lists.forward.shape[1])
     return _tpu_call(compiler, kernel, lists.forward, own, listed, bk, out,
                      [(bq, v.shape[3]), (bq, 1), (bq, 1)], "sparse_forward")
 
 
-def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta):
-    """Gradients (float32) of one term's share of the output for the joint ``lse``."""
+def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *, rows=None,
+             init=((), ()), dtype=jnp.float32):
+    """Gradients (``dtype``) of one term's share of the output for the joint ``lse``; ``rows``
+    as ``forward``'s, ``init``: (dq,) and (dk, dv) so far (float32, where the outputs go) to add
+    to, or empty tuples (Triton only)."""
+    _only_triton(compiler, rows, init[0] + init[1], dtype)
     batch, heads, nq, _ = q.shape
     nk = k.shape[2]
     bq, bk = compiler.block_q, compiler.block_k
+    if compiler.backend == "triton":
+        q_rows, k_rows = rows or (None, None)
+        tiled = rows is None
+        dq_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False), [
+            (q, True), (do, True), (lse, True), (delta, True), (k, False), (v, False)],
+            rows, init[0])
+        dq = _gpu_call(compiler, functools.partial(
+            _gpu_dq, keep=keep, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0])),
+            lists.forward, bq, dq_inputs, [((batch, heads, nq, q.shape[3]), dtype, tiled)],
+            "sparse_dq")[0]
+        dkv_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (False, True), [
+            (k, True), (v, True), (q, False), (do, False), (lse, False), (delta, False)],
+            rows, init[1])
+        dk, dv = _gpu_call(compiler, functools.partial(
+            _gpu_dkv, keep=keep, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1])),
+            lists.backward, bk, dkv_inputs, [((batch, heads, nk, k.shape[3]), dtype, tiled),
+                                            ((batch, heads, nk, v.shape[3]), dtype, tiled)],
+            "sparse_dkv")
+        return dq, dk, dv
     dq_out = [((batch, heads, nq, q.shape[3]), bq)]
     dkv_out = [((batch, heads, nk, k.shape[3]), bk), ((batch, heads, nk, v.shape[3]), bk)]
     dq_own = [q, *lists.q_attrs, do, lse, delta]
     dkv_listed = [q, do, lse, delta, *lists.q_attrs]
     key_side = [k, v, *lists.k_attrs]
-    if compiler.backend == "triton":
-        dq = _gpu_call(compiler, functools.partial(_gpu_dq, keep=keep, block_k=bk),
-                       lists.forward, dq_own, key_side, dq_out, "sparse_dq")[0]
-        dk, dv = _gpu_call(compiler, functools.partial(_gpu_dkv, keep=keep, block_q=bq),
-                           lists.backward, key_side, dkv_listed, dkv_out, "sparse_dkv")
-        return dq, dk, dv
     dq = _tpu_call(compiler, functools.partial(_tpu_dq, keep=keep, width=lists.forward.shape[1]),
                    lists.forward, dq_own, key_side, bk, dq_out, [(bq, q.shape[3])],
                    "sparse_dq")[0]
