@@ -1,12 +1,14 @@
 r"""Trains a Sparse Transformer; all logic lives in `sparse_jax.train`.
 
   python scripts/train.py --config=configs/quickstart.py --workdir=workdirs/quickstart
-  python scripts/train.py --config=configs/enwik8.py:pattern=strided,size=tiny \
-      --workdir=workdirs/tiny --config.total_steps=100 --config.data.path=data/enwik8.zip
+  python scripts/train.py --config=configs/bytes.py:pattern=strided,size=cpu \
+      --workdir=workdirs/code --config.total_steps=100 --config.data.path=data/cpython_lib.py.gz
 
 Any config field can be overridden with --config.FIELD=VALUE; a field that does not exist or a
-value of the wrong type is an error. Running the same command again on the same --workdir
-resumes from its latest checkpoint. SIGTERM / Ctrl-C save a checkpoint and stop (exit status
+value of the wrong type is an error. A run shortened below its preset's total_steps warms up for
+the same share of its steps (one line says so) unless --config.optimizer.warmup_steps is given.
+Running the same command again on the same --workdir resumes from its latest checkpoint, with
+the warmup it started with. SIGTERM / Ctrl-C save a checkpoint and stop (exit status
 128 + signal number); a second Ctrl-C stops at once.
 
 Many devices: the mesh spans all devices (config.mesh: data x fsdp; mesh.fsdp > 1 shards the
@@ -38,7 +40,7 @@ def main(argv):
     _JOIN_DISTRIBUTED()
     from sparse_jax import train
 
-    result = train.train(_CONFIG.value, _WORKDIR.value)
+    result = train.train(_CONFIG.value, _WORKDIR.value, cli.preset_total_steps())
     if result["interrupted"]:
         sys.exit(128 + signal.Signals[result["interrupted"]].value)
 

@@ -119,6 +119,24 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(str(e), 2)
 
 
+def preset_total_steps(flag_values=None) -> int | None:
+    """For `train.train`: the total_steps of the config file that `--config` names, before the
+    command line's `--config.*` overrides, when those leave optimizer.warmup_steps alone (the
+    warmup then follows a shortened run: `config.follow_total_steps`); None when they set it.
+    `flag_values`: the parsed flags (default: absl's)."""
+    from ml_collections import config_flags
+
+    flag = (flags.FLAGS if flag_values is None else flag_values)["config"]
+    overrides = config_flags.get_override_values(flag)
+    if "optimizer.warmup_steps" in overrides:
+        return None
+    if "total_steps" not in overrides:
+        return flag.value.total_steps
+    import configs  # the same file again, without the overrides
+
+    return configs.load(config_flags.get_config_filename(flag)).total_steps
+
+
 def huge_pages_env(env: dict | None = None) -> dict:
     """`env` (default: this process's environment) with glibc's malloc asked to use transparent
     huge pages for the blocks it maps (GLIBC_TUNABLES, read when a process starts), where this

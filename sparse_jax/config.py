@@ -63,7 +63,8 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
         raise ValueError("need optimizer.lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0")
     if not 0 <= opt.warmup_steps < config.total_steps:
         raise ValueError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, "
-                         f"total_steps={config.total_steps})")
+                         f"total_steps={config.total_steps}): set --config.optimizer."
+                         "warmup_steps to fewer steps than the run has")
     if config.batch_size % opt.grad_accum:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by optimizer."
                          f"grad_accum={opt.grad_accum}")
@@ -74,6 +75,47 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     logs.check_profile_steps(config.profile_steps, config.total_steps)
     context_stages(config, cfg)
     return cfg
+
+
+def scaled_warmup(warmup_steps: int, total_steps: int, steps: int) -> int:
+    """The warmup of a run of `steps` steps that warms up for the same share of its steps as
+    one of `total_steps` does for `warmup_steps`: at least 1 step (if any), fewer than
+    `steps`."""
+    if warmup_steps <= 0:
+        return 0
+    return max(0, min(steps - 1, max(1, round(warmup_steps / total_steps * steps))))
+
+
+def follow_total_steps(config, preset_total_steps: int | None, recorded=None) -> str | None:
+    """Warmup that follows how long the run is, when the user did not set it.
+
+    `preset_total_steps`: the total_steps of the config file `config` comes from, given when
+    optimizer.warmup_steps is the file's own (no `--config.optimizer.warmup_steps`); None: the
+    warmup is the user's, left as it is. `recorded`: the config a run being resumed trained
+    with (`read_record`), whose warmup the run keeps, so that resuming never changes its
+    schedule. Otherwise a run shortened below the preset (total_steps below
+    `preset_total_steps`) warms up for the same share of its steps (`scaled_warmup`), so
+    `--config.total_steps=100` runs instead of failing the warmup check. Sets
+    config.optimizer.warmup_steps and returns the one line that says so, or None when it is
+    unchanged."""
+    opt = config.optimizer
+    if preset_total_steps is None:
+        return None
+    preset = opt.warmup_steps
+    if recorded is not None and "optimizer" in recorded \
+            and isinstance(recorded.optimizer.get("warmup_steps"), int):
+        opt.warmup_steps = recorded.optimizer.warmup_steps
+        why = "as the run being resumed trained with (a resumed run keeps its schedule)"
+    elif 0 < config.total_steps < preset_total_steps:
+        opt.warmup_steps = scaled_warmup(preset, preset_total_steps, config.total_steps)
+        why = (f"total_steps={config.total_steps} shortens the preset's {preset_total_steps}, so "
+               f"warmup keeps the preset's share of the run ({preset / preset_total_steps:.1%}); "
+               "set --config.optimizer.warmup_steps to choose it")
+    else:
+        return None
+    if opt.warmup_steps == preset:
+        return None
+    return f"optimizer.warmup_steps={opt.warmup_steps} instead of the preset's {preset}: {why}"
 
 
 def context_stages(config, cfg: ModelConfig | None = None) -> tuple[Stage, ...]:
@@ -95,7 +137,10 @@ def context_stages(config, cfg: ModelConfig | None = None) -> tuple[Stage, ...]:
         stage = Stage(*stage)
         if not previous < stage.until < config.total_steps:
             raise ValueError(f"config.context_stages: until_step {stage.until} must lie after "
-                             f"{previous} and before total_steps={config.total_steps}")
+                             f"{previous} and before total_steps={config.total_steps}"
+                             + ("; set --config.context_stages=() to train at the full context "
+                                "throughout, or give stages that end sooner"
+                                if stage.until >= config.total_steps else ""))
         if stage.seq_len >= cfg.seq_len:
             raise ValueError(f"config.context_stages: seq_len {stage.seq_len} must be below "
                              f"model.seq_len={cfg.seq_len} (the context of the last stage)")

@@ -30,7 +30,6 @@ would have seen.
 """
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple
@@ -464,19 +463,6 @@ _FIXES = {  # what to do about a split too small for its use
               "--config.data.split_fractions"}
 
 
-def _check_image_shape(what: str, shape, seq_len: int, model_shape=None) -> None:
-    """A one-line ValueError, with the overrides that fix it, unless images of `shape` are what
-    a model of `seq_len` sub-pixels (and `model_shape`, if given) reads."""
-    (h, w, c), size = shape, math.prod(shape)
-    if seq_len == size and model_shape in (None, tuple(shape)):
-        return
-    reads = f"seq_len={seq_len}" + (f", image_shape={tuple(model_shape)}" if model_shape else "")
-    raise ValueError(f"{what} are {h} x {w} x {c} (rows x columns x channels) = {size} "
-                     f"sub-pixels, but the model reads {reads}: set --config.model.seq_len={size} "
-                     f"--config.model.image_shape=({h},{w},{c}) (and a strided pattern's stride "
-                     f"to one row: --config.model.stride={w * c})")
-
-
 def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
     """(what errors name: the file or the generated stream, its bytes) of byte data `cfg`."""
     if cfg.name == "enwik8":
@@ -515,11 +501,11 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
     if cfg.name == "images":
         what = f"the pictures in {cfg.path}"
         folder = images.load_folder(cfg.path, cfg.split_fractions, lambda shape: (
-            _check_image_shape(what, shape, seq_len, image_shape)))
+            images.check_model_shape(what, shape, seq_len, image_shape)))
         ds = ImageDataset(cfg.name, seq_len, folder.splits, **kwargs, source=what,
                           image_shape=folder.shape, folder=folder)
     elif cfg.is_image:
-        _check_image_shape("CIFAR-10 images", cfg.image_shape, seq_len, image_shape)
+        images.check_model_shape("CIFAR-10 images", cfg.image_shape, seq_len, image_shape)
         splits = {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS}
         where = cfg.data_dir or "the TFDS default data dir"
         ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}",

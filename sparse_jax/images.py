@@ -309,24 +309,40 @@ def folder_shape(path: str) -> tuple[int, int, int]:
 FROM_PICTURES = ()  # model.image_shape of a preset that takes the shape from its pictures
 
 
+def check_model_shape(what: str, shape, seq_len: int, model_shape=None, fix: str = "") -> None:
+    """A one-line ValueError, with the overrides that fix it (or `fix`), unless images of
+    `shape` (`what`: "the pictures in FOLDER", ...) are what a model of `seq_len` sub-pixels
+    (and `model_shape`, if given) reads."""
+    (h, w, c), size = shape, int(np.prod(shape))
+    if seq_len == size and model_shape in (None, tuple(shape)):
+        return
+    reads = f"seq_len={seq_len}" + (f", image_shape={tuple(model_shape)}" if model_shape else "")
+    raise ValueError(f"{what} are {h} x {w} x {c} (rows x columns x channels) = {size} "
+                     f"sub-pixels, but the model reads {reads}: " + (fix or (
+                         f"set --config.model.seq_len={size} --config.model.image_shape="
+                         f"({h},{w},{c}) (and a strided pattern's stride to one row: "
+                         f"--config.model.stride={w * c})")))
+
+
 def fill_model_shape(config) -> str | None:
     """For a picture-folder run (configs/images.py) whose model fields are left to the pictures:
     image_shape ``FROM_PICTURES`` becomes the pictures' (H, W, C), a seq_len of 0 H·W·C, a stride
     of 0 one row of sub-pixels (W·C) and a summary width c of 0 a quarter of the stride (the
     paper's l and c for CIFAR-10). Returns the line that says what it chose, or None when there
-    was nothing to choose. Fields the user set (``--config.model.*``) are kept, and checked by
-    the model and the data as usual."""
+    was nothing to choose. Fields the user set (``--config.model.*``) are kept; before anything
+    is announced they are checked against the pictures (`check_model_shape`: a one-line
+    ValueError for a shape the folder does not hold), and by the model and the data as usual."""
     model = config.model
     if config.data.name != "images" or not (tuple(model.image_shape) == FROM_PICTURES
                                             or 0 in (model.seq_len, model.stride, model.c)):
         return None
-    chosen = {}
-    if tuple(model.image_shape) == FROM_PICTURES:
-        if not config.data.path:
-            raise ValueError("this config takes the model's picture shape from the pictures: "
-                             "give --config.data.path=FOLDER (or set --config.model.image_shape"
-                             "=(H,W,C) and --config.model.seq_len=H*W*C)")
-        chosen["image_shape"] = folder_shape(config.data.path)
+    taken = tuple(model.image_shape) == FROM_PICTURES
+    if taken and not config.data.path:
+        raise ValueError("this config takes the model's picture shape from the pictures: "
+                         "give --config.data.path=FOLDER (or set --config.model.image_shape"
+                         "=(H,W,C) and --config.model.seq_len=H*W*C)")
+    pictures = folder_shape(config.data.path) if config.data.path else None
+    chosen = {"image_shape": pictures} if taken else {}
     h, w, c = chosen.get("image_shape") or tuple(model.image_shape)
     if not model.seq_len:
         chosen["seq_len"] = h * w * c
@@ -334,6 +350,15 @@ def fill_model_shape(config) -> str | None:
         chosen["stride"] = w * c
     if not model.c:
         chosen["c"] = max(1, (chosen.get("stride") or model.stride) // 4)
+    if pictures is not None:  # what the user set, against the pictures (the data checks again)
+        ph, pw, pc = pictures
+        right = {"image_shape": f"({ph},{pw},{pc})", "seq_len": ph * pw * pc}
+        given = [k for k in right if k not in chosen]  # set by the user
+        check_model_shape(f"the pictures in {config.data.path}", pictures,
+                          chosen.get("seq_len", model.seq_len), (h, w, c),
+                          f"leave {' and '.join(f'--config.model.{k}' for k in given)} out to "
+                          "take the pictures' shape, or set "
+                          + " ".join(f"--config.model.{k}={right[k]}" for k in given))
     for name, value in chosen.items():
         model[name] = value
     fields = ", ".join(f"model.{k}={v}" for k, v in chosen.items())

@@ -195,28 +195,40 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train(config: ml_collections.ConfigDict, workdir: str,
+          preset_total_steps: int | None = None) -> dict[str, Any]:
     """Trains (or resumes) the run of `config` in `workdir`; returns the final metrics. Every
-    check that can fail (config, mesh, workdir, data) runs before anything compiles."""
-    chosen = images_lib.fill_model_shape(config)  # configs/images.py: the pictures' shape
-    if chosen and jax.process_index() == 0:
-        print(chosen, flush=True)
+    check that can fail (config, mesh, workdir, data) runs before anything compiles, and a run
+    they refuse leaves the workdir as it found it (`workdir.undo_if_refused`).
+
+    `preset_total_steps`: the total_steps of the config file when the user left its warmup
+    alone (scripts/train.py: `cli.preset_total_steps`); the warmup then follows a shortened run
+    and a resumed one keeps the warmup it trained with (`config.follow_total_steps`)."""
+    primary = jax.process_index() == 0
+    notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
+             config_lib.follow_total_steps(config, preset_total_steps,
+                                           workdir_lib.resumable_record(workdir))]
     cfg = config_lib.check_config(config)
     mesh = make_mesh(config)
+    for note in notes:
+        if note and primary:
+            print(note, flush=True)
+    before = workdir_lib.contents(workdir)
     changes = workdir_lib.prepare_workdir(workdir, config)  # None: a new run
-    primary = jax.process_index() == 0
     with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
-        data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
-        dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
-                                        jax.process_count(), vocab_size=cfg.vocab_size,
-                                        image_shape=cfg.image_shape)
-        workdir_lib.check_data(workdir, config.data, dataset)  # the same data on resume
-        processes = jax.process_count()
-        iterator = dataset.train_batches(config.batch_size // processes, stages=tuple(
-            stage._replace(batch_size=stage.batch_size // processes)
-            for stage in config_lib.context_stages(config, cfg)))
-        if primary and changes is None:
-            config_lib.write_record(workdir, config)
+        with workdir_lib.undo_if_refused(workdir, before) if primary and changes is None \
+                else contextlib.nullcontext():
+            data_lib.prepare(config.data)  # e.g. TFDS cifar10, once (fails fast if it is missing)
+            dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(),
+                                            jax.process_count(), vocab_size=cfg.vocab_size,
+                                            image_shape=cfg.image_shape)
+            workdir_lib.check_data(workdir, config.data, dataset)  # the same data on resume
+            processes = jax.process_count()
+            iterator = dataset.train_batches(config.batch_size // processes, stages=tuple(
+                stage._replace(batch_size=stage.batch_size // processes)
+                for stage in config_lib.context_stages(config, cfg)))
+            if primary and changes is None:
+                config_lib.write_record(workdir, config)
         return _run(config, cfg, mesh, dataset, iterator, workdir, changes)
 
 

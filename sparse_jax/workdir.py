@@ -12,7 +12,8 @@ evaluation and sampling write.
 `prepare_workdir` admits a training run: a new, empty or writable folder, or a run of this
 project that the config may resume; anything else there is refused, untouched.
 `check_workdir` admits a reader (evaluation, sampling): a config.json and a checkpoint.
-`check_output` admits an output file before any work is done.
+`check_output` admits an output file before any work is done. A training run refused by its
+checks leaves the workdir as it found it (`undo_if_refused`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 
 import jax
 
@@ -95,6 +97,58 @@ def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
     return config_lib.resume_changes(saved, config, workdir)
 
 
+def resumable_record(workdir: str):
+    """The config the run in `workdir` trained with (`config.read_record`) when it has
+    checkpoints that a run there would resume, else None (also for a record that is damaged or
+    not this project's: `prepare_workdir` refuses those in its own words)."""
+    if not steps(workdir):
+        return None
+    try:
+        saved = config_lib.read_record(workdir)
+    except (OSError, ValueError):
+        return None
+    return saved if all(s in saved for s in config_lib.SECTIONS) else None
+
+
+def contents(workdir: str) -> tuple[str | None, frozenset[str]]:
+    """What `workdir` is before a run starts there, for `undo_if_refused`: (the outermost
+    folder that creating it would create, None when it exists; the names in it)."""
+    folder, created = os.path.abspath(workdir), None
+    while not os.path.exists(folder):
+        folder, created = os.path.dirname(folder), folder
+    if created is not None:
+        return created, frozenset()
+    return None, frozenset(os.listdir(folder)) if os.path.isdir(folder) else frozenset()
+
+
+@contextlib.contextmanager
+def undo_if_refused(workdir: str, before: tuple[str | None, frozenset[str]]):
+    """Around the checks of a new run that come after `prepare_workdir` and end with its
+    config.json (data, fingerprint), under the run's `lock`: if one fails (a refused run), removes
+    what the run put in `workdir` since `before` (`contents`), the lock file included, and then
+    the folders it created, if that leaves them empty. Nothing that was there before is
+    touched."""
+    try:
+        yield
+    except BaseException:
+        created, names = before
+        for name in sorted(set(os.listdir(workdir)) - names):
+            path = os.path.join(workdir, name)
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+        folder = os.path.abspath(workdir)
+        while created is not None and (folder + os.sep).startswith(created + os.sep):
+            try:
+                os.rmdir(folder)  # only an empty folder goes
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+        raise
+
+
 def check_workdir(workdir: str) -> None:
     """FileNotFoundError unless `workdir` holds a config.json and at least one checkpoint."""
     if not os.path.isdir(workdir):
@@ -131,16 +185,23 @@ def lock(workdir: str):
     """Holds WORKDIR/.lock while a training process uses `workdir`; OSError if another one
     holds it. The lock dies with its process (flock), so a killed run never leaves it held."""
     path = os.path.join(workdir, LOCK)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise OSError(errno.EBUSY, f"{workdir} is in use by another training process (pid "
-                                   f"{holder}); wait for it to end or use another --workdir"
-                      ) from e
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise OSError(errno.EBUSY, f"{workdir} is in use by another training process (pid "
+                                       f"{holder}); wait for it to end or use another --workdir"
+                          ) from e
+        try:  # a refused run removes its lock file while it holds it (`undo_if_refused`)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # locked a file no longer at `path`: take the one there now
     try:
         f.seek(0)
         f.truncate()
@@ -152,17 +213,24 @@ def lock(workdir: str):
         f.close()
 
 
-def check_output(path: str, overwrite: bool, what: str = "") -> None:
+def check_output(path: str, overwrite: bool, what: str = "", create: bool = True) -> None:
     """Before any work: FileExistsError if `path` exists and `overwrite` is not set; OSError if
-    its folder cannot be created or written."""
+    its folder cannot be created or written. `create`: the folder is created now; else nothing
+    is (a failure later leaves no empty folder behind): the nearest existing folder above it is
+    checked instead, and the writer creates the rest."""
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, f"{path} is a folder; give the path of a file")
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(errno.EEXIST, f"{path} exists{what}; pass --overwrite to replace "
                                             "it, or choose another output")
     folder = os.path.dirname(os.path.abspath(path))
+    probed = folder
+    while not create and not os.path.lexists(probed):
+        probed = os.path.dirname(probed)
     try:
-        _probe(folder)
+        if os.path.lexists(probed) and not os.path.isdir(probed):  # a file in the way
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        _probe(probed)
     except OSError as e:
         raise OSError(e.errno, f"cannot write to {folder}: {e.strerror or e}; choose another "
                                "output") from e

@@ -13,7 +13,8 @@ from absl import flags
 from ml_collections import config_flags
 
 import configs
-from sparse_jax.config import check_config
+from sparse_jax import cli
+from sparse_jax.config import check_config, follow_total_steps, scaled_warmup
 from sparse_jax.model import ModelConfig, model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,8 +131,9 @@ def test_bad_config_arguments_fail(arg, message):
         load("enwik8.py").get_config(arg)
 
 
-def parse(*argv):
-    values, argv = flags.FlagValues(), ["train.py", *argv]
+def parse(*argv, values=None):
+    values = flags.FlagValues() if values is None else values
+    argv = ["train.py", *argv]
     config_flags.DEFINE_config_file("config", None, "config", flag_values=values, lock_config=True,
                                     sys_argv=argv)  # as scripts/train.py, without sys.argv
     values(argv)
@@ -179,3 +181,42 @@ def test_the_attention_implementation_may_change_on_resume(tmp_path):
     with pytest.raises(ValueError, match="model.pattern"):
         resume_changes(saved, configs.load("quickstart:data=embedded,pattern=fixed"),
                        str(tmp_path))
+
+
+def test_a_shortened_run_warms_up_for_the_presets_share_unless_the_user_sets_warmup():
+    """configs/images.py:size=cpu (2,400 steps, warmup 100) with --config.total_steps=100: the
+    warmup becomes 4 (the same 4.2% of the run), one line says from what to what and how to set
+    it, and the config passes the trainer's check; a warmup given on the command line is kept
+    (and checked); a resumed run keeps the warmup it trained with."""
+    path = os.path.join(CONFIGS, "images.py")
+    values = flags.FlagValues()
+    config = parse(f"--config={path}:size=cpu", "--config.total_steps=100", values=values)
+    preset = cli.preset_total_steps(values)
+    assert preset == 2400 and config.optimizer.warmup_steps == 100
+    line = follow_total_steps(config, preset)
+    assert config.optimizer.warmup_steps == 4 and "\n" not in line
+    assert "warmup_steps=4 instead of the preset's 100" in line and "total_steps=100" in line
+    assert "--config.optimizer.warmup_steps" in line
+    config.model.update(image_shape=(32, 32, 3), seq_len=3072, stride=96, c=24)
+    config.data.path = "pictures"
+    check_config(config)
+    values = flags.FlagValues()  # the user's warmup: kept, and the check says what to do
+    config = parse(f"--config={path}:size=cpu", "--config.total_steps=100",
+                   "--config.optimizer.warmup_steps=100", values=values)
+    assert cli.preset_total_steps(values) is None and follow_total_steps(config, None) is None
+    config.model.update(image_shape=(32, 32, 3), seq_len=3072, stride=96, c=24)
+    config.data.path = "pictures"
+    with pytest.raises(ValueError, match=r"warmup_steps=100 must be in \[0, total_steps=100\): "
+                                         r"set --config.optimizer.warmup_steps"):
+        check_config(config)
+    values = flags.FlagValues()  # lengthened: nothing to say
+    config = parse(f"--config={path}:size=cpu", "--config.total_steps=3000", values=values)
+    assert follow_total_steps(config, cli.preset_total_steps(values)) is None
+    assert config.optimizer.warmup_steps == 100
+    config = parse(f"--config={path}:size=cpu", "--config.total_steps=200")
+    recorded = parse(f"--config={path}:size=cpu", "--config.optimizer.warmup_steps=4")
+    line = follow_total_steps(config, 2400, recorded)  # resumed: the recorded warmup, not 8
+    assert config.optimizer.warmup_steps == 4 and "resumed" in line
+    assert [scaled_warmup(100, 2400, n) for n in (1, 2, 10, 100, 1200, 2400)] == [
+        0, 1, 1, 4, 50, 100]
+    assert scaled_warmup(0, 2400, 100) == 0

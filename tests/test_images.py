@@ -290,6 +290,35 @@ def test_the_picture_preset_takes_its_shape_from_the_folder(tmp_path, capsys):
         images.fill_model_shape(get_config("images", "size=tiny"))
 
 
+def test_a_shape_override_the_folder_contradicts_is_refused_unannounced_and_leaves_no_workdir(
+        tmp_path, capsys):
+    """configs/images.py on 8 x 8 pictures with --config.model.image_shape=(16,16,3): one error
+    naming the pictures' shape and the fix, no line announcing 16x16x3 first, and no workdir
+    left behind; a model whose every field is set is refused by the data check under the
+    workdir's lock, which leaves nothing either (a folder it found stays, empty)."""
+    folder = tmp_path / "pics"
+    write_pictures(folder, names("p", 8), (8, 8, 3))
+    run = tmp_path / "new" / "run"
+    config = get_config("images", "size=tiny", data__path=str(folder),
+                        model__image_shape=(16, 16, 3))
+    with pytest.raises(ValueError) as e:
+        train.train(config, str(run))
+    message = str(e.value)
+    assert "are 8 x 8 x 3" in message and "image_shape=(16, 16, 3)" in message
+    assert "leave --config.model.image_shape out" in message and "(8,8,3)" in message
+    assert "pictures of" not in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    config = get_config("images", "size=tiny", data__path=str(folder), model__image_shape=(
+        16, 16, 3), model__seq_len=768, model__stride=48, model__c=12)  # all set: the data's check
+    with pytest.raises(ValueError, match="are 8 x 8 x 3"):
+        train.train(config, str(run))
+    assert not (tmp_path / "new").exists()
+    run.mkdir(parents=True)
+    with pytest.raises(ValueError, match="are 8 x 8 x 3"):
+        train.train(config, str(run))
+    assert os.listdir(run) == []  # no .lock, no data_fingerprint.json
+
+
 def test_train_evaluate_and_complete_pictures_of_a_folder(tmp_path):
     folder = tmp_path / "pics"
     write_pictures(folder, [f"train/{n}" for n in names("t", 12)] + [f"test/{n}" for n in

@@ -231,6 +231,29 @@ def test_a_record_from_before_context_stages_resumes(tmp_path):
     assert config_lib.resume_changes(config_lib.read_record(workdir), config, workdir) == {}
 
 
+def test_a_shortened_run_warms_up_for_its_share_and_its_resume_keeps_that_warmup(tmp_path,
+                                                                                  capsys):
+    """quickstart:data=embedded (500 steps, warmup 50) run for 4 steps with its warmup left to
+    the preset (scripts/train.py passes the preset's total_steps): warmup 1, said in one line,
+    recorded; resumed for 6 steps it keeps warmup 1 (not 1 of 6 recomputed, nor the preset's
+    50, which the resume would refuse) and records only the change of total_steps."""
+    left = {k: v for k, v in TINY_TEXT.items() if k != "optimizer__warmup_steps"}
+    preset = configs.load("quickstart:data=embedded")
+    workdir = str(tmp_path / "run")
+    config = get_config("quickstart", "data=embedded", **left)
+    assert config.optimizer.warmup_steps == preset.optimizer.warmup_steps == 50
+    assert train.train(config, workdir, preset.total_steps)["step"] == 4
+    lines = [x for x in capsys.readouterr().out.splitlines() if "warmup" in x]
+    assert len(lines) == 1 and "warmup_steps=1 instead of the preset's 50" in lines[0]
+    assert config_lib.read_record(workdir).optimizer.warmup_steps == 1
+    config = get_config("quickstart", "data=embedded", **{**left, "total_steps": 6})
+    assert train.train(config, workdir, preset.total_steps)["step"] == 6
+    assert "the run being resumed trained with" in capsys.readouterr().out
+    assert config_lib.read_record(workdir).optimizer.warmup_steps == 1
+    history = [json.loads(x) for x in open(os.path.join(workdir, config_lib.HISTORY))]
+    assert [h["changes"] for h in history] == [{"total_steps": [4, 6]}]
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures.
 
