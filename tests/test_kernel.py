@@ -143,6 +143,39 @@ def test_kernels_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     assert calls == 3 * len(spec.terms())
 
 
+VARIANT_TRITON_CASES = [  # spec, seq_len, head dim, dtype, tiles
+    (PatternSpec("strided", stride=128), 2048, 64, "bfloat16",
+     K.BlockSizes(variant="chained", heads_per_program=2)),
+    (PatternSpec("strided", stride=96), 3072, 64, "bfloat16", K.BlockSizes(variant="chained")),
+    (PatternSpec("fixed", stride=128, c=32), 1024, 64, "bfloat16",
+     K.BlockSizes(128, 64, variant="chained")),
+    (PatternSpec("strided", stride=16, part="strided"), 80, 64, "float32",
+     K.BlockSizes(32, 16, variant="chained")),
+    (PatternSpec("strided", stride=128), 2048, 64, "bfloat16", K.BlockSizes(heads_per_program=4)),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_TRITON_CASES, ids=[
+    f"{c[0]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}" for c in VARIANT_TRITON_CASES])
+def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
+    """Without a GPU: the variants lower through Triton (strided loads and stores, the head
+    group as a slice), three custom calls per term and, for the chained variant, neither a
+    layout transpose nor a log-sum-exp merge (an exponential) left to XLA."""
+    x = jax.ShapeDtypeStruct((1, 4, seq_len, d), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False).astype(
+            jnp.float32).sum()
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton(") == 3 * len(spec.terms())
+    if sizes.variant == "chained":
+        hlo = [line for line in text.splitlines() if "triton" not in line]
+        assert not any("stablehlo.transpose" in line or "stablehlo.exponential" in line
+                       for line in hlo)
+
+
 TPU_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype
     (PatternSpec("strided", stride=128), 1024, 128, "bfloat16"),
     (PatternSpec("fixed", stride=128, c=32, summary="lra", summary_block=1), 768, 64, "float32"),
@@ -248,6 +281,56 @@ def test_kernel_matches_dense(spec, seq_len, d, dtype, sizes):
         np.testing.assert_array_equal(got[0][:, empty], 0)
 
 
+CHAINED, HEADS2 = K.BlockSizes(16, 16, variant="chained"), K.BlockSizes(16, 16, heads_per_program=2)
+BOTH = K.BlockSizes(16, 16, variant="chained", heads_per_program=2)
+VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (batch 2, 2 heads)
+    (PatternSpec("strided", stride=16), 117, 64, "float32", CHAINED),
+    (PatternSpec("strided", stride=16), 128, 64, "bfloat16", BOTH),
+    (PatternSpec("strided", stride=16, local_width=16), 100, 64, "float32", BOTH),
+    (PatternSpec("strided", stride=12, local_width=30), 96, 32, "float32", CHAINED),
+    (PatternSpec("strided", stride=16, local_width=16), 80, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="chained")),
+    (PatternSpec("strided", stride=16, part="strided"), 75, 64, "float32", CHAINED),
+    (PatternSpec("fixed", stride=16, c=4), 90, 64, "float32", BOTH),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra"), 80, 64, "bfloat16", CHAINED),
+    (PatternSpec("local", stride=24, local_width=24), 96, 64, "float32", CHAINED),
+    (PatternSpec("strided", stride=16), 100, 64, "bfloat16", HEADS2),
+    (PatternSpec("fixed", stride=16, c=4), 80, 64, "float32", HEADS2),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_CASES, ids=[
+    f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}" for c in VARIANT_CASES])
+def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
+    """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
+    strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads)
+    gives the dense reference's output and gradients, at lengths that need padding (the
+    chained column term pads rows to its tile), tolerances as ``test_kernel_matches_dense``."""
+    q, k, v, cot = qkv(seq_len, d, jnp.dtype(dtype))
+    kernel = lambda q, k, v: A.sparse_attention(q, k, v, spec, "pallas", sizes)  # noqa: E731
+    got = out_and_grads(kernel, q, k, v, cot)
+    assert got[0].dtype == q.dtype and all(g.dtype == q.dtype for g in got[1])
+    want = out_and_grads(lambda q, k, v: A.dense_attention(q, k, v, spec.mask(seq_len)),
+                         *(x.astype(jnp.float32) for x in (q, k, v)), cot)
+    err = errors(got, want)
+    if dtype == "float32":
+        assert err[0] < 1e-5 and max(err[1:]) < 1e-4, err
+    else:
+        assert max(err) < 5e-2, err
+
+
+def test_chained_log_sum_exp_matches_dense():
+    """The chained variant's log-sum-exp is the joint one over every term's keys."""
+    spec, n = PatternSpec("strided", stride=16), 64
+    q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
+    seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    out, lse = K.sequence_attention(spec, seq(q), seq(k), seq(k), sizes=BOTH, return_lse=True)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    want = jax.nn.logsumexp(jnp.where(spec.mask(n), scores, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(lse, want, atol=1e-5, rtol=0)
+    assert out.dtype == jnp.float32
+
+
 def test_log_sum_exp_and_half_size_values():
     """The forward's second output is each row's log-sum-exp over its kept scores; values may be
     narrower than queries and keys (the paper's half-size q/k), head dims not powers of two."""
@@ -273,6 +356,15 @@ def test_implementation_choice():
         A.resolve_implementation("triton")
     with pytest.raises(ValueError, match="power of two"):
         K.BlockSizes(48, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        K.BlockSizes(heads_per_program=3)
+    with pytest.raises(ValueError, match="variant"):
+        K.BlockSizes(variant="fused")
+    with pytest.raises(ValueError, match="chained.*triton"):
+        K.compiler_for(K.BlockSizes(128, 128, variant="chained"), backend="mosaic")
+    with pytest.raises(ValueError, match="divide the 2 heads"):
+        A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),
+                           "pallas", K.BlockSizes(16, 16, heads_per_program=4))
     q, k, v, _ = qkv(32, 8, jnp.float32)
     dense = A.sparse_attention(q, k, v, PatternSpec("dense"), "pallas")  # dense: always XLA
     np.testing.assert_allclose(dense, A.sparse_attention(q, k, v, PatternSpec("dense")),
