@@ -362,6 +362,12 @@ def test_implementation_choice():
         K.BlockSizes(variant="fused")
     with pytest.raises(ValueError, match="chained.*triton"):
         K.compiler_for(K.BlockSizes(128, 128, variant="chained"), backend="mosaic")
+    from sparse_jax.bench.attention import parse_pattern  # a benchmark names a variant
+
+    assert parse_pattern("strided:128@pallas:64x32:chained:h2:w8:s3", 1024)[2] == K.BlockSizes(
+        64, 32, 8, 3, variant="chained", heads_per_program=2)
+    with pytest.raises(ValueError, match="unknown kernel option"):
+        parse_pattern("strided:128@pallas:fused", 1024)
     with pytest.raises(ValueError, match="divide the 2 heads"):
         A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),
                            "pallas", K.BlockSizes(16, 16, heads_per_program=4))

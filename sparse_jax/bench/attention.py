@@ -32,14 +32,19 @@ def parse_pattern(name: str, seq_len: int):
     for dense ``@xla`` or ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default
     choice), ``@chunked`` (this project's dense path) or ``@torch`` (PyTorch's SDPA), for the
     sparse patterns ``@xla`` (the default), ``@pallas`` or ``@auto``
-    (``attention.sparse_attention``); ``@pallas:QxK`` also sets the kernel's tiles (Q queries by
-    K keys, e.g. ``strided:128@pallas:128x64``), to compare tile sizes in one sweep."""
+    (``attention.sparse_attention``). ``@pallas`` takes ``:``-separated kernel options
+    (``kernel.BlockSizes``; unnamed ones keep its defaults), to compare kernels in one sweep:
+    ``QxK`` tiles (Q queries by K keys), a variant (``terms`` or ``chained``), ``hG`` heads per
+    program, ``wN`` Triton warps, ``sN`` Triton stages; e.g. ``strided:128@pallas:128x64``,
+    ``strided:128@pallas:64x64:chained:h2``, ``fixed:128:32@pallas:chained:w8:s3``."""
+    import re
+
     from sparse_jax.attention import IMPLEMENTATIONS
-    from sparse_jax.kernel import BlockSizes
+    from sparse_jax.kernel import VARIANTS, BlockSizes
     from sparse_jax.patterns import PatternSpec
 
     name, _, implementation = name.partition("@")
-    implementation, _, tiles = implementation.partition(":")
+    implementation, *options = implementation.split(":")
     kind, *args = name.split(":")
     allowed = DENSE_IMPLEMENTATIONS if kind == "dense" else IMPLEMENTATIONS
     if implementation and implementation not in allowed:
@@ -47,14 +52,26 @@ def parse_pattern(name: str, seq_len: int):
                          f"choose from {', '.join(allowed)}")
     implementation = implementation or (None if kind == "dense" else "xla")
     sizes = None
-    if tiles:
+    if options:
+        fields = {}
+        keys = {"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}
         try:
             if implementation != "pallas":
-                raise ValueError("tiles apply to @pallas only")
-            sizes = BlockSizes(*(int(t) for t in tiles.split("x", 1)))
+                raise ValueError("kernel options apply to @pallas only")
+            for option in options:
+                if re.fullmatch(r"\d+x\d+", option):
+                    fields["block_q"], fields["block_k"] = map(int, option.split("x"))
+                elif option in VARIANTS:
+                    fields["variant"] = option
+                elif re.fullmatch(r"[hws]\d+", option):
+                    fields[keys[option[0]]] = int(option[1:])
+                else:
+                    raise ValueError(f"unknown kernel option {option!r}")
+            sizes = BlockSizes(**fields)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"pattern {name}@{implementation}:{tiles}: {e}; give tiles as "
-                             "@pallas:QxK with powers of two, e.g. @pallas:128x64") from e
+            raise ValueError(f"pattern {name}@{implementation}:{':'.join(options)}: {e}; give "
+                             "@pallas:QxK:VARIANT:hG:wN:sN (any of them), e.g. "
+                             "@pallas:128x64 or @pallas:64x64:chained:h2") from e
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
     try:
