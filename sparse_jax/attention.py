@@ -726,8 +726,10 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     return out.astype(q.dtype)
 
 
-def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla"):
-    """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``."""
+def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla",
+                         block_sizes: kernel.BlockSizes | None = None):
+    """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``
+    (``block_sizes``: the Pallas kernel's tiles and variant, ``sparse_attention``'s)."""
     _check_qkv(q, k, v)
     if not specs:
         raise ValueError("specs must hold at least one PatternSpec, got none")
@@ -736,9 +738,9 @@ def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: 
         raise ValueError(f"{heads} heads cannot be split evenly into {len(specs)} groups "
                          f"({', '.join(map(str, specs))})")
     if len(specs) == 1:
-        return sparse_attention(q, k, v, specs[0], implementation)
+        return sparse_attention(q, k, v, specs[0], implementation, block_sizes)
     g = heads // len(specs)
     outs = [sparse_attention(q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g],
-                             v[:, :, i * g:(i + 1) * g], s, implementation)
+                             v[:, :, i * g:(i + 1) * g], s, implementation, block_sizes)
             for i, s in enumerate(specs)]
     return jnp.concatenate(outs, axis=2)
