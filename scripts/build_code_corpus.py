@@ -1,0 +1,49 @@
+r"""Builds the larger code corpus, data/code_corpus.py.gz, from pinned PyPI source distributions.
+
+  nice -n 19 python scripts/build_code_corpus.py            # downloads 122 MB of sdists once
+  python scripts/train.py --config=configs/code.py:size=long --workdir=workdirs/code_big \
+      --config.data.path=data/code_corpus.py.gz
+
+The 30 sdists of data/code_corpus_pins.txt (name==version, file name, sha256) are downloaded
+from PyPI into --sdists (or put there by hand, offline) and checked; their `.py` files, tests
+left out, become one file in the layout of data/cpython_lib.py.gz, written with
+code_corpus.files.txt, code_corpus.licenses.txt and code_corpus.sha256 beside it. Only
+permissively licensed packages are accepted. About 1 minute on 2 cores once the sdists are
+there; the figures of the build are in data/README.md. Logic: `sparse_jax.code_corpus`.
+"""
+
+import time
+
+from absl import app, flags
+
+from sparse_jax import cli, code_corpus
+
+_PINS = flags.DEFINE_string("pins", code_corpus.PINS, "The pinned sdists: one "
+                            "'name==version  filename  sha256' a line.")
+_SDISTS = flags.DEFINE_string("sdists", code_corpus.SDISTS, "Folder of the sdists: read from "
+                              "it, missing ones downloaded into it.")
+_OUTPUT = flags.DEFINE_string("output", code_corpus.OUTPUT, "The corpus to write (.py.gz); its "
+                              ".files.txt, .licenses.txt and .sha256 go beside it.")
+_DOWNLOAD = flags.DEFINE_bool("download", True, "Download missing sdists from PyPI "
+                              "(--nodownload: only read --sdists).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    start = time.perf_counter()
+    built = code_corpus.build(_PINS.value, _SDISTS.value, _OUTPUT.value, _DOWNLOAD.value)
+    print("| package | licence (from PKG-INFO) | files | bytes |\n|---|---|---|---|")
+    for p in built["packages"]:
+        print(f"| {p['package']} | {p['licence']} ({p['licence_source']}) | {p['files']:,} | "
+              f"{p['bytes']:,} |" + (f" skipped (not UTF-8): {p['skipped']}" if p["skipped"]
+                                     else ""))
+    print(f"\nWrote {built['output']}: {built['files']:,} files, {built['bytes']:,} bytes, "
+          f"{built['gz_bytes']:,} gzipped, in {time.perf_counter() - start:.0f} s; beside it "
+          f"{', '.join(built['beside'])}, which holds these lines:\n"
+          f"{built['gz_sha256']}  {built['output'].rsplit('/', 1)[-1]}\n"
+          f"{built['sha256']}  {built['output'].rsplit('/', 1)[-1][:-3]}")
+
+
+if __name__ == "__main__":
+    cli.run(main)
