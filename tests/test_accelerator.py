@@ -1,28 +1,48 @@
 """The accelerator report (scripts/accelerator_report.py): its dry run end to end on the CPU, so
 that a renamed flag, a moved function or a broken import fails here and not on the day a GPU
-is lent; FlexAttention's mask against the pattern; the report's arguments."""
+is lent; a stage that measured less than it planned is not "ok" (the H100 report said "every
+stage ok" over a tests stage that ran no test, a preset cut before validation and an unmeasured
+training step); a stopped report leaves no process and no temporary folder; its arguments are
+checked before anything runs; FlexAttention's mask against the pattern."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import zipfile
 
 import numpy as np
 import pytest
 
 from sparse_jax.bench import accelerator
+from sparse_jax.bench.accelerator import preset, tests, train_step
+from sparse_jax.bench.accelerator.common import TIME_UP
 from sparse_jax.patterns import PatternSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _report(tmp_path, *args, timeout=400):
+    """Runs the script with its temporary folder under tmp_path/tmp; (process, output dir)."""
+    out, tmp = tmp_path / "report", tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
+                           f"--output_dir={out}", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "TMPDIR": str(tmp)})
+    return proc, out
+
+
+def _left_in(tmp):
+    return [name for name in os.listdir(tmp) if name.startswith(accelerator.TEMP_PREFIX)]
+
+
 @pytest.mark.slow
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
-    out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
-                           f"--output_dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=400)
+    proc, out = _report(tmp_path, "--profile")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].endswith("every stage ok"), proc.stdout[-500:]
     report = json.loads((out / "results.json").read_text())
     assert list(report["stages"]) == list(accelerator.STAGES)
     for name, stage in report["stages"].items():
@@ -34,12 +54,190 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert {r["pattern"].split("@")[1].split(":")[0] for r in stages["attention"]["rows"]} == {
         "xla", "pallas"}
     assert stages["train_step"]["rows"][0]["tokens_per_s"] > 0
-    preset = stages["preset"]
-    assert preset["steps_done"] == preset["steps"] and preset["test_bits"] > 0
-    assert abs(sum(c["share"] for c in preset["test_classes"]["classes"]) - 1) < 1e-6
-    files = sorted(os.listdir(out))  # one piece: at most 8 files, no folders
-    assert files == ["log.txt", "results.json", "results.md", "sample.txt"]
-    assert "| preset | ok |" in (out / "results.md").read_text()
+    profile = stages["train_step"]["profiles"][0]
+    assert glob_count(profile["path"], "*.xplane.pb") >= 1, profile
+    preset_result = stages["preset"]
+    assert preset_result["steps_done"] == preset_result["steps"]
+    assert preset_result["test_bits"] > 0 and "valid_bits" in preset_result
+    assert "from the measured step of tiny strided@xla" in preset_result["steps_how"]
+    assert abs(sum(c["share"] for c in preset_result["test_classes"]["classes"]) - 1) < 1e-6
+    files = sorted(os.listdir(out))  # one piece: the report's files, and the traces' folder
+    assert files == ["log.txt", "profile", "results.json", "results.md", "sample.txt"]
+    summary = (out / "results.md").read_text()
+    assert "Every stage ok." in summary and "| preset | ok |" in summary
+    assert "Steps: " in summary and "Profile of tiny strided@xla" in summary
+    assert _left_in(tmp_path / "tmp") == []
+
+
+def glob_count(folder, pattern):
+    import glob
+
+    return len(glob.glob(os.path.join(folder, "**", pattern), recursive=True))
+
+
+@pytest.mark.slow
+def test_a_preset_cut_by_its_cap_is_not_ok_and_the_exit_status_says_so(tmp_path):
+    proc, out = _report(tmp_path, "--stages=preset", "--caps=preset=8")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "not ok: preset (" in last and "every stage ok" not in last, last
+    result = json.loads((out / "results.json").read_text())["stages"]["preset"]
+    assert result["status"] in ("partial", "failed") and result["reason"], result
+    assert "**Not ok: preset (" in (out / "results.md").read_text()
+    assert _left_in(tmp_path / "tmp") == []
+
+
+@pytest.mark.slow
+def test_a_tests_stage_that_runs_no_test_is_not_ok(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    plan = accelerator.plan_for(dry_run=True)
+    plan["tests"] = plan["tests"] + ["--collect-only"]  # pytest exits 0, having run nothing
+    report = accelerator.run_report(str(tmp_path / "r"), dry_run=True, stages=("tests",),
+                                    plan=plan, log=lambda *a: None)
+    result = report["stages"]["tests"]
+    assert (result["status"], result["reason"]) == ("failed", "no test ran"), result
+    assert accelerator.not_ok(report) == ["tests (failed: no test ran)"]
+    assert "**Not ok: tests (failed: no test ran).**" in (tmp_path / "r/results.md").read_text()
+
+
+def _processes_with(marker: str, but: int) -> list[str]:
+    """Live processes (not `but`) whose command line or environment holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == but:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            text = b""
+            for part in ("cmdline", "environ"):
+                with open(f"/proc/{pid}/{part}", "rb") as f:
+                    text += f.read()
+        except OSError:  # gone, or not ours
+            continue
+        if marker.encode() in text:
+            found.append(f"{pid}: {text[:200]!r}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, stage, child", [(signal.SIGTERM, "preset", "scripts/train.py"),
+                                               (signal.SIGINT, "tests", "pytest")])
+def test_a_stopped_report_leaves_no_process_and_no_temporary_folder(tmp_path, sig, stage,
+                                                                    child):
+    out, tmp = tmp_path / "report", tmp_path / "tmp"
+    tmp.mkdir()
+    driver = subprocess.Popen([sys.executable, "scripts/accelerator_report.py", "--dry_run",
+                               f"--output_dir={out}", f"--stages={stage}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.time() + 180
+        while not any(child in p for p in _processes_with(str(tmp), driver.pid)):
+            assert driver.poll() is None and time.time() < deadline, driver.communicate()
+            time.sleep(0.2)
+        driver.send_signal(sig)
+        stdout, stderr = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert driver.returncode == 128 + sig, stdout[-2000:] + stderr[-2000:]
+    assert f"interrupted by {sig.name}" in stdout.strip().splitlines()[-1]
+    deadline = time.time() + 10  # SIGKILLed processes may take a moment to go
+    while _processes_with(str(tmp), driver.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(str(tmp), driver.pid) == []
+    assert _left_in(tmp) == []
+    report = json.loads((out / "results.json").read_text())  # the report of what ran stays
+    assert report["interrupted"] == sig.name
+    assert report["stages"][stage]["status"] == "interrupted"
+    assert f"**Interrupted by {sig.name}**" in (out / "results.md").read_text()
+
+
+def _wheel(path, member="pkg/__init__.py"):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, "x = 1\n")
+        z.writestr("pkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\n")
+    return path
+
+
+def test_caps_budget_stages_and_wheels_are_checked_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert accelerator.parse_caps(["tests=150", "flex=90.5"]) == {"tests": 150.0, "flex": 90.5}
+    for bad in (["tests"], ["gpu=10"], ["tests=-1"], ["tests=x"], ["env=nan"], ["env=inf"],
+                ["env=0"]):
+        with pytest.raises(ValueError, match="STAGE=SECONDS"):
+            accelerator.parse_caps(bad)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels / "pkg-1.0-py3-none-any.whl")
+    assert accelerator.check_arguments(wheels=str(wheels)) == [
+        str(wheels / "pkg-1.0-py3-none-any.whl")]
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "a-1.0-py3-none-any.whl").write_bytes(
+        (wheels / "pkg-1.0-py3-none-any.whl").read_bytes()[:-30])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for kwargs, message in [
+            ({"stages": ("env", "benchmarks")}, "unknown stage"),
+            ({"caps": {"env": float("nan")}}, "STAGE=SECONDS"),
+            ({"budget_s": -5}, "--budget_s=-5"), ({"budget_s": float("nan")}, "--budget_s"),
+            ({"budget_s": 0}, "--budget_s"),
+            ({"wheels": str(tmp_path / "missing")}, "no such folder"),
+            ({"wheels": str(empty)}, "no .whl files"),
+            ({"wheels": str(damaged)}, "a-1.0-py3-none-any.whl is not a readable wheel")]:
+        with pytest.raises(ValueError, match=message) as e:
+            accelerator.run_report(str(tmp_path / "r"), **kwargs)
+        assert "\n" not in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["damaged", "empty", "wheels"]  # nothing written
+
+
+@pytest.mark.slow
+def test_the_script_refuses_bad_arguments_in_one_line(tmp_path):
+    for args in (["--caps=env=nan"], ["--budget_s=-5"], ["--budget_s=nan"]):
+        proc, out = _report(tmp_path, *args, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert proc.stderr.startswith("error: --") and not out.exists()
+    assert _left_in(tmp_path / "tmp") == []
+
+
+def test_a_stage_is_ok_only_if_it_measured_what_it_planned():
+    plan = accelerator.plan_for(dry_run=False)
+    assert tests.check({"counts": dict.fromkeys(tests.WORDS, 0), "done": True}, plan) == (
+        "failed", "no test ran")
+    assert tests.check({"counts": {**dict.fromkeys(tests.WORDS, 0), "passed": 3},
+                        "done": True}, plan) is None
+    rows = [{"name": "a", "step_s": 1.0}, {"name": "paper 16k dense (cuDNN)", "error": TIME_UP}]
+    status, reason = train_step.check({"rows": rows}, plan)
+    assert status == "partial" and "1 of 2 rows" in reason and TIME_UP in reason
+    assert train_step.check({"rows": rows[1:]}, plan)[0] == "failed"
+    done = {"steps": 100, "steps_done": 100, "valid_bits": 1.4, "test_bits": 1.4,
+            "sample_path": "s"}
+    assert preset.check(done, plan) is None
+    assert preset.check({**done, "steps_done": 80}, plan)[0] == "partial"
+    assert preset.check({k: v for k, v in done.items() if k != "valid_bits"}, plan) == (
+        "partial", "no validation pass")
+    report = {"dry_run": False, "started": "s", "finished": "f", "command": "c", "plan": plan,
+              "stages": {"env": {"status": "ok", "seconds": 1},
+                         "train_step": {"status": "partial", "reason": reason, "rows": rows}}}
+    text = accelerator.summary_markdown(report)
+    assert f"**Not ok: train_step (partial: {reason}).**" in text
+    assert f"| train_step | partial | 0 | {reason} |" in text
+
+
+def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap():
+    p = accelerator.plan_for(dry_run=False)["preset"]
+    # the H100 report: 0.0536 s a step, compiled in 15 s; train.py took 142 s for 1,680 steps
+    rows = [{"name": "preset strided@pallas", "step_s": 0.0536, "compile_s": 15},
+            {"name": "preset strided@xla", "step_s": 0.117, "compile_s": 19}]
+    train_s = accelerator.CAPS["preset"] - p["after_s"]
+    steps, implementation, timed, how = preset.plan_steps(p, rows, train_s)
+    assert implementation == "pallas" and timed is rows[0]
+    assert steps * 0.0536 + 52 < train_s  # 52 s: what train.py took beyond its steps
+    assert steps > 500 and f"{steps:,} steps from the measured step" in how
+    assert preset.plan_steps(p, rows, 1000)[0] == int(p["train_seconds"] / 0.0536)
+    assert preset.plan_steps(p, [], train_s)[:2] == (p["default_steps"], "xla")
 
 
 def test_flex_mask_mod_is_the_pattern():
@@ -51,24 +249,18 @@ def test_flex_mask_mod_is_the_pattern():
         assert np.array_equal(mask.numpy(), spec.mask(100))
 
 
-def test_caps_and_stages_are_checked_before_anything_runs(tmp_path):
-    assert accelerator.parse_caps(["tests=150", "flex=90.5"]) == {"tests": 150.0, "flex": 90.5}
-    for bad in (["tests"], ["gpu=10"], ["tests=-1"], ["tests=x"]):
-        with pytest.raises(ValueError, match="STAGE=SECONDS"):
-            accelerator.parse_caps(bad)
-    with pytest.raises(ValueError, match="unknown stage"):
-        accelerator.run_report(str(tmp_path / "r"), stages=("env", "benchmarks"))
-    with pytest.raises(ValueError, match="no such folder"):
-        accelerator.run_report(str(tmp_path / "r"), wheels=str(tmp_path / "missing"))
-    assert not (tmp_path / "r").exists()  # refused before writing anything
-
-
-def test_the_full_plan_fits_eight_minutes_and_knows_its_chips():
-    assert sum(accelerator.CAPS.values()) <= 480
+def test_the_full_plan_fits_eight_minutes_and_every_stage_has_its_parts():
+    assert sum(accelerator.CAPS[s] for s in accelerator.STAGES) <= 480
+    assert set(accelerator.STAGES) <= set(accelerator.MODULES)
+    for name, module in accelerator.MODULES.items():
+        assert module.CAP > 0 and module.DRY_CAP > 0, name
+        assert callable(module.run) and callable(module.check) and callable(module.summary)
     plan = accelerator.plan_for(dry_run=False)
+    assert set(accelerator.MODULES) <= set(plan)
     assert plan["attention"]["seq_lens"][0] == 16384  # the goal's length comes first
     names = {c["name"] for c in plan["train_step"]["cases"]}
-    assert set(plan["preset"]["preset_cases"]) <= names
+    assert set(plan["preset"]["preset_cases"]) <= names and set(
+        plan["train_step"]["profile"]) <= names
     assert accelerator.peak_tflops("NVIDIA H200") == 989.0
     assert accelerator.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert accelerator.peak_tflops("cpu") is None

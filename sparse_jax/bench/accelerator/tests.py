@@ -62,7 +62,8 @@ def check(result: dict, plan: dict) -> tuple[str, str] | None:
     if counts.get("failed") or counts.get("error"):
         return "failed", f"{counts.get('failed', 0) + counts.get('error', 0)} tests failed"
     if ran == 0:
-        return "failed", "no test ran"
+        skipped = counts.get("skipped", 0)
+        return "failed", "no test ran" + (f" ({skipped} skipped)" if skipped else "")
     if not result.get("done"):
         return "partial", "pytest did not finish"
     return None
