@@ -1,20 +1,34 @@
 r"""Measures on a GPU (or TPU) everything this project can show there, in about 8 minutes.
 
   python scripts/accelerator_report.py --output_dir=reports/h100 --wheels=wheels
-  python scripts/accelerator_report.py --dry_run --output_dir=/tmp/dry   # CPU, toy sizes, ~1 min
+  python scripts/accelerator_report.py --dry_run --output_dir=/tmp/dry   # CPU, toy sizes
 
 Stages, in order, each in its own process with its own time cap (seconds), so that a failure or
 a hang in one costs one line and the rest still run: env 15 (device, driver, CUDA and package
-versions, a bf16 matmul), tests 90 (the kernel tests of tests/test_kernel.py, compiled for the
-device), attention 70 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
-forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 70 (PyTorch
-FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 85 (the one-GPU
+versions, a bf16 matmul), tests 75 (the kernel tests of tests/test_kernel.py, compiled for the
+device), attention 75 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
+forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 60 (PyTorch
+FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 110 (the one-GPU
 preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and Pallas
-against dense), preset 150 (configs/bytes.py:size=gpu trained for 90 s of steps on the code
-corpus with the faster implementation, its test bits by copy distance, a 1,000-byte sample).
---stages runs a subset (e.g. to rerun one that failed), --caps=STAGE=SECONDS,... changes caps,
---budget_s caps the whole run. Writes results.md (the summary tables), results.json (every
-figure), log.txt (every stage's output) and sample.txt to --output_dir.
+against dense), preset 145 (configs/bytes.py:size=gpu trained on the code corpus with the
+faster implementation, for at most 90 s of steps and as many as the measured step says fit
+before the cap with a 1.2x margin; its test bits by copy distance, a 1,000-byte sample).
+--stages runs a subset (e.g. to rerun one), --caps=STAGE=SECONDS,... changes caps, --budget_s
+caps the whole run, --profile adds jax.profiler traces of a few training steps (the preset's
+and the paper's 16k step, Pallas) to OUTPUT_DIR/profile and 40 s to train_step's cap.
+
+Each stage ends "ok" only if it measured everything it planned; otherwise "partial" (a row
+not measured, "not run: stage time up" included; training cut by the cap before its steps or
+its validation; no test figure or sample) or "failed" (it ran no test, crashed, or measured
+nothing), with the reason in one line. The last line says "every stage ok" or lists the stages
+that are not, and the exit status is 0 only if every stage is ok (or skipped: no torch for
+flex); 1 if one is not, 2 for a bad argument (caps, budget, stages, a --wheels folder whose
+.whl files are not all readable zips: refused before anything runs, nothing written), 130 or
+143 when stopped by SIGINT or SIGTERM. Stopping it kills the running stage and everything it
+started (each stage runs in its own session), and the temporary folder (sparse_jax_accel_* in
+$TMPDIR: wheels, the preset's run, the stages' own temporary files) goes in every case. Writes
+results.md (the statuses and the summary tables), results.json (every figure), log.txt (every
+stage's output) and sample.txt to --output_dir, also when stopped.
 
 The machine needs JAX for its accelerator, flax, optax, orbax-checkpoint, absl-py, tqdm,
 matplotlib and pillow (torch and triton for the flex stage). What it lacks travels as wheels:
