@@ -64,13 +64,16 @@ class BlockSizes:
     resumes from the previous terms' float32 partial result and the last writes the final
     output and gradients in the input dtype: no transposes and no merges in XLA).
     ``heads_per_program``: a power of two dividing the head count; a program walks its block
-    list once for all its heads (Triton only above 1)."""
+    list once for all its heads (Triton only above 1). ``one_loop``: a GPU program walks its
+    partial and full blocks in one loop, masking every block, which Triton can pipeline (two
+    loops of one or two blocks each, as at l = 128, give it nothing to overlap)."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     variant: str = "terms"
     heads_per_program: int = 1
+    one_loop: bool = False
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -455,11 +458,14 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     if interpret is None:
         interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
     sizes = sizes or BlockSizes.for_backend(backend)
-    if backend != "triton" and (sizes.variant != "terms" or sizes.heads_per_program != 1):
+    if backend != "triton" and (sizes.variant != "terms" or sizes.heads_per_program != 1
+                                or sizes.one_loop):
         raise ValueError(f"BlockSizes(variant={sizes.variant!r}, heads_per_program="
-                         f"{sizes.heads_per_program}) needs the triton backend, not {backend}")
+                         f"{sizes.heads_per_program}, one_loop={sizes.one_loop}) needs the "
+                         f"triton backend, not {backend}")
     return pallas_kernels.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
-                                   sizes.num_warps, sizes.num_stages, sizes.heads_per_program)
+                                   sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
+                                   sizes.one_loop)
 
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,

@@ -56,6 +56,7 @@ class Compiler:
     num_warps: int = 4
     num_stages: int = 2
     heads_per_program: int = 1
+    one_loop: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,9 +70,13 @@ def _dot(a, b, trans_a=False, trans_b=False):
 
 
 def _scores(keep, q, k, q_attrs, k_attrs, masked):
-    """Scores of a query tile against a key tile; masked ones NEG if ``masked``."""
+    """Scores of a query tile against a key tile; masked ones NEG if ``masked`` (a bool, or a
+    traced flag: the mask applied to every block, kept whole where the flag is False)."""
     s = _dot(q, k, trans_b=True)
-    return jnp.where(keep(*q_attrs, *k_attrs), s, NEG) if masked else s
+    if masked is False:
+        return s
+    kept = keep(*q_attrs, *k_attrs)
+    return jnp.where(kept if masked is True else kept | ~masked, s, NEG)
 
 
 def _online(s, o, m, total, v):
@@ -133,9 +138,14 @@ def _put(ref, g, rows, x):
     ref[pl.ds(g, 1), rows, :] = x.reshape(1, *x.shape)
 
 
-def _gpu_over_list(list_ref, step, carry):
-    """``step(masked, j, carry)`` over the partial blocks of a list row, then the full ones."""
+def _gpu_over_list(list_ref, step, carry, one_loop=False):
+    """``step(masked, j, carry)`` over the partial blocks of a list row, then the full ones: two
+    loops, or with ``one_loop`` one (``masked`` a traced flag), which Triton can pipeline over
+    all of a row's blocks."""
     n_partial, n_full = list_ref[0], list_ref[1]
+    if one_loop:
+        return jax.lax.fori_loop(0, n_partial + n_full,
+                                 lambda j, carry: step(j < n_partial, j, carry), carry)
     carry = jax.lax.fori_loop(0, n_partial, functools.partial(step, True), carry)
     return jax.lax.fori_loop(n_partial, n_full + n_partial, functools.partial(step, False), carry)
 
@@ -147,7 +157,7 @@ def _resume(o, lse):
 
 
 def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref, v_ref, *refs,
-                 keep, own, listed, resume):
+                 keep, own, listed, resume, one_loop):
     """Refs carry a leading head axis (the program's heads, one list); ``own`` and ``listed``:
     ``Rows`` of this program's query tile and of a listed key tile (own None: the tile is the
     whole block); ``resume``: refs (o, lse) of earlier terms to start from come first."""
@@ -165,14 +175,14 @@ def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref,
 
     start = tuple(_resume(_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
                   _start(qs[g].shape[0], o_ref.shape[-1]) for g in heads)
-    for g, carry in enumerate(_gpu_over_list(list_ref, step, start)):
+    for g, carry in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
         o, lse = _finish(*carry)
         _put(o_ref, g, rows, o.astype(o_ref.dtype))
         _put(lse_ref, g, rows, lse)
 
 
 def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k_ref, v_ref, *refs, keep, own, listed, resume):
+            k_ref, v_ref, *refs, keep, own, listed, resume, one_loop):
     """dq of the program's query tile (``_gpu_forward``'s conventions; resume: dq so far)."""
     dq_ref = refs[-1]
     rows = slice(None) if own is None else own(pl.program_id(0))
@@ -194,12 +204,12 @@ def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse
 
     start = tuple(_get(refs[0], g, rows) if resume else jnp.zeros(qs[g].shape, jnp.float32)
                   for g in heads)
-    for g, dq in enumerate(_gpu_over_list(list_ref, step, start)):
+    for g, dq in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
         _put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
 
 
 def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_ref, do_ref,
-             lse_ref, delta_ref, *refs, keep, own, listed, resume):
+             lse_ref, delta_ref, *refs, keep, own, listed, resume, one_loop):
     """dk and dv of the program's key tile, over its list of query tiles (resume: dk, dv so
     far)."""
     dk_ref, dv_ref = refs[-2:]
@@ -223,7 +233,7 @@ def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_r
     start = tuple((_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
                   (jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
                   for g in heads)
-    for g, (dk, dv) in enumerate(_gpu_over_list(list_ref, step, start)):
+    for g, (dk, dv) in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
         _put(dk_ref, g, rows, dk.astype(dk_ref.dtype))
         _put(dv_ref, g, rows, dv.astype(dv_ref.dtype))
 
@@ -410,7 +420,7 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
         inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False),
                              [(q, True), (k, False), (v, False)], rows, init)
         kernel = functools.partial(_gpu_forward, keep=keep, own=own, listed=listed,
-                                   resume=bool(init))
+                                   resume=bool(init), one_loop=compiler.one_loop)
         return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward")
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
     own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
@@ -430,19 +440,19 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
     bq, bk = compiler.block_q, compiler.block_k
     if compiler.backend == "triton":
         q_rows, k_rows = rows or (None, None)
-        tiled = rows is None
+        tiled, common = rows is None, dict(keep=keep, one_loop=compiler.one_loop)
         dq_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False), [
             (q, True), (do, True), (lse, True), (delta, True), (k, False), (v, False)],
             rows, init[0])
         dq = _gpu_call(compiler, functools.partial(
-            _gpu_dq, keep=keep, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0])),
+            _gpu_dq, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0]), **common),
             lists.forward, bq, dq_inputs, [((batch, heads, nq, q.shape[3]), dtype, tiled)],
             "sparse_dq")[0]
         dkv_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (False, True), [
             (k, True), (v, True), (q, False), (do, False), (lse, False), (delta, False)],
             rows, init[1])
         dk, dv = _gpu_call(compiler, functools.partial(
-            _gpu_dkv, keep=keep, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1])),
+            _gpu_dkv, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1]), **common),
             lists.backward, bk, dkv_inputs, [((batch, heads, nk, k.shape[3]), dtype, tiled),
                                             ((batch, heads, nk, v.shape[3]), dtype, tiled)],
             "sparse_dkv")

@@ -152,11 +152,14 @@ VARIANT_TRITON_CASES = [  # spec, seq_len, head dim, dtype, tiles
     (PatternSpec("strided", stride=16, part="strided"), 80, 64, "float32",
      K.BlockSizes(32, 16, variant="chained")),
     (PatternSpec("strided", stride=128), 2048, 64, "bfloat16", K.BlockSizes(heads_per_program=4)),
+    (PatternSpec("fixed", stride=128, c=32), 1024, 64, "bfloat16",
+     K.BlockSizes(variant="chained", heads_per_program=2, one_loop=True)),
 ]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_TRITON_CASES, ids=[
-    f"{c[0]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}" for c in VARIANT_TRITON_CASES])
+    f"{c[0]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
+    + ("-one_loop" if c[4].one_loop else "") for c in VARIANT_TRITON_CASES])
 def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     """Without a GPU: the variants lower through Triton (strided loads and stores, the head
     group as a slice), three custom calls per term and, for the chained variant, neither a
@@ -296,14 +299,20 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
     (PatternSpec("local", stride=24, local_width=24), 96, 64, "float32", CHAINED),
     (PatternSpec("strided", stride=16), 100, 64, "bfloat16", HEADS2),
     (PatternSpec("fixed", stride=16, c=4), 80, 64, "float32", HEADS2),
+    (PatternSpec("strided", stride=16), 117, 64, "float32",
+     K.BlockSizes(16, 16, variant="chained", heads_per_program=2, one_loop=True)),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra"), 90, 64, "bfloat16",
+     K.BlockSizes(16, 16, one_loop=True)),
 ]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_CASES, ids=[
-    f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}" for c in VARIANT_CASES])
+    f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
+    + ("-one_loop" if c[4].one_loop else "") for c in VARIANT_CASES])
 def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
     """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
-    strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads)
+    strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads;
+    ``one_loop``: partial and full blocks in one loop)
     gives the dense reference's output and gradients, at lengths that need padding (the
     chained column term pads rows to its tile), tolerances as ``test_kernel_matches_dense``."""
     q, k, v, cot = qkv(seq_len, d, jnp.dtype(dtype))
@@ -364,8 +373,8 @@ def test_implementation_choice():
         K.compiler_for(K.BlockSizes(128, 128, variant="chained"), backend="mosaic")
     from sparse_jax.bench.attention import parse_pattern  # a benchmark names a variant
 
-    assert parse_pattern("strided:128@pallas:64x32:chained:h2:w8:s3", 1024)[2] == K.BlockSizes(
-        64, 32, 8, 3, variant="chained", heads_per_program=2)
+    assert parse_pattern("strided:128@pallas:64x32:chained:h2:w8:s3:one_loop", 1024)[2] == (
+        K.BlockSizes(64, 32, 8, 3, variant="chained", heads_per_program=2, one_loop=True))
     with pytest.raises(ValueError, match="unknown kernel option"):
         parse_pattern("strided:128@pallas:fused", 1024)
     with pytest.raises(ValueError, match="divide the 2 heads"):

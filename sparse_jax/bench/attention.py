@@ -35,7 +35,8 @@ def parse_pattern(name: str, seq_len: int):
     (``attention.sparse_attention``). ``@pallas`` takes ``:``-separated kernel options
     (``kernel.BlockSizes``; unnamed ones keep its defaults), to compare kernels in one sweep:
     ``QxK`` tiles (Q queries by K keys), a variant (``terms`` or ``chained``), ``hG`` heads per
-    program, ``wN`` Triton warps, ``sN`` Triton stages; e.g. ``strided:128@pallas:128x64``,
+    program, ``wN`` Triton warps, ``sN`` Triton stages, ``one_loop`` (one loop over a program's
+    blocks); e.g. ``strided:128@pallas:128x64``,
     ``strided:128@pallas:64x64:chained:h2``, ``fixed:128:32@pallas:chained:w8:s3``."""
     import re
 
@@ -63,6 +64,8 @@ def parse_pattern(name: str, seq_len: int):
                     fields["block_q"], fields["block_k"] = map(int, option.split("x"))
                 elif option in VARIANTS:
                     fields["variant"] = option
+                elif option == "one_loop":
+                    fields["one_loop"] = True
                 elif re.fullmatch(r"[hws]\d+", option):
                     fields[keys[option[0]]] = int(option[1:])
                 else:
@@ -70,7 +73,7 @@ def parse_pattern(name: str, seq_len: int):
             sizes = BlockSizes(**fields)
         except (ValueError, TypeError) as e:
             raise ValueError(f"pattern {name}@{implementation}:{':'.join(options)}: {e}; give "
-                             "@pallas:QxK:VARIANT:hG:wN:sN (any of them), e.g. "
+                             "@pallas:QxK:VARIANT:hG:wN:sN:one_loop (any of them), e.g. "
                              "@pallas:128x64 or @pallas:64x64:chained:h2") from e
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
