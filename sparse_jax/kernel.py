@@ -27,7 +27,10 @@ for dk and dv (FlashAttention-2's split). Inputs are float32, bfloat16 or float1
 accumulate in float32. On a GPU they lower through Triton (tiles are powers of two: head dims
 are zero-padded to one, lengths to the tile), on a TPU through Mosaic (lists prefetched into
 scalar memory, 128 × 128 tiles), and on a CPU they run in Pallas interpret mode, slowly, for
-tests. Each kernel is one custom call that XLA cannot split over devices: on a mesh,
+tests. ``BlockSizes.variant="chained"`` (GPU) instead keeps every array in sequence order (the
+column term's tiles read with strided loads) and chains the terms: each kernel resumes from the
+previous term's partial output or gradients and the last writes the input dtype, so XLA neither
+transposes nor merges. Each kernel is one custom call that XLA cannot split over devices: on a mesh,
 ``layers.SparseSelfAttention`` runs it inside ``shard_map``. Design: docs/design.md §3.
 """
 

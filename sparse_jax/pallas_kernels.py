@@ -14,8 +14,12 @@ They know nothing of patterns. A term arrives as
 ``forward`` returns each query's output (float32) and log-sum-exp over the kept keys (-1e30 for
 a query with none); ``backward`` the float32 gradients for a joint log-sum-exp, in two passes:
 dq per query block, dk and dv per key block (FlashAttention-2's split). Both backends share the
-tile math (``_scores``, ``_online``, ``_finish``, ``_grads``). On a GPU a program owns a tile and
-walks its list in a loop, loading key tiles from the whole K/V (``_gpu_*``). On a TPU the list
+tile math (``_scores``, ``_online``, ``_finish``, ``_grads``). On a GPU a program owns a tile of
+one head or of ``heads_per_program`` heads and walks its list in a loop, loading key tiles from
+the whole K/V (``_gpu_*``); there the arrays may also stay in sequence order, a term's tiles
+addressed by ``Rows`` (a grid column's tile: one strided load), and a pass may resume from the
+earlier terms' float32 partial results and write its outputs in any dtype (``kernel``'s chained
+variant). On a TPU the list
 is a grid axis: the lists are prefetched into scalar memory, the index maps pick each step's
 block (so the pipeline fetches only listed tiles) and the running softmax lives in VMEM scratch
 (``_tpu_*``), as in splash attention.
