@@ -8,7 +8,8 @@ from its context can gain on those bytes, and only from a context that reaches t
   python scripts/repeats.py --config=configs/code.py --config.data.path=FILE --split=test \
       --compressors
 
-The split is read as training reads it (`sparse_jax.data`); distance 0: anywhere earlier in it.
+The split is read as training cuts it (`sparse_jax.data`), but nothing is trained: any file
+whose split holds a byte is measured. Distance 0: anywhere earlier in it.
 --compressors adds what gzip -9, bzip2 -9 and xz -9e pay for the split given every split before
 it (`baselines.compressor_bits`; 1.5 minutes for 12 MB on 2 cores), the figures to hold a
 model's bits on that split against.
@@ -49,7 +50,8 @@ def main(argv):
     config = _CONFIG.value
     if data_lib.data_config(config.data).is_image:
         raise app.UsageError(f"{config.data.name} holds pictures; repeats measures byte streams")
-    dataset = data_lib.make_dataset(config.data, config.model.seq_len)
+    dataset = data_lib.make_dataset(config.data, config.model.seq_len, training=False)
+    dataset.require(_SPLIT.value, 1, "measuring it", ", or measure another --split")
     split = dataset.splits[_SPLIT.value]
     reach = baselines.repeat_reach(split, distances, _K.value)
     print(f"{_SPLIT.value} split of {dataset.source}: {len(split):,} bytes; a repeat = the "

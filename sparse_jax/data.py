@@ -366,19 +366,29 @@ class Dataset:
             valid = rows < count
             yield read(np.where(valid, rows, 0), valid)
 
-    def require(self, split: str, need: int, purpose: str, fix: str = "") -> None:
+    def require(self, split: str, need: int, purpose: str, fix: str = "",
+                instead: str | None = None) -> None:
         """A one-line ValueError naming the data, the split, its size, `need` and what to do
-        (`_FIXES`, then `fix`) unless `split` holds at least `need` items (bytes or images)."""
+        (`_FIXES`, then `fix`; or `instead`, where the config cannot change, as in evaluation)
+        unless `split` holds at least `need` items (bytes or images)."""
         have = len(self.splits[split])
         if have < need:
+            todo = _FIXES.get(self.name, "") + fix if instead is None else instead
             raise ValueError(f"{self.source}: {self._describe(split)} has {have:,} {self.items}; "
-                             f"{purpose} needs at least {need:,}; {_FIXES.get(self.name, '')}{fix}")
+                             f"{purpose} needs at least {need:,}; {todo}")
 
-    def check_split(self, split: str, min_context: int | None = None) -> int:
-        """`num_sequences(split, min_context)`, or a one-line ValueError (`require`) if the split
-        has nothing to score."""
-        self.require(split, self.min_eval, f"scoring the {split} split")
+    def check_split(self, split: str, min_context: int | None = None,
+                    instead: str | None = None) -> int:
+        """`num_sequences(split, min_context)`, or a one-line ValueError (`require`, with
+        `instead` as its fix if given) if the split has nothing to score."""
+        self.require(split, self.min_eval, f"scoring the {split} split", instead=instead)
         return self.num_sequences(split, min_context)
+
+    def scorable(self, but: str) -> list[str]:
+        """The splits other than `but` that hold something to score, as "--split=NAME (N bytes)"
+        for an error's fix."""
+        return [f"--split={s} ({len(self.splits[s]):,} {self.items})" for s in SPLITS
+                if s != but and len(self.splits[s]) >= self.min_eval]
 
     def _describe(self, split: str) -> str:
         return f"the {split} split"
@@ -463,12 +473,14 @@ _FIXES = {  # what to do about a split too small for its use
               "--config.data.split_fractions"}
 
 
-def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
-    """(what errors name: the file or the generated stream, its bytes) of byte data `cfg`."""
+def _byte_source(cfg: DataConfig, path_flag: str = "--config.data.path",
+                 ) -> tuple[str, np.ndarray]:
+    """(what errors name: the file or the generated stream, its bytes) of byte data `cfg`;
+    `path_flag`: the option that named a byte file (`sources.load_bytes`)."""
     if cfg.name == "enwik8":
         return cfg.path, sources.load_enwik8(cfg.path, download=cfg.download)
     if cfg.name == "bytes":
-        return cfg.path, sources.load_bytes(cfg.path)
+        return cfg.path, sources.load_bytes(cfg.path, path_flag)
     return (f"the generated 'embedded' stream ({cfg.embedded_bytes:,} bytes)",
             sources.embedded_bytes(cfg.embedded_bytes, cfg.embedded_seed,
                                    row_width=cfg.embedded_row_width,
@@ -477,7 +489,8 @@ def _byte_source(cfg: DataConfig) -> tuple[str, np.ndarray]:
 
 def make_dataset(config, seq_len: int, process_index: int = 0, process_count: int = 1, *,
                  vocab_size: int | None = None,
-                 image_shape: tuple[int, int, int] | None = None) -> Dataset:
+                 image_shape: tuple[int, int, int] | None = None, training: bool = True,
+                 path_flag: str = "--config.data.path") -> Dataset:
     """The dataset of `config` (a DataConfig, or a ConfigDict / mapping for `data_config`).
 
     enwik8: `path` names the raw file or the .zip (`download` fetches a missing archive), split
@@ -494,7 +507,10 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
     data that cannot serve a run: a byte train split shorter than one window (seq_len + 1
     bytes), a valid split with nothing to score (< 2 bytes), an empty image split, and with
     `vocab_size`, data with a token >= vocab_size (`check_vocabulary`). The test split is
-    checked when it is scored (`Dataset.check_split`).
+    checked when it is scored (`Dataset.check_split`). `training=False` (data that is only
+    scored or measured: evaluation, scripts/repeats.py) checks none of the splits: its user
+    checks the one it reads. `path_flag`: the option that named a byte file (scripts/evaluate.py:
+    --data), which its errors tell the user to set.
     """
     cfg = data_config(config)
     kwargs = dict(seed=cfg.seed, process_index=process_index, process_count=process_count)
@@ -511,15 +527,16 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
         ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}",
                           image_shape=cfg.image_shape)
     if cfg.is_image:
-        for split in SPLITS:
+        for split in SPLITS if training else ():
             ds.require(split, 1, "training" if split == "train" else "evaluation")
     else:
-        source, data = _byte_source(cfg)
+        source, data = _byte_source(cfg, path_flag)
         ds = ByteDataset(cfg.name, seq_len, split_bytes(data, cfg.fractions), **kwargs,
                          source=source, fractions=cfg.fractions)
-        ds.require("train", seq_len + 1, "training (one window of seq_len + 1 bytes)",
-                   ", or lower --config.model.seq_len")
-        ds.require("valid", ds.min_eval, "validation")
+        if training:
+            ds.require("train", seq_len + 1, "training (one window of seq_len + 1 bytes)",
+                       ", or lower --config.model.seq_len")
+            ds.require("valid", ds.min_eval, "validation")
     if vocab_size is not None:
         check_vocabulary(ds, vocab_size)
     return ds

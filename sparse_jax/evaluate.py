@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparse_jax import baselines, checkpoints
+from sparse_jax import baselines, checkpoints, sources
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
@@ -249,13 +249,11 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         raise ValueError(f"batch_size must be a positive multiple of the {devices} devices, got "
                          f"{batch_size!r}")
     image = data_lib.data_config(config.data).is_image
-    if data_path is not None:
+    if data_path is not None:  # scripts/evaluate.py --data: the errors name that flag
         if image or cfg.vocab_size != 256:
-            raise ValueError(f"data_path={data_path!r}: only a model of bytes reads another file; "
+            raise ValueError(f"--data={data_path}: only a model of bytes reads another file; "
                              f"this run models {config.data.name}")
-        if not os.path.isfile(data_path):
-            raise ValueError(f"data_path={data_path!r}: no such file; give a byte file (plain or "
-                             ".gz) to score the run on")
+        sources.require_file(data_path, "--data")  # a file (not a folder) that can be read
         config.data.name, config.data.path = "bytes", os.path.abspath(data_path)
     data_name = config.data.name  # what is read (config is replaced by the checkpoint's below)
     copy_edges = () if image or not copy_edges else tuple(copy_edges)
@@ -270,13 +268,18 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     def check_output(step):
         if write and jax.process_index() == 0:
             workdir_lib.check_output(result_path(workdir, split, step, min_context, data_path),
-                                     overwrite)
+                                     overwrite, create=False)  # a refused run leaves no folder
 
     check_output(checkpoints.step_of(workdir, checkpoint))
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
-                                    vocab_size=cfg.vocab_size, image_shape=cfg.image_shape)
+                                    vocab_size=cfg.vocab_size, image_shape=cfg.image_shape,
+                                    training=False, path_flag="--data")
     split_data = dataset.splits[split]
-    count = dataset.check_split(split, min_context)  # ValueError if there is nothing to score
+    others = dataset.scorable(split)  # the run's split_fractions are fixed: what can change
+    also = f"score another part: {' or '.join(others)}" if others else ""
+    count = dataset.check_split(split, min_context, (  # ValueError if there is nothing to score
+        f"give --data a longer file{', or ' + also if also else ''}" if data_path is not None
+        else also or None))
     if data_path is None:
         workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
     mesh = eval_mesh(config, devices)

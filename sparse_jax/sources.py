@@ -123,9 +123,10 @@ def _check_listed(path: str) -> None:
                       f"of this repository: git checkout -- {path})")
 
 
-def _gunzip_cached(path: str) -> str:
+def _gunzip_cached(path: str, flag: str = "--config.data.path") -> str:
     """The decompressed bytes of the .gz file `path`, written once to `path` without `.gz`
-    (next to it) and checked against SHA256SUMS when listed there; returns that path.
+    (next to it) and checked against SHA256SUMS when listed there; returns that path. `flag`:
+    the option that named `path`, which the errors tell the user to set.
 
     The copy is written through a temporary file and vouched for in `<copy>.verified`, keyed by
     the .gz file's size and mtime, so a later start maps it at once, and a changed .gz is
@@ -140,7 +141,7 @@ def _gunzip_cached(path: str) -> str:
             return raw
         if not os.path.exists(raw + ".verified"):
             raise ValueError(f"{raw} exists but was not decompressed from {path} here; move it "
-                             f"away, or set --config.data.path={raw} to read it instead")
+                             f"away, or set {flag}={raw} to read it instead")
     expected = _checksum(raw)
     try:
         digest = hashlib.sha256()
@@ -158,46 +159,51 @@ def _gunzip_cached(path: str) -> str:
             out.flush()
             vouch(raw, {**key, **file_key(out.name)})
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file of "
-                         f"this repository: git checkout -- {path})") from e
+        if _checksum(path) is not None:  # listed: a shipped corpus (data/SHA256SUMS)
+            raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file "
+                             f"of this repository: git checkout -- {path})") from e
+        raise ValueError(f"{path} is damaged or not a gzip file ({e}); compress the original "
+                         f"again (gzip -k FILE), or set {flag} to the uncompressed file") from e
     except OSError as e:
         raise write_error(raw, e, f"free some space or make the folder writable, or decompress "
-                                  f"{path} elsewhere (gunzip -k) and set --config.data.path to "
-                                  "the copy") from e
+                                  f"{path} elsewhere (gunzip -k) and set {flag} to the copy"
+                          ) from e
     return raw
 
 
-def _require_file(path: str) -> None:
-    """One-line FileNotFoundError / IsADirectoryError / OSError unless `path` is a readable file."""
+def require_file(path: str, flag: str = "--config.data.path") -> None:
+    """One-line FileNotFoundError / IsADirectoryError / OSError unless `path` is a readable
+    file; `flag`, the option that named it, is what the errors tell the user to set."""
     if not os.path.exists(path):
         where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-        raise FileNotFoundError(f"data file {path} not found{where}: set --config.data.path to "
-                                "an existing file, or run from the repository root")
+        raise FileNotFoundError(f"data file {path} not found{where}: set {flag} to an existing "
+                                "file" + ("" if os.path.isabs(path) else
+                                          ", or run from the repository root"))
     if os.path.isdir(path):
-        raise IsADirectoryError(f"data path {path} is a folder; set --config.data.path to a file")
+        raise IsADirectoryError(f"data path {path} is a folder, and a model of bytes reads a "
+                                f"file (plain or .gz): set {flag} to a file")
     try:
         with open(path, "rb") as f:
             f.read(1)
     except OSError as e:
         raise OSError(e.errno, f"cannot read data file {path} ({e.strerror or e}); make it "
-                               "readable (chmod u+r) or set --config.data.path to another "
-                               "file") from e
+                               f"readable (chmod u+r) or set {flag} to another file") from e
 
 
-def load_bytes(path: str) -> np.ndarray:
+def load_bytes(path: str, flag: str = "--config.data.path") -> np.ndarray:
     """Any file as a read-only uint8 memory map; a `.gz` file is decompressed once next to it
     (`_gunzip_cached`). A file listed in its folder's SHA256SUMS is checked against it. A
-    missing, unreadable, empty or damaged file raises a one-line error naming it."""
+    missing, unreadable, empty or damaged file raises a one-line error naming it and what to
+    do with `flag`, the option that named it (scripts/evaluate.py: --data)."""
     path = given = os.path.expanduser(os.fspath(path))
-    _require_file(path)
+    require_file(path, flag)
     if path.endswith(".gz") and os.path.getsize(path):
-        path = _gunzip_cached(path)
+        path = _gunzip_cached(path, flag)
     else:
         _check_listed(path)
     if os.path.getsize(path) == 0:
         how = "" if path == given else " when decompressed"
-        raise ValueError(f"data file {given} is empty{how}; set --config.data.path to a file "
-                         "with data")
+        raise ValueError(f"data file {given} is empty{how}; set {flag} to a file with data")
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
@@ -267,9 +273,9 @@ def load_enwik8(path: str, *, download: bool = False, expected_size: int | None 
                 _download(ENWIK8_URL, zip_path)
             except OSError as e:
                 raise FileNotFoundError(f"could not download {ENWIK8_URL} ({e}). {how}") from e
-        _require_file(zip_path)
+        require_file(zip_path)
         _extract_member(zip_path, os.path.basename(raw), raw, size, md5)
-    _require_file(raw)
+    require_file(raw)
     actual = os.stat(raw).st_size
     if actual != size:
         raise ValueError(f"{raw} has {actual:,} bytes, expected {size:,}: wrong or truncated "

@@ -91,6 +91,15 @@ def tiny_images(*extra, workdir="{work}", shape=(4, 4, 3)):
             f"--config.model.seq_len={h * w * c}", f"--config.model.stride={w * c}", *extra]
 
 
+def shortened_images(*extra, workdir="{work}"):
+    """argv of scripts/train.py on configs/images.py:size=cpu (2,400 steps, warmup 100) cut to
+    2 steps, its warmup left to the preset, on {tmp}/pics with a 1-layer model (4 x 4 x 3
+    pictures: the shape from the folder); `extra` flags come last."""
+    return ["train", "--config={root}/configs/images.py:size=cpu", f"--workdir={workdir}",
+            *IMAGES, "--config.model.num_layers=1", "--config.model.attention=xla",
+            "--config.batch_size=2", "--config.total_steps=2", "--config.eval_batches=1", *extra]
+
+
 def on_bytes(path="{tmp}/data.txt"):
     """Flags that train the tiny model on a byte file instead of the generated stream."""
     return ["--config.data.name=bytes", f"--config.data.path={path}"]
@@ -106,7 +115,7 @@ class Case:
     argv: list  # the script's short name, then its flags; "{tmp}", "{work}", "{root}" filled in
     expect: str  # "error" or "ok"
     match: str = ""  # error: a regex (case-insensitive) the one `error: ` line must match
-    check: Callable | None = None  # ok: fn(Run) -> list of problems
+    check: Callable | None = None  # fn(Run) -> list of problems (of a refused run too)
     setup: Callable | None = None  # fn(Ctx): prepares files in the case's folder
     may_change: tuple = ()  # globs (relative to the case folder) of files that may change/go
     rule: str = ""  # the documented behaviour this case checks, when not obvious
@@ -560,7 +569,22 @@ def build_cases() -> list[Case]:
     err("check/negative lr", tiny("--config.optimizer.lr=-1"), r"lr")
     err("check/zero lr", tiny("--config.optimizer.lr=0"), r"lr")
     err("check/min_lr_ratio above 1", tiny("--config.optimizer.min_lr_ratio=2"), r"min_lr_ratio")
-    err("check/warmup >= total_steps", tiny("--config.optimizer.warmup_steps=4"), r"warmup")
+    err("check/warmup >= total_steps", tiny("--config.optimizer.warmup_steps=4"),
+        r"warmup_steps=4 must be in \[0, total_steps=4\): set --config\.optimizer\.warmup_steps")
+    ok("check/a preset shortened below its warmup", shortened_images(),
+       all_of(exists("work/checkpoints/2"), output_matches(
+           r"^optimizer\.warmup_steps=1 instead of the preset's 100: total_steps=2 shortens the "
+           r"preset's 2400.*--config\.optimizer\.warmup_steps", "stdout")),
+       setup=pictures(), rule="a run shortened below its preset warms up for the preset's share")
+    ok("check/a shortened preset resumed keeps its warmup",
+       shortened_images("--config.total_steps=3"),
+       all_of(exists("work/checkpoints/3"), output_matches(
+           r"warmup_steps=1 instead of the preset's 100: as the run being resumed", "stdout"),
+           file_matches("work/config.json", r'"warmup_steps": 1\b')),
+       setup=seq(pictures(), train_here(argv=shortened_images)),
+       may_change=("work/checkpoints/*", "work/config.json", "work/data_fingerprint*",
+                   *RUN_FILES),
+       rule="a resumed run keeps the warmup it trained with")
     err("check/total_steps 0", tiny("--config.total_steps=0"), r"total_steps")
     err("check/batch_size 0", tiny("--config.batch_size=0"), r"batch_size")
     err("check/keep_checkpoints 0", tiny("--config.keep_checkpoints=0"), r"keep_checkpoints")
@@ -667,6 +691,17 @@ def build_cases() -> list[Case]:
     err("images/folder missing", tiny_images(), r"pics.*not found")
     err("images/a file, not a folder", tiny_images("--config.data.path={tmp}/one.png"),
         r"one\.png.*not a folder", setup=write("one.png", picture()))
+    err("images/an image_shape the folder contradicts",
+        ["train", "--config={root}/configs/images.py:size=tiny", "--workdir={tmp}/new/work",
+         *IMAGES, "--config.model.image_shape=(8,8,3)"],
+        r"pics are 4 x 4 x 3 .*image_shape=\(8, 8, 3\).*leave --config\.model\.image_shape out",
+        check=all_of(absent("new"), lambda run: ["announced a shape"] * (
+            "pictures of" in run.stdout)), setup=pictures(),
+        rule="a refused run announces nothing it has not checked, and leaves no workdir")
+    err("images/a model shape the data refuses", tiny_images(workdir="{tmp}/new/work",
+                                                             shape=(8, 8, 3)),
+        r"pics are 4 x 4 x 3", check=absent("new"), setup=pictures(),
+        rule="a refused run leaves no workdir")
     err("images/no path", ["train", "--config={root}/configs/images.py:size=tiny",
                            "--workdir={work}"], r"data\.path")
     err("images/no pictures", tiny_images(), r"no PNG or JPEG pictures.*pics",
@@ -706,6 +741,14 @@ def build_cases() -> list[Case]:
     err("repeats/distances not numbers", [*rp, "--distances=a"], r"distances.*integers")
     err("repeats/pictures", ["repeats", "--config={root}/configs/images.py:size=tiny",
                              "--config.data.path={tmp}/pics"], r"pictures", setup=pictures())
+    ok("repeats/a file too small to train on", ["repeats", "--config={root}/configs/bytes.py",
+                                                "--config.data.path={tmp}/ten.txt",
+                                                "--split=train"],
+       output_matches(r"train split of .*ten\.txt: 9 bytes", "stdout"),
+       setup=write("ten.txt", b"0123456789"), rule="repeats measures any file, trains nothing")
+    err("repeats/an empty split", ["repeats", "--config={root}/configs/bytes.py",
+                                   "--config.data.path={tmp}/ten.txt", "--split=test"],
+        r"test split .* has 0 bytes.*another --split", setup=write("ten.txt", b"0123456789"))
     ok("repeats/the generated stream", [*rp, "--output={tmp}/r.json", "--compressors"],
        all_of(exists("r.json"), output_matches(r"\| 4,096 bytes \|"),
               output_matches(r"\| xz -9e \| \d\.\d{3} \|")))
@@ -877,6 +920,25 @@ def build_cases() -> list[Case]:
         setup=seq(trained_run, write("work/eval", "not a folder\n")))
     err("evaluate/eval folder unwritable (chmod 500)", ev, r"eval",
         setup=seq(trained_run, mkdir("work/eval"), chmod("work/eval", 0o500)), nonroot=True)
+    ok("evaluate/--data another file", [*ev, "--data={tmp}/data.txt", "--split=valid"],
+       exists("work/eval/data.txt/valid_4.json"), setup=seq(trained_run, write("data.txt", DATA)))
+    err("evaluate/--data an empty file", [*ev, "--data={tmp}/empty.txt"],
+        r"empty\.txt is empty; set --data to a file with data",
+        check=absent("work/eval/empty.txt"), setup=seq(trained_run, write("empty.txt", b"")),
+        rule="errors name the flag of the command that was run")
+    err("evaluate/--data a folder of pictures", [*ev, "--data={tmp}/pics"],
+        r"pics is a folder, and a model of bytes reads a file .*set --data to a file",
+        check=absent("work/eval/pics"), setup=seq(trained_run, pictures()))
+    err("evaluate/--data a file too short for the split", [*ev, "--data={tmp}/ten.txt"],
+        r"test split .* has 0 bytes.*give --data a longer file.*--split=train \(9 bytes\)",
+        check=absent("work/eval/ten.txt"),
+        setup=seq(trained_run, write("ten.txt", b"0123456789")),
+        rule="a trained model's data cut cannot change: the fix is another file or --split")
+    err("evaluate/--data a damaged .gz of the user's", [*ev, "--data={tmp}/mine.txt.gz"],
+        r"mine\.txt\.gz is damaged or not a gzip file.*gzip -k.*set --data to the uncompressed",
+        check=all_of(absent("work/eval/mine.txt.gz"), lambda run: ["git checkout"] * (
+            "git checkout" in run.stderr)),
+        setup=seq(trained_run, write("mine.txt.gz", DATA[:5000])))
     err("evaluate/data file gone", [*ev], r"data\.txt|not found",
         setup=seq(write("data.txt", DATA), train_here(*on_bytes()), remove("data.txt")))
     err("evaluate/data file changed", [*ev], r"data\.txt|changed|differ",
@@ -1273,6 +1335,8 @@ def run_case(case: Case, fixtures: Fixtures, env: dict, scratch: str, keep: bool
             elif len(lines[0]) > MAX_ERROR_CHARS:
                 problems.append(f"the error line is {len(lines[0])} characters (not short: > "
                                 f"{MAX_ERROR_CHARS})")
+            if case.check:  # e.g. what a refused run must not leave behind
+                problems += case.check(run)
         else:
             if rc != 0:
                 problems.append(f"exit status {rc} (expected 0)")

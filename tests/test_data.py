@@ -183,15 +183,26 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
         sources.load_bytes(gz)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "text.txt")
-    # Not listed: the truncated or corrupt stream itself is reported, and nothing is left behind.
+    # Not listed: a user's own file, not one of the repository's (git checkout cannot restore
+    # it): the truncated or corrupt stream is reported with what the user can do about it,
+    # with the flag that named it, and nothing is left behind.
     os.remove(tmp_path / "SHA256SUMS")
-    for damage in ["truncated", "corrupt"]:
+    for damage in ["truncated", "corrupt", "not gzip"]:
         if damage == "corrupt":
             gz_with_sums(tmp_path, raw, listed=False)
             corrupt_middle(gz)
+        if damage == "not gzip":
+            with open(gz, "wb") as f:
+                f.write(raw)
         before = files_in(tmp_path)
-        one_line_error(ValueError, lambda: D.make_dataset({"name": "bytes", "path": gz}, 8),
-                       gz, "not a complete gzip file", "git checkout")
+        with pytest.raises(ValueError) as e:
+            D.make_dataset({"name": "bytes", "path": gz}, 8)
+        message = str(e.value)
+        assert "\n" not in message and "git checkout" not in message
+        assert f"{gz} is damaged or not a gzip file" in message and "gzip -k" in message
+        assert "set --config.data.path to the uncompressed file" in message
+        one_line_error(ValueError, lambda: sources.load_bytes(gz, "--data"), gz,
+                       "set --data to the uncompressed file")
         assert files_in(tmp_path) == before and list(before) == ["text.txt.gz"]
     # Listed content differs from what the stream decompresses to.
     gz = gz_with_sums(tmp_path, raw)
@@ -265,7 +276,14 @@ def test_missing_folder_unreadable_or_empty_data_file(tmp_path, monkeypatch):
     make = lambda path, name="bytes": D.make_dataset({"name": name, "path": path}, 8)  # noqa: E731
     nope, empty, text = tmp_path / "nope.txt", tmp_path / "empty.txt", tmp_path / "x.txt"
     one_line_error(FileNotFoundError, lambda: make(nope), nope, "--config.data.path")
-    one_line_error(IsADirectoryError, lambda: make(tmp_path), tmp_path, "is a folder")
+    one_line_error(IsADirectoryError, lambda: make(tmp_path), tmp_path, "is a folder",
+                   "a model of bytes reads a file", "set --config.data.path to a file")
+    # The option that named the file is the one the errors name (scripts/evaluate.py: --data).
+    for call in [lambda: sources.load_bytes(nope, "--data"), lambda: D.make_dataset(
+            {"name": "bytes", "path": tmp_path}, 8, path_flag="--data")]:
+        with pytest.raises(OSError) as e:
+            call()
+        assert "set --data to" in str(e.value) and "--config" not in str(e.value)
     one_line_error(IsADirectoryError, lambda: make(tmp_path, "enwik8"), tmp_path, "is a folder")
     empty.write_bytes(b"")
     one_line_error(ValueError, lambda: make(empty), empty, "is empty")
@@ -314,6 +332,14 @@ def test_splits_too_small_for_their_use_are_refused_at_start(tmp_path):
                                                       64), "'embedded' stream (50 bytes)",
                    "--config.data.embedded_bytes")
     assert files_in(tmp_path) == {"x.txt": bytes(range(100)) * 9}
+    # Data only scored or measured (evaluation, scripts/repeats.py) is not held to training's
+    # needs: ten bytes load, and the split that is read is checked by its reader.
+    path.write_bytes(b"0123456789")
+    ds = D.make_dataset({"name": "bytes", "path": str(path)}, 64, training=False)
+    assert [len(ds.splits[s]) for s in D.SPLITS] == [9, 1, 0]
+    assert ds.scorable("test") == ["--split=train (9 bytes)"]
+    one_line_error(ValueError, lambda: ds.check_split("test", instead="score another --split"),
+                   path, "has 0 bytes", "score another --split")
 
 
 def test_vocabulary_must_cover_the_data(tmp_path, byte_file, monkeypatch):

@@ -155,10 +155,11 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
                             (dict(checkpoint=-1), "step number"),
                             (dict(split="dev"), "split"), (dict(min_context=64), "min_context"),
                             (dict(min_context=-1), "min_context"), (dict(batch_size=0), "batch"),
-                            (dict(batch_size=2.5), "batch"),
-                            (dict(data_path=str(tmp_path / "other.txt")), "no such file")]:
+                            (dict(batch_size=2.5), "batch")]:
         with pytest.raises(ValueError, match=message):
             E.evaluate(text_run, **kwargs)
+    with pytest.raises(FileNotFoundError, match="other.txt not found: set --data"):
+        E.evaluate(text_run, data_path=str(tmp_path / "other.txt"))
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3 .*steps: \[2, 4\]"):
         E.evaluate(text_run, checkpoint=3)
@@ -183,6 +184,44 @@ def test_another_file_is_scored_as_by_hand_and_written_apart(text_run, tmp_path)
     assert json.load(open(result["path"]))["bits"] == result["bits"]
     with pytest.raises(FileExistsError):  # like any result: replaced only with overwrite
         E.evaluate(text_run, "valid", data_path=str(other), progress=False)
+
+
+def test_another_file_that_cannot_be_scored_says_what_evaluate_can_do_and_leaves_no_folder(
+        text_run, tmp_path, monkeypatch):
+    """--data with an empty file, a folder (of pictures or anything), a file too short for the
+    split, or a user's damaged .gz: one line naming --data (evaluate has no --config) and what
+    is possible for a trained model (a longer file, another --split, the uncompressed file),
+    before any parameters are restored, and no eval/<name>/ folder left behind."""
+    def expensive(*args, **kwargs):
+        raise AssertionError("checks must come before restoring parameters")
+
+    monkeypatch.setattr(checkpoints, "restore_model", expensive)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "ten.txt").write_bytes(b"0123456789")
+    (tmp_path / "mine.txt.gz").write_bytes(b"not gzip at all")
+    for name, error, parts in [
+            ("empty.txt", ValueError, ["empty.txt is empty", "set --data to a file with data"]),
+            ("pics", IsADirectoryError, ["pics is a folder", "a model of bytes reads a file",
+                                         "set --data to a file"]),
+            ("ten.txt", ValueError, ["the test split", "has 0 bytes", "give --data a longer file",
+                                     "--split=train (9 bytes)"]),
+            ("mine.txt.gz", ValueError, ["mine.txt.gz is damaged or not a gzip file",
+                                         "gzip -k", "set --data to the uncompressed file"])]:
+        with pytest.raises(error) as e:
+            E.evaluate(text_run, data_path=str(tmp_path / name))
+        message = str(e.value)
+        assert "\n" not in message and all(p in message for p in parts), message
+        assert "--config" not in message and "git checkout" not in message, message
+        assert not os.path.exists(os.path.join(text_run, "eval", name)), name
+    assert sorted(os.listdir(tmp_path)) == ["empty.txt", "mine.txt.gz", "pics", "ten.txt"]
+    with pytest.raises(ValueError, match=r"--data=.*ten\.txt: only a model of bytes"):
+        config = config_lib.read_record(text_run)  # a run of another vocabulary
+        config.model.vocab_size = 128
+        workdir = tmp_path / "run"
+        shutil.copytree(text_run, workdir)
+        config_lib.write_record(str(workdir), config)
+        E.evaluate(str(workdir), data_path=str(tmp_path / "ten.txt"))
 
 
 @pytest.mark.slow  # starts other processes
