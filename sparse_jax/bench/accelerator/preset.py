@@ -53,13 +53,15 @@ def plan_steps(p: dict, rows: list, train_s: float) -> tuple[int, str, dict | No
                                     "stage measured no preset step")
     best = min(timed, key=lambda r: r["step_s"])
     overhead = p["startup_s"] + best.get("compile_s", 0)
-    fit = (train_s - overhead) / (best["step_s"] * p["margin"])
-    wanted = p["train_seconds"] / best["step_s"]
-    steps = int(max(2, min(fit, wanted, p["max_steps"])))
+    bound, why = min([
+        (p["train_seconds"] / best["step_s"], f"{p['train_seconds']} s of steps"),
+        ((train_s - overhead) / (best["step_s"] * p["margin"]),
+         f"what {train_s:.0f} s for train.py hold after {overhead:.0f} s of start-up and "
+         f"compilation, at {p['margin']}× the step time"),
+        (p["max_steps"], "the plan's most")], key=lambda b: b[0])
+    steps = int(max(2, bound))
     how = (f"{steps:,} steps from the measured step of {best['name']} ({best['step_s']:.3g} s): "
-           + (f"{p['train_seconds']} s of steps" if wanted <= fit else
-              f"what {train_s:.0f} s for train.py hold after {overhead:.0f} s of start-up and "
-              f"compilation, at {p['margin']}× the step time"))
+           + (why if steps == int(bound) else f"the least it trains ({why}: {bound:.0f})"))
     return steps, best["name"].rsplit("@", 1)[1], best, how
 
 
