@@ -192,6 +192,15 @@ def test_a_missing_sdist_says_what_to_download_and_where(tiny):
 def test_the_shipped_pins_parse_and_a_bad_line_is_named(tmp_path):
     pins = code_corpus.read_pins(os.path.join(ROOT, code_corpus.PINS))
     assert 20 <= len(pins) <= 60 and all(p.filename.endswith(".tar.gz") for p in pins)
+    # The committed files list is in path order, of the pinned packages, all permissive.
+    with open(os.path.join(ROOT, "data", "code_corpus.files.txt")) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f]
+    paths = [path for path, _ in rows]
+    assert paths == sorted(paths) and not any(map(code_corpus.excluded, paths))
+    assert {path.split("/")[0] for path in paths} == {p.label for p in pins}
+    assert all(code_corpus.is_permissive(licence) for _, licence in rows)
+    with open(os.path.join(ROOT, "data", "SHA256SUMS")) as f:
+        assert "  code_corpus.py\n" in f.read()  # the loader checks a build
     bad = tmp_path / "pins.txt"
     bad.write_text("alpha==1.0  alpha-1.0.tar.gz  abc\n")
     one_line_error(ValueError, lambda: code_corpus.read_pins(str(bad)), "pins.txt:1", "sha256")
