@@ -7,7 +7,8 @@
 
 See ``sparse_jax.sizing.describe`` for the FLOP and activation-memory formulas. The per-device
 parameter and optimizer memory is for the config's mesh (config.mesh.data x config.mesh.fsdp)
-over --devices devices (default: the devices this machine has), from the sharding rules of
+over --devices devices (default: the devices scripts/train.py trains on here, whose mesh its
+first line prints: on a CPU one per core, as its --cpu_devices=-1), from the sharding rules of
 ``sparse_jax.sharding``: fsdp > 1 splits them, data parallelism copies them.
 """
 
@@ -16,7 +17,7 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
-from sparse_jax import cli, sizing
+from sparse_jax import cli, sharding, sizing
 from sparse_jax import model as model_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.model.",
@@ -25,12 +26,14 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Sequences per step (default: "
                                    "config.batch_size, else 1).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices to lay the mesh over (default: "
-                                "jax.device_count()).", lower_bound=1)
+                                "those scripts/train.py uses here: on a CPU one per core).",
+                                lower_bound=1)
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
     del argv
+    sharding.set_cpu_devices()  # the devices scripts/train.py splits a CPU into (--cpu_devices)
     config = _CONFIG.value
     if "data" in config:  # configs/images.py takes the model's shape from its pictures
         from sparse_jax import images

@@ -1116,6 +1116,10 @@ def build_cases() -> list[Case]:
     ds = ["describe", f"--config={CONFIG}"]
     ok("describe/quickstart", ["describe", "--config={root}/configs/quickstart.py"],
        output_matches(r"param", "stdout"))
+    ok("describe/the mesh train.py builds here", ["describe", "--config={root}/configs/"
+                                                  "quickstart.py"],
+       output_matches(rf"on mesh data={len(os.sched_getaffinity(0))} x fsdp=1", "stdout"),
+       rule="describe sizes the mesh train.py trains on (a CPU: one device per core)")
     err("describe/missing --config", ["describe"], r"config")
     err("describe/unknown flag", [*ds, "--jsn"], r"jsn")
     err("describe/config missing file", ["describe", "--config={tmp}/nope.py"], r"nope\.py")

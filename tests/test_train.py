@@ -254,6 +254,21 @@ def test_a_shortened_run_warms_up_for_its_share_and_its_resume_keeps_that_warmup
     assert [h["changes"] for h in history] == [{"total_steps": [4, 6]}]
 
 
+@pytest.mark.slow  # starts another process
+def test_describe_sizes_the_mesh_that_train_builds_here():
+    """scripts/describe.py splits a CPU into the devices scripts/train.py would (one per core,
+    its --cpu_devices default), so the per-device memory it reports is for train's mesh."""
+    from sparse_jax import sharding
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "describe.py"),
+                          f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["per_device"]["mesh"] == sharding.mesh_shape(
+        sharding.cpu_cores(), -1, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures.
 
