@@ -159,7 +159,7 @@ def _gunzip_cached(path: str, flag: str = "--config.data.path") -> str:
             out.flush()
             vouch(raw, {**key, **file_key(out.name)})
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        if _checksum(path) is not None:  # listed: a shipped corpus (data/SHA256SUMS)
+        if _checksum(path) or _checksum(raw):  # listed: a shipped corpus (data/SHA256SUMS)
             raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file "
                              f"of this repository: git checkout -- {path})") from e
         raise ValueError(f"{path} is damaged or not a gzip file ({e}); compress the original "

@@ -1,6 +1,7 @@
 """Data loading on small files written here in the real formats (enwik8.zip, CIFAR-10 binary)."""
 
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -204,6 +205,12 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
         one_line_error(ValueError, lambda: sources.load_bytes(gz, "--data"), gz,
                        "set --data to the uncompressed file")
         assert files_in(tmp_path) == before and list(before) == ["text.txt.gz"]
+    # A shipped corpus whose SHA256SUMS lists only its decompressed bytes is restored with git.
+    with open(tmp_path / "SHA256SUMS", "w") as f:
+        f.write(f"{hashlib.sha256(raw).hexdigest()}  text.txt\n")
+    one_line_error(ValueError, lambda: sources.load_bytes(gz), gz, "not a complete gzip file",
+                   "git checkout")
+    os.remove(tmp_path / "SHA256SUMS")
     # Listed content differs from what the stream decompresses to.
     gz = gz_with_sums(tmp_path, raw)
     with open(tmp_path / "SHA256SUMS") as f:
