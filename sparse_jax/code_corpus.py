@@ -222,15 +222,16 @@ def _text(data: bytes) -> str | None:
 
 def licence_of(metadata, label: str = "") -> tuple[str, str]:
     """(licence, which field said so) from a PKG-INFO message: License-Expression, else a
-    License field that names a licence (`LICENSE_TEXTS`, or SPDX ids), else the License
-    classifiers. ValueError if none says anything usable."""
+    License field shorter than 80 characters (a name: `LICENSE_TEXTS` maps the common ones to
+    SPDX; an unknown one is refused by `is_permissive`), else the License classifiers (also when
+    the License field holds a whole licence text). ValueError if none says anything."""
     if expression := (metadata.get("License-Expression") or "").strip():
         return expression, "License-Expression"
     text = " ".join((metadata.get("License") or "").split())
     if text.lower() in LICENSE_TEXTS:
         return LICENSE_TEXTS[text.lower()], "License"
-    if text and len(text) < 80 and all(t.lower() in PERMISSIVE for t in _ids(text)):
-        return text, "License"  # an SPDX expression in the old field
+    if text.lower() not in ("", "unknown", "none") and len(text) < 80:
+        return text, "License"  # a name or SPDX expression; a longer text is a licence's text
     names = [c.split("::")[-1].strip() for c in metadata.get_all("Classifier") or []
              if c.startswith("License ::") and c.count("::") >= 2]
     if names:
@@ -255,14 +256,16 @@ def is_permissive(licence: str) -> bool:
 
 
 def _is_licence_file(path: str) -> bool:
-    name = path.rsplit("/", 1)[-1].upper()
-    return name.startswith(LICENSE_NAMES) and not name.endswith((".SVG", ".RTF", ".HTML", ".PNG"))
+    """LICENSE*, COPYING*, NOTICE* or a file in a LICENSES folder, as text (not .svg, .rtf...)."""
+    parts = path.upper().split("/")[-2:]
+    return (any(p.startswith(LICENSE_NAMES) for p in parts)
+            and not parts[-1].endswith((".SVG", ".RTF", ".HTML", ".PNG")))
 
 
 def read_sdist(pin: Pin, path: str) -> Package:
     """The corpus files of one sdist, its licence (refused unless permissive) and the licence
-    files that go with them: those its PKG-INFO lists (License-File), those at its top level,
-    and those in a folder that holds corpus files."""
+    files that go with them: those its PKG-INFO lists (License-File), those at its top level or
+    in a top-level LICENSES folder, and those in a folder that holds corpus files."""
     metadata, files, texts, skipped = None, {}, {}, []
     try:
         for inner, data in _members(path):
@@ -289,7 +292,8 @@ def read_sdist(pin: Pin, path: str) -> Package:
                          "the like (sparse_jax.code_corpus.PERMISSIVE); remove it from the pins")
     listed = set(metadata.get_all("License-File") or [])
     folders = {f.rsplit("/", 1)[0] if "/" in f else "" for f in files}
-    keep = {p for p in texts if p in listed or "/" not in p or any(
+    top = {p for p in texts if "/" not in p or p.split("/")[0].upper() in ("LICENSES", "LICENCES")}
+    keep = {p for p in texts if p in listed or p in top or any(
         f == p.rsplit("/", 1)[0] or f.startswith(p.rsplit("/", 1)[0] + "/") for f in folders)}
     return Package(pin, licence, source,
                    {f"{pin.label}/{p}": files[p] for p in files},

@@ -36,6 +36,7 @@ BETA = {
     "src/beta/Tests/check.py": b"pass\n",  # "Tests": case-insensitive
     "test_beta.py": b"pass\n",
     "src/beta/LICENSE.vendored": b"vendored: MIT\n",
+    "LICENSES/Apache-2.0.txt": b"Apache License\n",
 }
 
 
@@ -96,6 +97,7 @@ def test_the_corpus_holds_each_py_file_after_its_header_in_path_order(tiny):
     assert "==== alpha-1.0: MIT (License-Expression) ====" in licences
     assert "---- alpha-1.0/LICENSE ----\nThe licence of alpha." in licences
     assert "---- beta-0.2/src/beta/LICENSE.vendored ----\nvendored: MIT" in licences
+    assert "---- beta-0.2/LICENSES/Apache-2.0.txt ----\nApache License" in licences
     # The checksum lines, in sha256sum's format, are those of the files.
     gz_sha = hashlib.sha256(open(output, "rb").read()).hexdigest()
     raw_sha = hashlib.sha256(raw).hexdigest()
@@ -129,6 +131,7 @@ def test_the_loader_checks_a_build_against_sha256sums(tiny):
     ("License-Expression: GPL-3.0-only\n", "GPL-3.0-only"),
     ("License-Expression: MIT AND MPL-2.0\n", "MIT AND MPL-2.0"),
     ("License: GPL\n", "GPL"),
+    ("License: GPLv3+\nClassifier: License :: OSI Approved :: MIT License\n", "GPLv3+"),
     ("Classifier: License :: OSI Approved :: GNU General Public License v3 (GPLv3)\n",
      "GNU General Public License v3 (GPLv3)")])
 def test_a_package_without_a_permissive_licence_is_refused(tmp_path, tiny, metadata, licence):
