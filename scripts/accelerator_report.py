@@ -1,4 +1,4 @@
-r"""Measures on a GPU (or TPU) everything this project can show there, in about 8 minutes.
+r"""Measures on a GPU (or TPU) everything this project can show there, in about 9 minutes.
 
   python scripts/accelerator_report.py --output_dir=reports/h100 --wheels=wheels
   python scripts/accelerator_report.py --dry_run --output_dir=/tmp/dry   # CPU, toy sizes
@@ -6,11 +6,11 @@ r"""Measures on a GPU (or TPU) everything this project can show there, in about 
 Stages, in order, each in its own process with its own time cap (seconds), so that a failure or
 a hang in one costs one line and the rest still run: env 15 (device, driver, CUDA and package
 versions, a bf16 matmul), tests 75 (the kernel tests of tests/test_kernel.py, compiled for the
-device), attention 75 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
-forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 60 (PyTorch
+device), attention 80 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
+forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 85 (PyTorch
 FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 110 (the one-GPU
 preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and Pallas
-against dense), preset 145 (configs/bytes.py:size=gpu trained on the code corpus with the
+against dense), preset 175 (configs/bytes.py:size=gpu trained on the code corpus with the
 faster implementation, for at most 90 s of steps and as many as the measured step says fit
 before the cap with a 1.2x margin; its test bits by copy distance, a 1,000-byte sample).
 --stages runs a subset (e.g. to rerun one), --caps=STAGE=SECONDS,... changes caps, --budget_s
@@ -57,7 +57,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Every stage at toy size on the C
 _STAGES = flags.DEFINE_list("stages", None, "Stages to run (default: env, tests, attention, "
                             "flex, train_step, preset, in that order).")
 _BUDGET = flags.DEFINE_float("budget_s", None, "Seconds for the whole run (default: the sum of "
-                             "the stages' caps, 480; 260 for --dry_run).")
+                             "the stages' caps, 540; 260 for --dry_run).")
 _CAPS = flags.DEFINE_list("caps", None, "Stage caps to change, as STAGE=SECONDS (e.g. "
                           "tests=150,flex=110).")
 _PROFILE = flags.DEFINE_bool("profile", False, "Also write jax.profiler traces of a few steps "

@@ -249,8 +249,8 @@ def test_flex_mask_mod_is_the_pattern():
         assert np.array_equal(mask.numpy(), spec.mask(100))
 
 
-def test_the_full_plan_fits_eight_minutes_and_every_stage_has_its_parts():
-    assert sum(accelerator.CAPS[s] for s in accelerator.STAGES) <= 480
+def test_the_full_plan_fits_nine_minutes_and_every_stage_has_its_parts():
+    assert sum(accelerator.CAPS[s] for s in accelerator.STAGES) <= 540
     assert set(accelerator.STAGES) <= set(accelerator.MODULES)
     for name, module in accelerator.MODULES.items():
         assert module.CAP > 0 and module.DRY_CAP > 0, name

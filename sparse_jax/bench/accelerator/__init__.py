@@ -1,5 +1,5 @@
 """The accelerator report (scripts/accelerator_report.py): everything a borrowed GPU (or TPU) can
-show about this project, measured by one command in about 8 minutes, and judged: a stage is
+show about this project, measured by one command in about 9 minutes, and judged: a stage is
 "ok" only if it measured everything it planned.
 
   driver      run_report: arguments checked before anything runs; each stage in its own

@@ -16,7 +16,8 @@ from sparse_jax.bench.accelerator.common import (
     rows_verdict,
 )
 
-CAP, DRY_CAP = 75, 40
+# The H100 report: 67 s, with two of the tile rows left out at 70.
+CAP, DRY_CAP = 80, 40
 
 
 def plan(dry_run: bool) -> dict:

@@ -15,14 +15,18 @@ from sparse_jax.bench.accelerator.common import (
     rows_verdict,
 )
 
-# flex's compilations took ~80 s on a fresh H200 (its 40 s cap cut the first report at 16k)
-CAP, DRY_CAP = 60, 30
+# The H100 report: 57 s with the two 64k rows out of memory at once; run, they add ~2 x 20 s
+# (FlexAttention's compilation, the block mask's, 11 calls of ~0.12 s).
+CAP, DRY_CAP = 85, 30
 
 
 def plan(dry_run: bool) -> dict:
     if dry_run:  # forward only (no CPU backward), uncompiled
-        return {"seq_lens": [128], "compile": False}
-    return {"seq_lens": [16384, 8192, 32768, 65536], "compile": True}
+        return {"seq_lens": [128], "compile": False, "compiled_mask_from": None}
+    # compiled_mask_from: the length from which the block mask is built compiled (below it the
+    # eager build is quicker, and fitted up to 32k on the H100)
+    return {"seq_lens": [16384, 8192, 32768, 65536], "compile": True,
+            "compiled_mask_from": 65536}
 
 
 def flex_mask_mod(spec):
@@ -35,11 +39,11 @@ def flex_mask_mod(spec):
 
 
 def run(plan: dict) -> dict:
-    """FlexAttention with each pattern's block mask, and SDPA's causal dense. With "compile",
-    both the attention and `create_block_mask` go through torch.compile: compiled, the block
-    mask is built without the dense n × n mask (eager it is n² bytes of bools and n² int64s
-    of block sums: 32 GiB at 64k, out of memory on an 80 GB H100; compiled at 16k on a CPU
-    0.6 GB peak against 5.5 GB, the same blocks)."""
+    """FlexAttention with each pattern's block mask, and SDPA's causal dense. With "compile"
+    the attention goes through torch.compile, and from "compiled_mask_from" on so does
+    `create_block_mask`: compiled, it never holds the dense n × n mask (eager it builds n²
+    bools and n² int64 block sums: 32 GiB at 64k, out of memory on an 80 GB H100; at 16k on a
+    CPU compiled peaks at 0.6 GB against 5.5 GB, with the same blocks)."""
     try:
         import torch
     except ImportError:
@@ -51,7 +55,7 @@ def run(plan: dict) -> dict:
     p, a = plan["flex"], plan["attention"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flex = torch.compile(flex_attention, dynamic=False) if p["compile"] else flex_attention
-    block_mask = torch.compile(create_block_mask) if p["compile"] else create_block_mask
+    compiled_mask = torch.compile(create_block_mask)
     peak = peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
     patterns = [name.split("@")[0] for name in a["patterns"] if not name.startswith("dense")]
     cases = [("dense", "sdpa")] + [(name, "flex") for name in dict.fromkeys(patterns)]
@@ -84,8 +88,11 @@ def run(plan: dict) -> dict:
                             out.backward()
                 else:
                     start = time.perf_counter()
-                    mask = block_mask(flex_mask_mod(spec), None, None, n, n, device=device)
+                    compiled = n >= (p.get("compiled_mask_from") or float("inf"))
+                    build = compiled_mask if compiled else create_block_mask
+                    mask = build(flex_mask_mod(spec), None, None, n, n, device=device)
                     row["block_mask_s"] = time.perf_counter() - start
+                    row["block_mask"] = "compiled" if compiled else "eager"
 
                     def step(q=q, k=k, v=v, backward=backward, mask=mask):
                         out = flex(q, k, v, block_mask=mask).float().sum()
