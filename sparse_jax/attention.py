@@ -726,10 +726,10 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
         return x.reshape(batch, rows, block, heads, x.shape[-1])
 
-    if implementation == "pallas":
-        flat = lambda x: to_grid(x).reshape(batch, rows * block, heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    if implementation == "pallas":  # [B, n', H, d]: the chained variant reads it as it is
+        flat = lambda x: to_grid(x).reshape(batch, rows * block, heads, -1)  # noqa: E731
         out = kernel.sequence_attention(spec, flat(q * jnp.asarray(scale, q.dtype)), flat(k),
-                                        flat(v), sizes=block_sizes).transpose(0, 2, 1, 3)
+                                        flat(v), sizes=block_sizes, seq_major=True)
     else:  # q is scaled chunk by chunk: a pass over it saved
         out = _grid_attention(spec, scale, implementation == "native", to_grid(q), to_grid(k),
                               to_grid(v))

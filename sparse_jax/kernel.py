@@ -131,11 +131,11 @@ class _Layout:
             i % self.block, self.residues)
         return q, (i, i // self.block, flag)
 
-    def _grid(self, x):  # [B, H, n, ...] -> [B, H, rows, block, ...]
-        return x.reshape(*x.shape[:2], self.rows, self.block, *x.shape[3:])
+    def _grid(self, x, axis=2):  # [B, H, n, ...] -> [B, H, rows, block, ...] (n on axis)
+        return x.reshape(*x.shape[:axis], self.rows, self.block, *x.shape[axis + 1:])
 
-    def _flat(self, x):
-        return x.reshape(*x.shape[:2], -1, *x.shape[4:])
+    def _flat(self, x, axis=2):
+        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
     def queries(self, x):
         """[B, H, n, ...] in sequence order -> the query layout."""
@@ -148,20 +148,22 @@ class _Layout:
         t = x.reshape(*x.shape[:2], self.block, self.rows, *x.shape[3:])
         return self._flat(t.swapaxes(2, 3))
 
-    def keys(self, x):
-        """[B, H, n, ...] in sequence order -> the key layout."""
+    def keys(self, x, axis=2):
+        """[B, H, n, ...] in sequence order -> the key layout (summary keys: the length on
+        ``axis``, e.g. 1 for [B, n, H, ...])."""
         if self.kind == "summary":
-            return self._flat(self._grid(x)[:, :, :, np.array(self.residues)])
+            return self._flat(jnp.take(self._grid(x, axis), np.array(self.residues),
+                                       axis=axis + 1), axis)
         return self.queries(x)
 
-    def keys_back(self, g):
+    def keys_back(self, g, axis=2):
         """Gradient in the key layout -> [B, H, n, ...] in sequence order (zeros elsewhere)."""
         if self.kind != "summary":
             return self.queries_back(g)
-        s = len(self.residues)
-        g = g.reshape(*g.shape[:2], self.rows, s, *g.shape[3:])
-        full = jnp.zeros((*g.shape[:3], self.block, *g.shape[4:]), g.dtype)
-        return self._flat(full.at[:, :, :, np.array(self.residues)].set(g))
+        g = g.reshape(*g.shape[:axis], self.rows, len(self.residues), *g.shape[axis + 1:])
+        full = jnp.zeros((*g.shape[:axis + 1], self.block, *g.shape[axis + 2:]), g.dtype)
+        index = (slice(None),) * (axis + 1) + (np.array(self.residues),)
+        return self._flat(full.at[index].set(g), axis)
 
 
 def _layout(term: patterns.Term, rows: int) -> _Layout:
@@ -366,66 +368,74 @@ def _chain(spec, rows, compiler):
     return rows * block, plan
 
 
-def _packed(layout, lists, x):
+def _packed(layout, lists, x, axis):
     """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles."""
     if layout.kind != "summary":
         return x
-    return _pad_to(layout.keys(x), lists.k_attrs[0].shape[1])
+    return _pad_to(layout.keys(x, axis), lists.k_attrs[0].shape[1], axis)
 
 
-def _chained_forward(spec, compiler, q, k, v):
-    """``_forward`` of the chained variant: output in q's dtype."""
-    n = q.shape[2]
+def _chained_forward(spec, compiler, q, k, v, seq_major=False):
+    """``_forward`` of the chained variant: output in q's dtype; arrays [B, n, H, d] and
+    log-sum-exp [B, n, H] if ``seq_major``."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
     length, plan = _chain(spec, n // spec.block, compiler)
-    q, k, v = (_pad_to(x, length) for x in (q, k, v))
+    q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
     state = ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
         state = pallas_kernels.forward(
-            comp, keep, lists, q, *(_packed(layout, lists, x) for x in (k, v)), rows=at,
-            init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32)
-    return state[0][:, :, :n], state[1][:, :, :n, 0]
+            comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), rows=at,
+            init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32,
+            seq_major=seq_major)
+    return tuple(jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state[:1]) + (
+        jax.lax.slice_in_dim(state[1], 0, n, axis=axis)[..., 0],)
 
 
-def _chained_backward(spec, compiler, q, k, v, do, lse, delta):
+def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     """Gradients of the chained variant, each term's kernels adding to the previous terms'
     (packed summary keys' gradients are put back in sequence order by XLA)."""
-    n = q.shape[2]
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
     length, plan = _chain(spec, n // spec.block, compiler)
-    q, k, v, do, lse, delta = (_pad_to(x, length) for x in (q, k, v, do, lse, delta))
+    q, k, v, do, lse, delta = (_pad_to(x, length, axis) for x in (q, k, v, do, lse, delta))
     dq, dkv = (), ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
         last = i == len(plan) - 1
         summary = layout.kind == "summary"
         grads = pallas_kernels.backward(
-            comp, keep, lists, q, *(_packed(layout, lists, x) for x in (k, v)), do, lse, delta,
-            rows=at, init=(dq, () if summary else dkv),
-            dtype=q.dtype if last else jnp.float32)
+            comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do, lse,
+            delta, rows=at, init=(dq, () if summary else dkv),
+            dtype=q.dtype if last else jnp.float32, seq_major=seq_major)
         dq = grads[:1]
         if summary:  # the first term (``_chain``'s order): nothing to add to yet
             assert not last and not dkv
-            grads = [_pad_to(layout.keys_back(g[:, :, :layout.nk]), length) for g in grads]
+            grads = [_pad_to(layout.keys_back(jax.lax.slice_in_dim(g, 0, layout.nk, axis=axis),
+                                              axis), length, axis) for g in grads]
         dkv = tuple(grads[1:])
-    return tuple(g[:, :, :n] for g in (*dq, *dkv))
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(spec, compiler, variant, q, k, v):
-    return _attention_fwd(spec, compiler, variant, q, k, v)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(spec, compiler, variant, seq_major, q, k, v):
+    return _attention_fwd(spec, compiler, variant, seq_major, q, k, v)[0]
 
 
-def _attention_fwd(spec, compiler, variant, q, k, v):
-    forward = _chained_forward if variant == "chained" else _forward
-    out, lse = forward(spec, compiler, q, k, v)
+def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
+    if variant == "chained":
+        out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
+    else:
+        out, lse = _forward(spec, compiler, q, k, v)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(spec, compiler, variant, residuals, d_out):
+def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
     if variant == "chained":
-        return _chained_backward(spec, compiler, q, k, v, do, lse, delta)
+        return _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta)
     rows = q.shape[2] // spec.block
     grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
     for layout, keep, lists in _terms(spec, rows, compiler):
@@ -473,25 +483,35 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
                        backend: str | None = None, interpret: bool | None = None,
-                       return_lse: bool = False):
-    """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] with n a multiple of
-    ``spec.block`` and q already scaled by 1/√d; returns [B, H, n, dv] (differentiable), float32
-    for ``sizes.variant`` "terms" and q's dtype for "chained", or with ``return_lse`` also the
-    log-sum-exp of each row's kept scores [B, H, n] (a row with no key: -1e30; not
-    differentiable). ``sizes``, ``backend``, ``interpret``: ``compiler_for``.
+                       return_lse: bool = False, seq_major: bool = False):
+    """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] ([B, n, H, d] if
+    ``seq_major``) with n a multiple of ``spec.block`` and q already scaled by 1/√d; returns
+    the output like v (differentiable), float32 for ``sizes.variant`` "terms" and q's dtype for
+    "chained", or with ``return_lse`` also the log-sum-exp of each row's kept scores [B, H, n]
+    ([B, n, H]; a row with no key: -1e30; not differentiable). The chained variant reads
+    ``seq_major`` arrays as they are; "terms" transposes them. ``sizes``, ``backend``,
+    ``interpret``: ``compiler_for``.
     """
     compiler = compiler_for(sizes, backend, interpret)
     variant = (sizes or BlockSizes()).variant
-    if q.shape[1] % compiler.heads_per_program:
+    heads = q.shape[2 if seq_major else 1]
+    if heads % compiler.heads_per_program:
         raise ValueError(f"BlockSizes.heads_per_program={compiler.heads_per_program} must "
-                         f"divide the {q.shape[1]} heads")
+                         f"divide the {heads} heads")
+    if seq_major and variant != "chained":  # the terms' layouts start from [B, H, n, d]
+        swap = lambda x: x.swapaxes(1, 2)  # noqa: E731
+        out = sequence_attention(spec, *map(swap, (q, k, v)), sizes=sizes, backend=backend,
+                                 interpret=interpret, return_lse=return_lse)
+        return tuple(map(swap, out)) if return_lse else swap(out)
     dv = v.shape[-1]
     q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
     if return_lse:
-        forward = _chained_forward if variant == "chained" else _forward
-        out, lse = forward(spec, compiler, q, k, v)
+        if variant == "chained":
+            out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
+        else:
+            out, lse = _forward(spec, compiler, q, k, v)
         return out[..., :dv], lse
-    return _attention(spec, compiler, variant, q, k, v)[..., :dv]
+    return _attention(spec, compiler, variant, seq_major, q, k, v)[..., :dv]
 
 
 def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -> dict:

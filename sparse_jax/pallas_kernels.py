@@ -131,15 +131,19 @@ class Rows:
                      stride=self.stride)
 
 
-def _get(ref, g, rows):
-    """Head ``g``'s ``rows`` of a [heads, length, d] ref (the head as a slice: Triton's lowering
-    takes one indexer, interpret mode no integer beside a strided slice)."""
-    x = ref[pl.ds(g, 1), rows, :]
-    return x.reshape(x.shape[1:])
+def _get(ref, g, rows, seq_major=False):
+    """Head ``g``'s ``rows`` of a [heads, length, d] ref ([length, heads, d] if ``seq_major``);
+    the head as a slice: Triton's lowering takes one indexer, interpret mode no integer beside
+    a strided slice."""
+    x = ref[rows, pl.ds(g, 1), :] if seq_major else ref[pl.ds(g, 1), rows, :]
+    return x.reshape(x.shape[:1] + x.shape[2:]) if seq_major else x.reshape(x.shape[1:])
 
 
-def _put(ref, g, rows, x):
-    ref[pl.ds(g, 1), rows, :] = x.reshape(1, *x.shape)
+def _put(ref, g, rows, x, seq_major=False):
+    if seq_major:
+        ref[rows, pl.ds(g, 1), :] = x.reshape(x.shape[0], 1, *x.shape[1:])
+    else:
+        ref[pl.ds(g, 1), rows, :] = x.reshape(1, *x.shape)
 
 
 def _gpu_over_list(list_ref, step, carry, one_loop=False):
@@ -161,37 +165,41 @@ def _resume(o, lse):
 
 
 def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref, v_ref, *refs,
-                 keep, own, listed, resume, one_loop):
+                 keep, own, listed, resume, one_loop, seq_major):
     """Refs carry a leading head axis (the program's heads, one list); ``own`` and ``listed``:
     ``Rows`` of this program's query tile and of a listed key tile (own None: the tile is the
     whole block); ``resume``: refs (o, lse) of earlier terms to start from come first."""
+    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
     o_ref, lse_ref = refs[-2:]
     rows = slice(None) if own is None else own(pl.program_id(0))
-    heads, q_attrs = range(q_ref.shape[0]), (qp_ref[...], qs_ref[...])
-    qs = [_get(q_ref, g, rows) for g in heads]
+    heads = range(q_ref.shape[1 if seq_major else 0])
+    q_attrs = (qp_ref[...], qs_ref[...])
+    qs = [get(q_ref, g, rows) for g in heads]
     block_k = listed.block
 
     def step(masked, j, carry):
         t, a = listed(list_ref[2 + j]), Rows(block_k)(list_ref[2 + j])
         k_attrs = (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a])
-        return tuple(_online(_scores(keep, qs[g], _get(k_ref, g, t), q_attrs, k_attrs, masked),
-                             *carry[g], _get(v_ref, g, t)) for g in heads)
+        return tuple(_online(_scores(keep, qs[g], get(k_ref, g, t), q_attrs, k_attrs, masked),
+                             *carry[g], get(v_ref, g, t)) for g in heads)
 
-    start = tuple(_resume(_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
+    start = tuple(_resume(get(refs[0], g, rows), get(refs[1], g, rows)) if resume else
                   _start(qs[g].shape[0], o_ref.shape[-1]) for g in heads)
     for g, carry in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
         o, lse = _finish(*carry)
-        _put(o_ref, g, rows, o.astype(o_ref.dtype))
-        _put(lse_ref, g, rows, lse)
+        put(o_ref, g, rows, o.astype(o_ref.dtype))
+        put(lse_ref, g, rows, lse)
 
 
 def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k_ref, v_ref, *refs, keep, own, listed, resume, one_loop):
+            k_ref, v_ref, *refs, keep, own, listed, resume, one_loop, seq_major):
     """dq of the program's query tile (``_gpu_forward``'s conventions; resume: dq so far)."""
+    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
     dq_ref = refs[-1]
     rows = slice(None) if own is None else own(pl.program_id(0))
-    heads, q_attrs = range(q_ref.shape[0]), (qp_ref[...], qs_ref[...])
-    qs, dos, lses, deltas = ([_get(ref, g, rows) for g in heads]
+    heads = range(q_ref.shape[1 if seq_major else 0])
+    q_attrs = (qp_ref[...], qs_ref[...])
+    qs, dos, lses, deltas = ([get(ref, g, rows) for g in heads]
                              for ref in (q_ref, do_ref, lse_ref, delta_ref))
     block_k = listed.block
 
@@ -200,26 +208,28 @@ def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse
         k_attrs = (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a])
         out = []
         for g in heads:
-            k = _get(k_ref, g, t)
+            k = get(k_ref, g, t)
             s = _scores(keep, qs[g], k, q_attrs, k_attrs, masked)
-            ds = _grads(s, lses[g], deltas[g], dos[g], _get(v_ref, g, t))[1]
+            ds = _grads(s, lses[g], deltas[g], dos[g], get(v_ref, g, t))[1]
             out.append(carry[g] + _dot(ds.astype(k.dtype), k))
         return tuple(out)
 
-    start = tuple(_get(refs[0], g, rows) if resume else jnp.zeros(qs[g].shape, jnp.float32)
+    start = tuple(get(refs[0], g, rows) if resume else jnp.zeros(qs[g].shape, jnp.float32)
                   for g in heads)
     for g, dq in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
-        _put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
+        put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
 
 
 def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_ref, do_ref,
-             lse_ref, delta_ref, *refs, keep, own, listed, resume, one_loop):
+             lse_ref, delta_ref, *refs, keep, own, listed, resume, one_loop, seq_major):
     """dk and dv of the program's key tile, over its list of query tiles (resume: dk, dv so
     far)."""
+    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
     dk_ref, dv_ref = refs[-2:]
     rows = slice(None) if own is None else own(pl.program_id(0))
-    heads, k_attrs = range(k_ref.shape[0]), (kp_ref[...], ks_ref[...], kf_ref[...])
-    ks, vs = ([_get(ref, g, rows) for g in heads] for ref in (k_ref, v_ref))
+    heads = range(k_ref.shape[1 if seq_major else 0])
+    k_attrs = (kp_ref[...], ks_ref[...], kf_ref[...])
+    ks, vs = ([get(ref, g, rows) for g in heads] for ref in (k_ref, v_ref))
     block_q = listed.block
 
     def step(masked, j, carry):
@@ -227,28 +237,28 @@ def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_r
         q_attrs = (qp_ref[a, :], qs_ref[a, :])
         out = []
         for g in heads:
-            q, do = _get(q_ref, g, t), _get(do_ref, g, t)
+            q, do = get(q_ref, g, t), get(do_ref, g, t)
             s = _scores(keep, q, ks[g], q_attrs, k_attrs, masked)
-            p, ds = _grads(s, _get(lse_ref, g, t), _get(delta_ref, g, t), do, vs[g])
+            p, ds = _grads(s, get(lse_ref, g, t), get(delta_ref, g, t), do, vs[g])
             out.append((carry[g][0] + _dot(ds.astype(q.dtype), q, trans_a=True),
                         carry[g][1] + _dot(p.astype(do.dtype), do, trans_a=True)))
         return tuple(out)
 
-    start = tuple((_get(refs[0], g, rows), _get(refs[1], g, rows)) if resume else
+    start = tuple((get(refs[0], g, rows), get(refs[1], g, rows)) if resume else
                   (jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
                   for g in heads)
     for g, (dk, dv) in enumerate(_gpu_over_list(list_ref, step, start, one_loop)):
-        _put(dk_ref, g, rows, dk.astype(dk_ref.dtype))
-        _put(dv_ref, g, rows, dv.astype(dv_ref.dtype))
+        put(dk_ref, g, rows, dk.astype(dk_ref.dtype))
+        put(dv_ref, g, rows, dv.astype(dv_ref.dtype))
 
 
-def _gpu_call(compiler, kernel, lists, block, inputs, out, name):
+def _gpu_call(compiler, kernel, lists, block, inputs, out, name, seq_major=False):
     """pallas_call over (own tile, batch, head group): ``inputs`` are (array, tiled) pairs, a
     tiled one cut to the program's tile along its length (attributes [N, 1] / [1, N] too),
-    others passed whole (along the length; data arrays [B, H, N, d] always to the program's
-    heads); ``out``: (shape, dtype, tiled) triples."""
+    others passed whole (along the length; data arrays [B, H, N, d], or [B, N, H, d] if
+    ``seq_major``, always to the program's heads); ``out``: (shape, dtype, tiled) triples."""
     heads = compiler.heads_per_program
-    grid = (lists.shape[0], out[0][0][0], out[0][0][1] // heads)
+    grid = (lists.shape[0], out[0][0][0], out[0][0][2 if seq_major else 1] // heads)
 
     def spec(shape, tiled):
         if len(shape) == 2:  # position attributes
@@ -256,6 +266,9 @@ def _gpu_call(compiler, kernel, lists, block, inputs, out, name):
                 return pl.BlockSpec(shape, lambda i, b, h: (0, 0))
             return (pl.BlockSpec((block, 1), lambda i, b, h: (i, 0)) if shape[1] == 1 else
                     pl.BlockSpec((1, block), lambda i, b, h: (0, i)))
+        if seq_major:
+            return pl.BlockSpec((None, block if tiled else shape[1], heads, shape[3]),
+                                lambda i, b, h: (b, i if tiled else 0, h, 0))
         return pl.BlockSpec((None, heads, block if tiled else shape[2], shape[3]),
                             lambda i, b, h: (b, h, i if tiled else 0, 0))
 
@@ -400,32 +413,41 @@ def _gpu_inputs(q_attrs, k_attrs, tiled_attrs, data, rows, init):
     return [*attrs, *((x, rows is None and own) for x, own in data), *((x, False) for x in init)]
 
 
-def _only_triton(compiler, rows, init, dtype):
+def _only_triton(compiler, rows, init, dtype, seq_major):
     if compiler.backend != "triton" and (rows is not None or init or dtype != jnp.float32
-                                         or compiler.heads_per_program != 1):
-        raise ValueError(f"chained terms and heads_per_program > 1 need the Triton backend, "
-                         f"not {compiler.backend}")
+                                         or compiler.heads_per_program != 1 or seq_major):
+        raise ValueError(f"chained terms, sequence-major arrays and heads_per_program > 1 need "
+                         f"the Triton backend, not {compiler.backend}")
+
+
+def _dims(x, seq_major):
+    """(batch, heads, length) of a data array, and the shape of one like it."""
+    batch, heads, length = (x.shape[0], x.shape[2], x.shape[1]) if seq_major else x.shape[:3]
+    return (batch, heads, length), lambda n, d: ((batch, n, heads, d) if seq_major
+                                                 else (batch, heads, n, d))
 
 
 def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=(),
-            dtype=jnp.float32):
+            dtype=jnp.float32, seq_major=False):
     """Output [B, H, Nq, dv] (``dtype``) and log-sum-exp [B, H, Nq, 1] (float32) of one term.
     By default q, k, v are in the term's layout; with ``rows`` = (query ``Rows``, key ``Rows``)
     the tiles are read (and the outputs written) where those say, e.g. strided in sequence
     order. ``init``: (o, lse) of the earlier terms, float32 where the outputs go, to resume the
-    online softmax from (Triton only)."""
-    _only_triton(compiler, rows, init, dtype)
-    batch, heads, nq, _ = q.shape
+    online softmax from; ``seq_major``: every array [B, N, H, ...] instead (Triton only)."""
+    _only_triton(compiler, rows, init, dtype, seq_major)
+    (batch, heads, nq), like = _dims(q, seq_major)
     bq, bk = compiler.block_q, compiler.block_k
     if compiler.backend == "triton":
         own, listed = rows or (None, Rows(bk))
-        out = [((batch, heads, nq, v.shape[3]), dtype, rows is None),
-               ((batch, heads, nq, 1), jnp.float32, rows is None)]
+        out = [(like(nq, v.shape[3]), dtype, rows is None),
+               (like(nq, 1), jnp.float32, rows is None)]
         inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False),
                              [(q, True), (k, False), (v, False)], rows, init)
         kernel = functools.partial(_gpu_forward, keep=keep, own=own, listed=listed,
-                                   resume=bool(init), one_loop=compiler.one_loop)
-        return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward")
+                                   resume=bool(init), one_loop=compiler.one_loop,
+                                   seq_major=seq_major)
+        return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward",
+                         seq_major)
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
     own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
     kernel = functools.partial(_tpu_forward, keep=keep, width=lists.forward.shape[1])
@@ -434,32 +456,33 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
 
 
 def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *, rows=None,
-             init=((), ()), dtype=jnp.float32):
+             init=((), ()), dtype=jnp.float32, seq_major=False):
     """Gradients (``dtype``) of one term's share of the output for the joint ``lse``; ``rows``
-    as ``forward``'s, ``init``: (dq,) and (dk, dv) so far (float32, where the outputs go) to add
-    to, or empty tuples (Triton only)."""
-    _only_triton(compiler, rows, init[0] + init[1], dtype)
-    batch, heads, nq, _ = q.shape
-    nk = k.shape[2]
+    and ``seq_major`` as ``forward``'s, ``init``: (dq,) and (dk, dv) so far (float32, where the
+    outputs go) to add to, or empty tuples (Triton only)."""
+    _only_triton(compiler, rows, init[0] + init[1], dtype, seq_major)
+    (batch, heads, nq), like = _dims(q, seq_major)
+    nk = k.shape[1 if seq_major else 2]
     bq, bk = compiler.block_q, compiler.block_k
     if compiler.backend == "triton":
         q_rows, k_rows = rows or (None, None)
-        tiled, common = rows is None, dict(keep=keep, one_loop=compiler.one_loop)
+        tiled = rows is None
+        common = dict(keep=keep, one_loop=compiler.one_loop, seq_major=seq_major)
         dq_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False), [
             (q, True), (do, True), (lse, True), (delta, True), (k, False), (v, False)],
             rows, init[0])
         dq = _gpu_call(compiler, functools.partial(
             _gpu_dq, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0]), **common),
-            lists.forward, bq, dq_inputs, [((batch, heads, nq, q.shape[3]), dtype, tiled)],
-            "sparse_dq")[0]
+            lists.forward, bq, dq_inputs, [(like(nq, q.shape[3]), dtype, tiled)],
+            "sparse_dq", seq_major)[0]
         dkv_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (False, True), [
             (k, True), (v, True), (q, False), (do, False), (lse, False), (delta, False)],
             rows, init[1])
         dk, dv = _gpu_call(compiler, functools.partial(
             _gpu_dkv, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1]), **common),
-            lists.backward, bk, dkv_inputs, [((batch, heads, nk, k.shape[3]), dtype, tiled),
-                                            ((batch, heads, nk, v.shape[3]), dtype, tiled)],
-            "sparse_dkv")
+            lists.backward, bk, dkv_inputs, [(like(nk, k.shape[3]), dtype, tiled),
+                                            (like(nk, v.shape[3]), dtype, tiled)],
+            "sparse_dkv", seq_major)
         return dq, dk, dv
     dq_out = [((batch, heads, nq, q.shape[3]), bq)]
     dkv_out = [((batch, heads, nk, k.shape[3]), bk), ((batch, heads, nk, v.shape[3]), bk)]

@@ -162,13 +162,16 @@ VARIANT_TRITON_CASES = [  # spec, seq_len, head dim, dtype, tiles
     + ("-one_loop" if c[4].one_loop else "") for c in VARIANT_TRITON_CASES])
 def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     """Without a GPU: the variants lower through Triton (strided loads and stores, the head
-    group as a slice), three custom calls per term and, for the chained variant, neither a
-    layout transpose nor a log-sum-exp merge (an exponential) left to XLA."""
-    x = jax.ShapeDtypeStruct((1, 4, seq_len, d), jnp.dtype(dtype))
+    group as a slice), three custom calls per term and, for the chained variant on
+    ``sparse_attention``'s [B, n, H, d] arrays, neither a transpose nor a log-sum-exp merge (an
+    exponential) left to XLA."""
+    seq_major = sizes.variant == "chained"
+    x = jax.ShapeDtypeStruct((1, seq_len, 4, d) if seq_major else (1, 4, seq_len, d),
+                             jnp.dtype(dtype))
 
     def loss(q, k, v):
-        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False).astype(
-            jnp.float32).sum()
+        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False,
+                                    seq_major=seq_major).astype(jnp.float32).sum()
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -329,7 +332,8 @@ def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
 
 
 def test_chained_log_sum_exp_matches_dense():
-    """The chained variant's log-sum-exp is the joint one over every term's keys."""
+    """The chained variant's log-sum-exp is the joint one over every term's keys, also on
+    sequence-major arrays."""
     spec, n = PatternSpec("strided", stride=16), 64
     q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
     seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
@@ -338,6 +342,10 @@ def test_chained_log_sum_exp_matches_dense():
     want = jax.nn.logsumexp(jnp.where(spec.mask(n), scores, -jnp.inf), axis=-1)
     np.testing.assert_allclose(lse, want, atol=1e-5, rtol=0)
     assert out.dtype == jnp.float32
+    for sizes in (BOTH, SMALL):  # [B, n, H, d] arrays: read as they are, or transposed (terms)
+        got = K.sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
+        np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
+        np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
 
 
 def test_log_sum_exp_and_half_size_values():
