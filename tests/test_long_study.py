@@ -127,3 +127,13 @@ def test_dense_attention_on_a_gpu_falls_back_to_xla_without_cudnn(monkeypatch):
     out = attention.sparse_attention(q, k, v, PatternSpec("dense"), "pallas")
     np.testing.assert_allclose(out, reference, atol=1e-5)
     assert jnp.isfinite(out).all()
+
+
+def test_no_time_left_runs_nothing_and_says_so(tmp_path):
+    plan = {**long_study.plan(dry_run=True), "workdir": str(tmp_path), "deadline": 0.0}
+    emitted = []
+    result = long_study.run(plan, emitted.append)  # every config checked, nothing started
+    assert emitted and all(long_study.TIME_UP in r["error"] for r in result["runs"])
+    assert long_study.status(result) == "failed"
+    assert not [n for n in os.listdir(tmp_path) if n != "code_head.py"]
+    assert jax.default_backend() == "cpu"  # the stage's own process keeps off the accelerator

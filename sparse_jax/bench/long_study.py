@@ -148,6 +148,9 @@ def run(plan: dict, emit) -> dict:
     """Trains and scores every planned run that fits before plan["deadline"], one process each,
     in plan["workdir"]/<run>; emit(results so far) after every step of every run."""
     p, workdir, deadline = plan, plan["workdir"], plan["deadline"]
+    import jax  # checking the configs starts a JAX backend: the host's, so that this process
+
+    jax.config.update("jax_platforms", "cpu")  # holds none of the accelerator's memory
     os.makedirs(workdir, exist_ok=True)
     data_path = os.path.join(REPO, CODE_CORPUS)
     if p["data_bytes"]:  # the dry run: the corpus's first bytes, so every pass is short
