@@ -1,6 +1,6 @@
 r"""Builds the larger code corpus, data/code_corpus.py.gz, from pinned PyPI source distributions.
 
-  nice -n 19 python scripts/build_code_corpus.py            # downloads 122 MB of sdists once
+  nice -n 19 python scripts/build_code_corpus.py            # downloads 131 MB of sdists once
   python scripts/train.py --config=configs/code.py:size=long --workdir=workdirs/code_big \
       --config.data.path=data/code_corpus.py.gz
 
@@ -8,8 +8,9 @@ The 30 sdists of data/code_corpus_pins.txt (name==version, file name, sha256) ar
 from PyPI into --sdists (or put there by hand, offline) and checked; their `.py` files, tests
 left out, become one file in the layout of data/cpython_lib.py.gz, written with
 code_corpus.files.txt, code_corpus.licenses.txt and code_corpus.sha256 beside it. Only
-permissively licensed packages are accepted. About 1 minute on 2 cores once the sdists are
-there; the figures of the build are in data/README.md. Logic: `sparse_jax.code_corpus`.
+permissively licensed packages are accepted. About 30 s on 2 cores, downloads included (up to
+1.5 min on a busy host); the figures of the build are in data/README.md. Logic:
+`sparse_jax.code_corpus`.
 """
 
 import time
