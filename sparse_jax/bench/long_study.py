@@ -161,6 +161,7 @@ def run(plan: dict, emit) -> dict:
             f.write(bytes(sources.load_bytes(os.path.join(REPO, CODE_CORPUS))[:p["data_bytes"]]))
     configs = {s["name"]: run_config(p, s, data_path) for s in p["runs"]}  # all checked first
     result = {"dry_run": p["dry_run"], "config": p["config"], "run_seconds": p["run_seconds"],
+              "max_steps": p["max_steps"],
               "matched_context": p["matched_context"], "copy_edges": p["copy_edges"],
               "runs": [{"name": s["name"], "optional": s["optional"],
                         "seq_len": s["overrides"]["model.seq_len"],
@@ -364,7 +365,9 @@ def markdown(result: dict) -> list[str]:
         lines += [f"**{verdict[0]}**: {verdict[1]}", ""]
     lines += [f"`{result.get('config')}` on the code corpus, each run {result.get('run_seconds')}"
               " s of wall time from its start (compilation, steps, validation passes; "
-              "`study.calibrate` / `budget_steps`); test bits/byte in plain windows and with "
+              "`study.calibrate` / `budget_steps`)"
+              + (f", at most {result.get('max_steps')} steps (dry run)" if result.get("dry_run")
+                 else "") + "; test bits/byte in plain windows and with "
               f"at least {m:,} bytes of context for every byte (matched).", "",
               "| run | context | batch | params | steps | s/step | bytes/s | s of steps | "
               "train bits | valid bits | test bits | test ≥ " + f"{m:,} |",
