@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,27 @@ class BlockSizes:
     def for_backend(backend: str) -> BlockSizes:
         """64 × 64 for Triton, 128 × 128 for Mosaic (a TPU's vector lanes)."""
         return BlockSizes() if backend == "triton" else BlockSizes(128, 128)
+
+    @staticmethod
+    def parse(options: str) -> BlockSizes:
+        """From ``:``-separated options, the others default (a config or benchmark string):
+        ``QxK`` tiles, a variant, ``hG`` heads per program, ``wN`` warps, ``sN`` stages and
+        ``one_loop``; e.g. "64x64:chained:h2"."""
+        fields = {}
+        for option in options.split(":"):
+            if re.fullmatch(r"\d+x\d+", option):
+                fields["block_q"], fields["block_k"] = map(int, option.split("x"))
+            elif option in VARIANTS:
+                fields["variant"] = option
+            elif option == "one_loop":
+                fields["one_loop"] = True
+            elif re.fullmatch(r"[hws]\d+", option):
+                name = {"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}
+                fields[name[option[0]]] = int(option[1:])
+            else:
+                raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
+                                 "QxK, terms, chained, hG, wN, sN or one_loop")
+        return BlockSizes(**fields)
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "heads_per_program"):

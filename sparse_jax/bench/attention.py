@@ -38,10 +38,8 @@ def parse_pattern(name: str, seq_len: int):
     program, ``wN`` Triton warps, ``sN`` Triton stages, ``one_loop`` (one loop over a program's
     blocks); e.g. ``strided:128@pallas:128x64``,
     ``strided:128@pallas:64x64:chained:h2``, ``fixed:128:32@pallas:chained:w8:s3``."""
-    import re
-
     from sparse_jax.attention import IMPLEMENTATIONS
-    from sparse_jax.kernel import VARIANTS, BlockSizes
+    from sparse_jax.kernel import BlockSizes
     from sparse_jax.patterns import PatternSpec
 
     name, _, implementation = name.partition("@")
@@ -54,27 +52,13 @@ def parse_pattern(name: str, seq_len: int):
     implementation = implementation or (None if kind == "dense" else "xla")
     sizes = None
     if options:
-        fields = {}
-        keys = {"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}
         try:
             if implementation != "pallas":
                 raise ValueError("kernel options apply to @pallas only")
-            for option in options:
-                if re.fullmatch(r"\d+x\d+", option):
-                    fields["block_q"], fields["block_k"] = map(int, option.split("x"))
-                elif option in VARIANTS:
-                    fields["variant"] = option
-                elif option == "one_loop":
-                    fields["one_loop"] = True
-                elif re.fullmatch(r"[hws]\d+", option):
-                    fields[keys[option[0]]] = int(option[1:])
-                else:
-                    raise ValueError(f"unknown kernel option {option!r}")
-            sizes = BlockSizes(**fields)
+            sizes = BlockSizes.parse(":".join(options))
         except (ValueError, TypeError) as e:
-            raise ValueError(f"pattern {name}@{implementation}:{':'.join(options)}: {e}; give "
-                             "@pallas:QxK:VARIANT:hG:wN:sN:one_loop (any of them), e.g. "
-                             "@pallas:128x64 or @pallas:64x64:chained:h2") from e
+            raise ValueError(f"pattern {name}@{implementation}:{':'.join(options)}: {e} "
+                             "(e.g. @pallas:128x64 or @pallas:64x64:chained:h2)") from e
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
     try:
