@@ -131,19 +131,27 @@ class Rows:
                      stride=self.stride)
 
 
-def _get(ref, g, rows, seq_major=False):
-    """Head ``g``'s ``rows`` of a [heads, length, d] ref ([length, heads, d] if ``seq_major``);
-    the head as a slice: Triton's lowering takes one indexer, interpret mode no integer beside
-    a strided slice."""
-    x = ref[rows, pl.ds(g, 1), :] if seq_major else ref[pl.ds(g, 1), rows, :]
-    return x.reshape(x.shape[:1] + x.shape[2:]) if seq_major else x.reshape(x.shape[1:])
+def _heads(seq_major, interpret):
+    """``get(ref, g, rows)`` and ``put(ref, g, rows, x)``: head ``g``'s ``rows`` of a
+    [heads, length, d] ref ([length, heads, d] if ``seq_major``). Compiled, the head is an
+    integer index (Triton loads [rows, d] directly); interpret mode takes no integer beside a
+    strided slice, so there the head is a size-1 slice, reshaped away."""
+    def index(g, rows):
+        head = pl.ds(g, 1) if interpret else g
+        return (rows, head, slice(None)) if seq_major else (head, rows, slice(None))
 
+    def get(ref, g, rows):
+        x = ref[index(g, rows)]
+        if interpret:
+            x = x.reshape(x.shape[:1] + x.shape[2:] if seq_major else x.shape[1:])
+        return x
 
-def _put(ref, g, rows, x, seq_major=False):
-    if seq_major:
-        ref[rows, pl.ds(g, 1), :] = x.reshape(x.shape[0], 1, *x.shape[1:])
-    else:
-        ref[pl.ds(g, 1), rows, :] = x.reshape(1, *x.shape)
+    def put(ref, g, rows, x):
+        if interpret:
+            x = x.reshape((x.shape[0], 1, *x.shape[1:]) if seq_major else (1, *x.shape))
+        ref[index(g, rows)] = x
+
+    return get, put
 
 
 def _gpu_over_list(list_ref, step, carry, one_loop=False):
@@ -165,11 +173,11 @@ def _resume(o, lse):
 
 
 def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref, v_ref, *refs,
-                 keep, own, listed, resume, one_loop, seq_major):
+                 keep, own, listed, resume, one_loop, seq_major, interpret):
     """Refs carry a leading head axis (the program's heads, one list); ``own`` and ``listed``:
     ``Rows`` of this program's query tile and of a listed key tile (own None: the tile is the
     whole block); ``resume``: refs (o, lse) of earlier terms to start from come first."""
-    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
+    get, put = _heads(seq_major, interpret)
     o_ref, lse_ref = refs[-2:]
     rows = slice(None) if own is None else own(pl.program_id(0))
     heads = range(q_ref.shape[1 if seq_major else 0])
@@ -192,9 +200,9 @@ def _gpu_forward(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref,
 
 
 def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k_ref, v_ref, *refs, keep, own, listed, resume, one_loop, seq_major):
+            k_ref, v_ref, *refs, keep, own, listed, resume, one_loop, seq_major, interpret):
     """dq of the program's query tile (``_gpu_forward``'s conventions; resume: dq so far)."""
-    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
+    get, put = _heads(seq_major, interpret)
     dq_ref = refs[-1]
     rows = slice(None) if own is None else own(pl.program_id(0))
     heads = range(q_ref.shape[1 if seq_major else 0])
@@ -221,10 +229,10 @@ def _gpu_dq(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse
 
 
 def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_ref, do_ref,
-             lse_ref, delta_ref, *refs, keep, own, listed, resume, one_loop, seq_major):
+             lse_ref, delta_ref, *refs, keep, own, listed, resume, one_loop, seq_major, interpret):
     """dk and dv of the program's key tile, over its list of query tiles (resume: dk, dv so
     far)."""
-    get, put = (functools.partial(f, seq_major=seq_major) for f in (_get, _put))
+    get, put = _heads(seq_major, interpret)
     dk_ref, dv_ref = refs[-2:]
     rows = slice(None) if own is None else own(pl.program_id(0))
     heads = range(k_ref.shape[1 if seq_major else 0])
@@ -445,7 +453,7 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
                              [(q, True), (k, False), (v, False)], rows, init)
         kernel = functools.partial(_gpu_forward, keep=keep, own=own, listed=listed,
                                    resume=bool(init), one_loop=compiler.one_loop,
-                                   seq_major=seq_major)
+                                   seq_major=seq_major, interpret=compiler.interpret)
         return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward",
                          seq_major)
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
@@ -467,7 +475,8 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
     if compiler.backend == "triton":
         q_rows, k_rows = rows or (None, None)
         tiled = rows is None
-        common = dict(keep=keep, one_loop=compiler.one_loop, seq_major=seq_major)
+        common = dict(keep=keep, one_loop=compiler.one_loop, seq_major=seq_major,
+                      interpret=compiler.interpret)
         dq_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (True, False), [
             (q, True), (do, True), (lse, True), (delta, True), (k, False), (v, False)],
             rows, init[0])
