@@ -18,15 +18,15 @@ name to STAGES too if a plain report runs it (otherwise `--stages=...,NAME` does
 
 from __future__ import annotations
 
-from sparse_jax.bench.accelerator import attention, env, flex, preset, tests, train_step
+from sparse_jax.bench.accelerator import attention, env, flex, preset, study, tests, train_step
 
 # Every stage, in the order a report runs them.
 MODULES = {"env": env, "tests": tests, "attention": attention, "flex": flex,
-           "train_step": train_step, "preset": preset}
+           "train_step": train_step, "preset": preset, "study": study}
 # What a report runs without --stages. The full plan's caps sum to 9 minutes: the H100 report's
 # stage times (2026-11-27) and what the rows its caps cut would have taken (8 minutes cut three
 # stages short; see each stage's CAP).
-STAGES = ("env", "tests", "attention", "flex", "train_step", "preset")
+STAGES = ("env", "tests", "attention", "flex", "train_step", "preset")  # not "study": alone
 CAPS = {name: module.CAP for name, module in MODULES.items()}
 DRY_CAPS = {name: module.DRY_CAP for name, module in MODULES.items()}
 
