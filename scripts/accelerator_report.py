@@ -13,6 +13,13 @@ preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA a
 against dense), preset 175 (configs/bytes.py:size=gpu trained on the code corpus with the
 faster implementation, for at most 90 s of steps and as many as the measured step says fit
 before the cap with a 1.2x margin; its test bits by copy distance, a 1,000-byte sample).
+One stage runs only when named, as it needs a call of its own: study 450 (the long-context
+study, sparse_jax/bench/long_study.py: size=gpu trained for equal wall time at context 16,384
+strided and dense, and at 4,096 strided; test bits in plain windows, at a matched guaranteed
+context, at Table 4's contexts and by copy distance):
+
+  python scripts/accelerator_report.py --stages=env,study --output_dir=reports/h100_study
+
 --stages runs a subset (e.g. to rerun one), --caps=STAGE=SECONDS,... changes caps, --budget_s
 caps the whole run, --profile adds jax.profiler traces of a few training steps (the preset's
 and the paper's 16k step, Pallas) to OUTPUT_DIR/profile and 40 s to train_step's cap.
@@ -55,7 +62,8 @@ _WHEELS = flags.DEFINE_string("wheels", None, "A folder of wheels to install fir
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Every stage at toy size on the CPU (Pallas in "
                              "interpret mode), in a few minutes: checks the command end to end.")
 _STAGES = flags.DEFINE_list("stages", None, "Stages to run (default: env, tests, attention, "
-                            "flex, train_step, preset, in that order).")
+                            "flex, train_step, preset, in that order; study only when named, "
+                            "e.g. env,study).")
 _BUDGET = flags.DEFINE_float("budget_s", None, "Seconds for the whole run (default: the sum of "
                              "the stages' caps, 540; 260 for --dry_run).")
 _CAPS = flags.DEFINE_list("caps", None, "Stage caps to change, as STAGE=SECONDS (e.g. "
