@@ -362,11 +362,11 @@ def _chain(spec, rows, compiler):
     """The chained variant's plan: the padded grid rows and, per term (the summary term first,
     band terms last, so the last writes sequence-order outputs), its layout, mask rule, block
     lists, compiler and ``pallas_kernels.Rows`` of its query and key tiles in sequence-order
-    arrays (packed summary keys: their own array). A column tile must be one run of a column:
-    its tiles are ``col`` = at most the largest power of two dividing ``rows`` (at least 16),
-    and rows are padded to a multiple of ``col`` and so that every tile divides the length
-    (zero rows after the sequence: no real query attends them, and their zero gradient
-    inputs add nothing)."""
+    arrays (packed summary keys: their own array). A column term's tile must stay in one
+    column: its tiles are cut to ``col``, the largest power of two dividing ``rows`` (at least
+    16, at most the tiles), and the rows padded to a multiple of ``col``; and to make every
+    tile divide the length. Padding rows are zeros after the sequence: no real query attends
+    them, and their zero output gradients add nothing to the real keys' gradients."""
     block, tile = spec.block, max(compiler.block_q, compiler.block_k)
     step = max(1, tile // (block & -block))  # rows * block a multiple of every tile
     col = min(tile, max(16, rows & -rows))
@@ -410,8 +410,8 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), rows=at,
             init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32,
             seq_major=seq_major)
-    return tuple(jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state[:1]) + (
-        jax.lax.slice_in_dim(state[1], 0, n, axis=axis)[..., 0],)
+    out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state)
+    return out, lse[..., 0]
 
 
 def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
@@ -429,12 +429,11 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do, lse,
             delta, rows=at, init=(dq, () if summary else dkv),
             dtype=q.dtype if last else jnp.float32, seq_major=seq_major)
-        dq = grads[:1]
+        dq, dkv = grads[:1], grads[1:]
         if summary:  # the first term (``_chain``'s order): nothing to add to yet
-            assert not last and not dkv
-            grads = [_pad_to(layout.keys_back(jax.lax.slice_in_dim(g, 0, layout.nk, axis=axis),
-                                              axis), length, axis) for g in grads]
-        dkv = tuple(grads[1:])
+            assert not last
+            dkv = tuple(_pad_to(layout.keys_back(jax.lax.slice_in_dim(g, 0, layout.nk, axis=axis),
+                                                 axis), length, axis) for g in dkv)
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
 
 
