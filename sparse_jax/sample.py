@@ -165,10 +165,13 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
                 f"{step}_seed{seed}.png" if image else f"{step}_seed{seed}.txt")
         return output or os.path.join(workdir, "samples", name)
 
-    workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite)
+    workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite,
+                             create=False)
     model, config, step = checkpoints.restore_model(workdir, checkpoint, attention=cfg.attention)
     path = output_path(step)
-    workdir_lib.check_output(path, overwrite)  # again: a damaged checkpoint may have fallen back
+    # Again: a damaged checkpoint may have fallen back to another step. Neither check creates a
+    # folder (a refused run leaves none); the writer does.
+    workdir_lib.check_output(path, overwrite, create=False)
     settings = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
     rows, columns, channels = cfg.image_shape  # of an image model: its data's (make_dataset)
     shape = (-1, rows, columns, channels)

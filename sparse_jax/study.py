@@ -265,11 +265,11 @@ def budget_config(config, steps: int) -> ml_collections.ConfigDict:
     (which `calibrate` does not time) are dropped."""
     evals = -(-config.total_steps // config.eval_every)
     every = -(-steps // evals)
-    share = config.optimizer.warmup_steps / config.total_steps
+    warmup = config_lib.scaled_warmup(config.optimizer.warmup_steps, config.total_steps, steps)
     config = config.copy_and_resolve_references()
     config.total_steps, config.eval_every, config.checkpoint_every = steps, every, every
     config.log_every = max(1, steps // 20)
-    config.optimizer.warmup_steps = max(1, round(share * steps))
+    config.optimizer.warmup_steps = warmup
     config.context_stages = ()
     return config
 
