@@ -112,6 +112,10 @@ def base() -> ml_collections.ConfigDict:
     # size=cpu) and the accelerator ones (enwik8 and cifar10 paper and small, bytes size=gpu),
     # where Pallas measured 2.3-119x the XLA path on an H200 (docs/benchmarks/h200).
     c.model.attention = "xla"
+    # the Pallas kernel's options (kernel.BlockSizes.parse): "" the backend's default tiles and
+    # variant, or e.g. "chained:h2" (docs/attention.md, "Kernel variants"); the same numbers,
+    # so it may change on resume
+    c.model.kernel = ""
     return c
 
 

@@ -6,8 +6,9 @@ r"""Measures on a GPU (or TPU) everything this project can show there, in about 
 Stages, in order, each in its own process with its own time cap (seconds), so that a failure or
 a hang in one costs one line and the rest still run: env 15 (device, driver, CUDA and package
 versions, a bf16 matmul), tests 75 (the kernel tests of tests/test_kernel.py, compiled for the
-device), attention 80 (strided and fixed, XLA and Pallas, against cuDNN's dense attention; bf16
-forward + backward at 16k, 8k, 32k, 64k, then other kernel tiles at 16k), flex 85 (PyTorch
+device), attention 95 (strided and fixed through Pallas against cuDNN's dense attention, bf16
+forward + backward at 16k, then the kernel variants side by side at 16k, then 64k with the
+likeliest winners, 8k and 32k; the fastest kernel per pattern and length), flex 70 (PyTorch
 FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 110 (the one-GPU
 preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and Pallas
 against dense), preset 175 (configs/bytes.py:size=gpu trained on the code corpus with the

@@ -39,12 +39,12 @@ LOCATION_FIELDS = ("data.download", "data.data_dir", "data.manual_dir")
 # Fields (or sections, ending in ".") that may change when a run is resumed.
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
              "keep_checkpoints", "profile_steps", "mesh.", "data.path",
-             "model.attention", *LOCATION_FIELDS)
+             "model.attention", "model.kernel", *LOCATION_FIELDS)
 SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them is not ours
 # Fields added after runs were recorded, with the value a record without them trained with.
 ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4,
          "model.rotary": False, "model.shifted_heads": False,
-         "model.rotary_fraction": 1.0}
+         "model.rotary_fraction": 1.0, "model.kernel": ""}
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:

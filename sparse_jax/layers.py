@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax.attention import decode_attention, multi_spec_attention, resolve_implementation
+from sparse_jax.kernel import BlockSizes
 from sparse_jax.patterns import PatternSpec
 
 
@@ -81,7 +82,9 @@ class SparseSelfAttention(nnx.Module):
     total query/key width; the paper's "half-size" query/key use ``d_model // 2``.
     Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
     N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
-    ("xla", "pallas" or "auto", ``attention.sparse_attention``). ``rotary``: queries and keys
+    ("xla", "pallas" or "auto", ``attention.sparse_attention``); ``block_sizes``: the Pallas
+    kernel's tiles and variant (``kernel.BlockSizes``; None: the backend's default). ``rotary``:
+    queries and keys
     rotated by their position (``rotate``; not in the paper), so scores can depend on distance;
     ``rotary_dims``: how many of each head's query/key features (None: all).
     ``shifts``: per head, 0 or a shift s >= 1 (``shift_kv``; not in the paper): the head's key
@@ -93,6 +96,7 @@ class SparseSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int | None = None, init_std: float | None = None,
                  out_std: float | None = None, implementation: str = "xla",
+                 block_sizes: BlockSizes | None = None,
                  rotary: bool = False, rotary_dims: int | None = None,
                  shifts: Sequence[int] | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -128,6 +132,7 @@ class SparseSelfAttention(nnx.Module):
         self.num_heads = num_heads
         self.specs = specs
         self.implementation = implementation
+        self.block_sizes = block_sizes
         self.rotary = rotary
         self.rotary_dims = rotary_dims
         self.shifts = shifts
@@ -145,7 +150,8 @@ class SparseSelfAttention(nnx.Module):
         if self.shifts is not None:
             k, v = shift_kv(k, v, self.shifts)
         attend = functools.partial(multi_spec_attention, specs=self.specs,
-                                   implementation=self.implementation)
+                                   implementation=self.implementation,
+                                   block_sizes=self.block_sizes)
         if sharding is not None and resolve_implementation(self.implementation) in ("pallas",
                                                                                      "native"):
             axes = sharding.spec[0] if sharding.spec else None
@@ -212,7 +218,8 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, specs: Sequence[PatternSpec], *,
                  qk_dim: int, ff_dim: int, num_layers: int, dropout: float = 0.0,
-                 attention: str = "xla", rotary: bool = False, rotary_dims: int | None = None,
+                 attention: str = "xla", block_sizes: BlockSizes | None = None,
+                 rotary: bool = False, rotary_dims: int | None = None,
                  shifts: Sequence[int] | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d, out_scale = d_model, 1.0 / math.sqrt(2 * num_layers)
@@ -221,7 +228,8 @@ class Block(nnx.Module):
         self.attn_norm = norm(rngs=rngs)
         self.attn = SparseSelfAttention(
             d, num_heads, specs, qk_dim=qk_dim, init_std=0.125 / math.sqrt(d),
-            out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention, rotary=rotary,
+            out_std=0.125 / math.sqrt(d) * out_scale, implementation=attention,
+            block_sizes=block_sizes, rotary=rotary,
             rotary_dims=rotary_dims, shifts=shifts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ff_norm = norm(rngs=rngs)
         self.ff_in = dense(d, ff_dim, 0.125 / math.sqrt(d))

@@ -51,6 +51,7 @@ from flax import nnx
 
 from sparse_jax import patterns
 from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
+from sparse_jax.kernel import BlockSizes
 from sparse_jax.layers import Block, linear
 from sparse_jax.patterns import MODES, PatternSpec, layer_specs
 
@@ -92,6 +93,7 @@ class ModelConfig:
     scan_layers: bool = False  #: jax.lax.scan over groups of layers
     dtype: str = "float32"  #: compute: float32 | bfloat16
     attention: str = "xla"  #: sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
+    kernel: str = ""  #: Pallas kernel options, e.g. "chained:h2" (BlockSizes.parse); "": default
     param_dtype: str = "float32"  #: storage
 
     def __post_init__(self):
@@ -159,6 +161,12 @@ class ModelConfig:
             fail("local_width", f"applies to pattern strided/local, not {self.pattern!r}")
         if self.summary != "paper" and self.pattern != "fixed":
             fail("summary", f"applies to pattern 'fixed', not {self.pattern!r}")
+        if not isinstance(self.kernel, str):
+            fail("kernel", "must be a string of kernel options, e.g. 'chained:h2'")
+        try:
+            _ = self.block_sizes
+        except ValueError as e:
+            fail("kernel", str(e))
         try:
             _ = self.base_spec  # evaluated only to validate the pattern fields
         except ValueError as e:
@@ -213,6 +221,11 @@ class ModelConfig:
     @property
     def schedule_entries(self) -> tuple[str, ...]:
         return tuple(e.strip() for e in self.schedule.split(",")) if self.schedule else ()
+
+    @property
+    def block_sizes(self) -> BlockSizes | None:
+        """The Pallas kernel's options (``kernel``), or None for the backend's default."""
+        return BlockSizes.parse(self.kernel) if self.kernel else None
 
     @property
     def base_spec(self) -> PatternSpec:
@@ -308,6 +321,7 @@ class _BlockGroup(nnx.Module):
         self.blocks = nnx.List([Block(
             cfg.d_model, cfg.num_heads, cfg.layer_specs(p), qk_dim=cfg.qk_dim, ff_dim=cfg.ff_dim,
             num_layers=cfg.num_layers, dropout=cfg.dropout, attention=cfg.attention,
+            block_sizes=cfg.block_sizes,
             rotary=cfg.rotary, rotary_dims=cfg.rotary_dims if cfg.rotary else None,
             shifts=cfg.head_shifts(p), dtype=DTYPES[cfg.dtype],
             param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(params=keys_P[p]))

@@ -238,6 +238,14 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     assert steps > 500 and f"{steps:,} steps from the measured step" in how
     assert preset.plan_steps(p, rows, 1000)[0] == int(p["train_seconds"] / 0.0536)
     assert preset.plan_steps(p, [], train_s)[:2] == (p["default_steps"], "xla")
+    # a kernel variant that wins the step trains the preset (model.kernel, as train.py takes it)
+    rows.append({"name": "preset strided@pallas:chained", "step_s": 0.04, "compile_s": 16})
+    assert preset.plan_steps(p, rows, train_s)[1] == "pallas:chained"
+    import configs
+    from sparse_jax.model import model_config
+
+    config = configs.load(p["config"], {"model.attention": "pallas", "model.kernel": "chained"})
+    assert model_config(config.model).block_sizes.variant == "chained"
 
 
 def test_flex_mask_mod_is_the_pattern():
@@ -257,7 +265,13 @@ def test_the_full_plan_fits_nine_minutes_and_every_stage_has_its_parts():
         assert callable(module.run) and callable(module.check) and callable(module.summary)
     plan = accelerator.plan_for(dry_run=False)
     assert set(accelerator.MODULES) <= set(plan)
-    assert plan["attention"]["seq_lens"][0] == 16384  # the goal's length comes first
+    groups = plan["attention"]["groups"]  # the goal's length first, its variants next
+    assert groups[0]["seq_len"] == groups[1]["seq_len"] == 16384
+    from sparse_jax.bench.attention import parse_pattern
+
+    for group in groups:  # every planned pattern string parses
+        for pattern in group["patterns"]:
+            parse_pattern(pattern, group["seq_len"])
     names = {c["name"] for c in plan["train_step"]["cases"]}
     assert set(plan["preset"]["preset_cases"]) <= names and set(
         plan["train_step"]["profile"]) <= names

@@ -16,9 +16,9 @@ show about this project, measured by one command in about 9 minutes, and judged:
               peak and a measured bf16 matmul
   tests       tests/test_kernel.py with the kernels compiled (not interpreted): the dense
               reference checks at float32 and bfloat16; no test run is a failure
-  attention   forward + backward, bfloat16, B=1 H=8 d=64: strided and fixed through XLA and
-              Pallas against cuDNN's fused dense attention, at 16k, 8k, 32k then 64k, then
-              other kernel tiles at 16k
+  attention   forward + backward, bfloat16, B=1 H=8 d=64: strided and fixed through
+              Pallas against cuDNN's fused dense attention at 16k, the kernel variants
+              side by side at 16k, then 64k, 8k and 32k
   flex        the same patterns in PyTorch FlexAttention compiled with the same block mask
               (built compiled, without an n × n tensor), and PyTorch's fused dense attention
   train_step  a training step (loss, gradients, AdamW) of the paper's enwik8 model at 16,384

@@ -32,7 +32,8 @@ def plan(dry_run: bool) -> dict:
             "startup_s": 40,  # train.py's own seconds beyond steps and compilation
             "after_s": 28,  # kept for evaluate and sample
             "eval_batches": -1, "data_bytes": None, "prompt_bytes": 512, "sample_bytes": 1000,
-            "preset_cases": ["preset strided@pallas", "preset strided@xla"]}
+            "preset_cases": ["preset strided@pallas", "preset strided@pallas:chained",
+                             "preset strided@xla"]}
 
 
 def inputs(report: dict) -> dict:
@@ -42,7 +43,8 @@ def inputs(report: dict) -> dict:
 
 
 def plan_steps(p: dict, rows: list, train_s: float) -> tuple[int, str, dict | None, str]:
-    """(steps, implementation, the timed row used or None, how: one line for the report). The
+    """(steps, implementation (what follows "@" in the fastest case's name: "xla", "pallas" or
+    "pallas:KERNEL_OPTIONS"), the timed row used or None, how: one line for the report). The
     steps are the fewer of `train_seconds` of steps and what `train_s` seconds hold after
     train.py's start-up and the measured compilation, at the measured step time times
     `margin`, so that training and its validation pass end before the stage's cap."""
@@ -79,8 +81,9 @@ def run(plan: dict) -> dict:
         data_path = os.path.join(os.path.dirname(workdir), "code_head.py")
         with open(data_path, "wb") as f:
             f.write(bytes(sources.load_bytes(os.path.join(REPO, CODE_CORPUS))[:p["data_bytes"]]))
-    overrides = {"data.path": data_path, "total_steps": steps,
-                 "model.attention": implementation,
+    attention, _, kernel = implementation.partition(":")  # e.g. "pallas:chained"
+    overrides = {"data.path": data_path, "total_steps": steps, "model.attention": attention,
+                 **({"model.kernel": kernel} if kernel else {}),
                  "optimizer.warmup_steps": max(1, min(300, steps // 10)),
                  "log_every": max(1, steps // 20), "eval_every": steps,
                  "checkpoint_every": steps, "eval_batches": p["eval_batches"]}

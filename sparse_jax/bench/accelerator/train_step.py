@@ -38,6 +38,8 @@ def plan(dry_run: bool) -> dict:
     return {"cases": [
         {"name": "preset strided@pallas", "batch_size": 16,
          "model": {**preset_model, "attention": "pallas"}},
+        {"name": "preset strided@pallas:chained", "batch_size": 16,
+         "model": {**preset_model, "attention": "pallas", "kernel": "chained"}},
         {"name": "preset strided@xla", "batch_size": 16,
          "model": {**preset_model, "attention": "xla"}},
         {"name": "paper 16k fixed@pallas", "batch_size": 2,
