@@ -15,8 +15,10 @@ Patterns: ``dense`` (``jax.nn.dot_product_attention(..., is_causal=True)``), ``s
 ``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)), each optionally followed by
 ``@IMPL``: ``dense@xla`` / ``dense@cudnn`` pick ``dot_product_attention``'s implementation, and
 a sparse pattern's ``@xla`` (default), ``@pallas`` or ``@auto`` is ``sparse_attention``'s (the
-fused kernel runs in interpret mode on a CPU: correct, not fast); ``@pallas:QxK`` sets the
-kernel's tiles, e.g. ``strided:128@pallas:64x64,strided:128@pallas:128x64`` to tune them.
+fused kernel runs in interpret mode on a CPU: correct, not fast); ``@pallas:OPTIONS`` sets the
+kernel's options (``kernel.BlockSizes.parse``: tiles ``QxK``, ``terms`` or ``chained``, ``hG``
+heads per program, ``wN`` warps, ``sN`` stages, ``one_loop``), e.g.
+``strided:128@pallas:64x64,strided:128@pallas:chained:h2`` to compare them.
 Every (pattern, seq_len, pass) runs in a fresh process: median time over ``--repeats`` runs
 after compile, the peak RSS of that process and the temporary memory XLA planned for the
 compiled step (all devices together).
