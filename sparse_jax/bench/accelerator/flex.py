@@ -57,7 +57,8 @@ def run(plan: dict) -> dict:
     flex = torch.compile(flex_attention, dynamic=False) if p["compile"] else flex_attention
     compiled_mask = torch.compile(create_block_mask)
     peak = peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
-    patterns = [name.split("@")[0] for name in a["patterns"] if not name.startswith("dense")]
+    patterns = [name.split("@")[0] for group in a["groups"] for name in group["patterns"]
+                if not name.startswith("dense")]  # the attention stage's, each once
     cases = [("dense", "sdpa")] + [(name, "flex") for name in dict.fromkeys(patterns)]
     rows = []
 
