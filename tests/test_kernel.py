@@ -391,11 +391,11 @@ def test_implementation_choice():
                                atol=1e-5)
 
 
-def assert_model_matches_xla(base: dict, attention: str, kernel: str = ""):
+def assert_model_matches_xla(base: dict, attention: str, kernel: str = "", on_mesh=True):
     """``ModelConfig(**base, attention=attention, kernel=kernel)`` gives the XLA model's loss
-    and gradients,
-    alone and with the batch split on a mesh (the trainer's ``activation_sharding``), where the
-    kernel runs inside ``shard_map`` (XLA does not split a custom call)."""
+    and gradients, alone and (``on_mesh``) with the batch split on a mesh (the trainer's
+    ``activation_sharding``), where the kernel runs inside ``shard_map`` (XLA does not split a
+    custom call)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as Spec
 
@@ -403,7 +403,8 @@ def assert_model_matches_xla(base: dict, attention: str, kernel: str = ""):
     batch = NamedSharding(mesh, Spec(("data", "fsdp")))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * mesh.size, base["seq_len"]), 0, 256)
     results = {}
-    for impl, sharding in [("xla", None), (attention, None), (attention, batch)]:
+    cases = [("xla", None), (attention, None)] + [(attention, batch)] * on_mesh
+    for impl, sharding in cases:
         options = {"kernel": kernel} if impl != "xla" else {}
         model = SparseTransformer(ModelConfig(**base, attention=impl, **options),
                                   rngs=nnx.Rngs(0))
@@ -417,7 +418,7 @@ def assert_model_matches_xla(base: dict, attention: str, kernel: str = ""):
         assert uses_shard_map == (sharding is not None)
         results[impl, sharding] = jax.jit(jax.value_and_grad(loss))(params)
     want_loss, want_grads = results["xla", None]
-    for got_loss, got_grads in [results[attention, None], results[attention, batch]]:
+    for got_loss, got_grads in [results[case] for case in cases[1:]]:
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
         for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
@@ -435,11 +436,12 @@ def test_model_attention_option_and_mesh():
 
 
 def test_model_attention_kernel_variant_matches_dense():
-    """``ModelConfig.kernel`` reaches every layer's kernel: the chained variant with two heads
-    per program gives the XLA model's loss and gradients (strided, rotary), also on a mesh;
-    a bad option is refused in one line when the config is built."""
-    base = dict(seq_len=64, num_layers=2, d_model=32, num_heads=2, pattern="strided", stride=8,
+    """``ModelConfig.kernel`` reaches the layers' kernel: the chained variant with two heads
+    per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
+    default kernel's test above, the same shard_map); a bad option is refused in one line when
+    the config is built."""
+    base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
-    assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2")
+    assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
     with pytest.raises(ValueError, match="ModelConfig.kernel='h3'.*power of two"):
         ModelConfig(**base, kernel="h3")
