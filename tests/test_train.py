@@ -122,11 +122,11 @@ def start(workdir, byte_file, log):
                             cwd=ROOT)
 
 
-def wait_for(predicate, process, timeout=120):
-    deadline = time.time() + timeout
+def wait_for(predicate, process):
+    """Until `predicate()` holds; the run is finite, so a predicate that never holds fails when
+    the run ends (no clock: a loaded machine is slower, not wrong)."""
     while not predicate():
         assert process.poll() is None, "the run ended before the test could interrupt it"
-        assert time.time() < deadline, "timed out"
         time.sleep(0.01)
 
 
