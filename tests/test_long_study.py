@@ -15,6 +15,7 @@ import pytest
 
 from sparse_jax import attention, baselines
 from sparse_jax.bench import long_study
+from sparse_jax.bench.accelerator import study as study_stage
 from sparse_jax.patterns import PatternSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def test_what_the_real_plan_measures():
         assert config.model.num_layers == 8 and config.model.d_model == 512
     # the runs' share of the stage: each run's budget and overhead fit its cap
     required = [r for r in plan["runs"] if not r["optional"]]
-    assert len(required) * plan["need_s"] <= long_study.CAP
+    assert len(required) * plan["need_s"] <= study_stage.CAP
     assert plan["run_seconds"] < plan["need_s"]
 
 
@@ -104,7 +105,7 @@ def _row(name, contexts, **extra):
 def test_verdict_names_what_was_not_measured():
     result = {"config": "c", "run_seconds": 30, "matched_context": 32,
               "runs": [_row("long sparse", [0, 16, 32]), _row("short sparse", [0, 32])]}
-    assert long_study.check(result) is None and long_study.status(result) == "ok"
+    assert long_study.check(result) is None
     cut = json.loads(json.dumps(result))
     cut["runs"][1]["test"] = cut["runs"][1]["test"][:1]  # the matched pass never ran
     assert long_study.check(cut)[0] == "partial" and "[32]" in long_study.check(cut)[1]
@@ -118,7 +119,7 @@ def test_verdict_names_what_was_not_measured():
                            "error": "stopped at its 5 s cap (stage time up)"})
     assert long_study.check(result) is None
     failed = {"runs": [{"name": "x", "optional": False, "test_contexts": [0], "error": "boom"}]}
-    assert long_study.status(failed) == "failed"
+    assert long_study.check(failed)[0] == "failed"
 
 
 def test_dense_attention_on_a_gpu_falls_back_to_xla_without_cudnn(monkeypatch):
@@ -136,6 +137,6 @@ def test_no_time_left_runs_nothing_and_says_so(tmp_path):
     emitted = []
     result = long_study.run(plan, emitted.append)  # every config checked, nothing started
     assert emitted and all(long_study.TIME_UP in r["error"] for r in result["runs"])
-    assert long_study.status(result) == "failed"
+    assert long_study.check(result)[0] == "failed"
     assert not [n for n in os.listdir(tmp_path) if n != "code_head.py"]
     assert jax.default_backend() == "cpu"  # the stage's own process keeps off the accelerator

@@ -35,9 +35,10 @@ scores the test part:
   check(result)   None when every planned row was measured, else ("partial" | "failed", why)
   markdown(result) the section of results.md, as lines
 
-Alone (the stage without the report around it; --dry_run: toy sizes on a CPU, about a minute):
+It runs as the report's `study` stage (`sparse_jax.bench.accelerator.study`, which holds its
+cap); on a CPU at toy sizes, in about two minutes:
 
-  python -m sparse_jax.bench.long_study --dry_run --output_dir=/tmp/study
+  python scripts/accelerator_report.py --dry_run --stages=study --output_dir=/tmp/study
 """
 
 from __future__ import annotations
@@ -51,14 +52,7 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE_CORPUS = "data/cpython_lib.py.gz"
-TIME_UP = "not run: stage time up"
-# Seconds the stage may take: the report's 480 less the env stage. The H100 report's preset run
-# spent 52 s in train.py beyond its steps (start-up, data, 15 s of compilation, validation,
-# checkpoint); here each run also calibrates (~20 s) and scores the test part up to 6 times.
-CAP, DRY_CAP = 450, 240
-
+from sparse_jax.bench.accelerator.common import CODE_CORPUS, REPO, TIME_UP
 
 # ---------------------------------------------------------------------------------------------
 # The plan.
@@ -344,12 +338,6 @@ def check(result: dict, plan: dict | None = None) -> tuple[str, str] | None:
     return ("partial" if trained else "failed", "; ".join(gaps)[:300])
 
 
-def status(result: dict) -> str:
-    """"ok" when the study measured what it planned, else "partial" or "failed"."""
-    verdict = check(result)
-    return "ok" if verdict is None else verdict[0]
-
-
 def _f(value, spec=".4f"):
     return "—" if value is None else format(value, spec)
 
@@ -407,40 +395,9 @@ def markdown(result: dict) -> list[str]:
     return lines + [""]
 
 
-# ---------------------------------------------------------------------------------------------
-# The stage alone: python -m sparse_jax.bench.long_study [--dry_run] --output_dir=D
-
-
-def main(argv: list[str]) -> None:
-    import argparse
-    import tempfile
-
-    parser = argparse.ArgumentParser(description="The long-context study stage, alone.")
-    parser.add_argument("--dry_run", action="store_true", help="toy sizes on a CPU")
-    parser.add_argument("--output_dir", required=True)
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    p = plan(args.dry_run)
-    os.makedirs(args.output_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="sparse_jax_study_") as scratch:
-        p.update(workdir=scratch, deadline=time.time() + (DRY_CAP if args.dry_run else CAP))
-
-        def emit(result):
-            print(json.dumps(result), flush=True)
-
-        result = run(p, emit)
-    result["status"] = status(result)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-        f.write("\n".join(markdown(result)))
-    print(f"{result['status']}: wrote {args.output_dir}/results.md and results.json",
-          file=sys.stderr)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "worker":
-        _worker(sys.argv[2], json.loads(sys.argv[3]))
-    else:
-        main(sys.argv[1:])
+if __name__ == "__main__":  # one run, in its own process: python -m ... worker RUN_DIR JOB_JSON
+    if len(sys.argv) != 4 or sys.argv[1] != "worker":
+        raise SystemExit("usage: python -m sparse_jax.bench.long_study worker RUN_DIR JOB_JSON "
+                         "(the study runs as a stage: scripts/accelerator_report.py "
+                         "--stages=env,study)")
+    _worker(sys.argv[2], json.loads(sys.argv[3]))
