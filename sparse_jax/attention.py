@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax import kernel, patterns
+from sparse_jax import kernel, pallas_kernels, patterns
 from sparse_jax import native as _native
 from sparse_jax.patterns import PatternSpec
 
@@ -655,16 +655,17 @@ def resolve_implementation(implementation: str) -> str:
     """"xla", "native" or "pallas" for ``implementation``: "auto" is the Pallas kernel on a GPU or
     TPU, and on a CPU the fused CPU kernels where they build (``sparse_jax.native``), else XLA.
     "pallas" runs compiled on a GPU (Triton) or TPU (Mosaic) and in interpret mode on a CPU
-    (slow: for tests). "native" is CPU only; it raises if the kernels cannot be built."""
+    (slow: for tests). "native" is CPU only; it raises if the kernels cannot be built. The
+    platform is the one traced for (``pallas_kernels.target_platform``)."""
     patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
-    cpu = jax.default_backend() == "cpu"
+    platform = pallas_kernels.target_platform()
     if implementation == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else (
-            "native" if cpu and _native.available() else "xla")
+        return "pallas" if platform in ("gpu", "tpu") else (
+            "native" if platform == "cpu" and _native.available() else "xla")
     if implementation == "native":
-        if not cpu:
+        if platform != "cpu":
             raise ValueError(f"implementation='native' runs on a CPU, not on "
-                             f"{jax.default_backend()}: use 'pallas' or 'auto' there")
+                             f"{platform}: use 'pallas' or 'auto' there")
         _native.require()
     return implementation
 
@@ -705,7 +706,7 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     batch, seq_len, heads, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1])
     if spec.kind == "dense":
-        if implementation == "pallas" and jax.default_backend() == "gpu":
+        if implementation == "pallas" and pallas_kernels.target_platform() == "gpu":
             return _gpu_dense_attention(q, k, v)
         heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, n, H, d] <-> [B, H, n, d]
         out = _causal_attention(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k),

@@ -484,9 +484,10 @@ def _pad_head(x, backend):
 def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
                  interpret: bool | None = None) -> pallas_kernels.Compiler:
     """How to build the kernels here: ``backend`` "triton" or "mosaic" (default: "mosaic" on
-    a TPU, else "triton"), compiled on its own platform and interpreted elsewhere (default),
+    a TPU, else "triton"), compiled on its own platform and interpreted elsewhere (default; the
+    platform is ``pallas_kernels.target_platform``, this process's unless ``compiling_for``),
     ``sizes`` default ``BlockSizes.for_backend``."""
-    platform = jax.default_backend()
+    platform = pallas_kernels.target_platform()
     backend = backend or ("mosaic" if platform == "tpu" else "triton")
     patterns.check_choice("backend", backend, pallas_kernels.BACKENDS)
     if interpret is None:

@@ -27,6 +27,8 @@ block (so the pipeline fetches only listed tiles) and the running softmax lives 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -38,6 +40,29 @@ from jax.experimental import pallas as pl
 NEG = -1e30  # masked score (finite: no NaN in values or gradients)
 FLOOR = -1e20  # start of a row maximum: exp(NEG - FLOOR) == 0 for a row with no key yet
 BACKENDS = ("triton", "mosaic")  # GPU, TPU
+PLATFORMS = ("cpu", "gpu", "tpu")
+_TARGET = contextvars.ContextVar("sparse_jax_target_platform", default=None)
+
+
+def target_platform() -> str:
+    """The platform the programs traced now are built for: "cpu", "gpu" or "tpu". JAX's default
+    backend, unless ``compiling_for`` names another. It picks the attention implementation
+    ("auto"), the kernels' backend and whether they compile or run in interpret mode."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace for ``platform`` ("gpu", "tpu" or "cpu") whatever this process's devices are: a
+    deviceless compile for an H100 or a TPU from a CPU host (``scripts/compile_report.py``)
+    builds the Triton or Mosaic kernels as the device would, not interpret mode."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} is not one of {', '.join(PLATFORMS)}")
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
