@@ -348,7 +348,8 @@ def _forward(spec, compiler, q, k, v):
     for layout, keep, lists in _terms(spec, rows, compiler):
         nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
         o, lse = pallas_kernels.forward(compiler, keep, lists, _pad_to(layout.queries(q), nq),
-                                        *(_pad_to(layout.keys(x), nk) for x in (k, v)))
+                                        *(_pad_to(layout.keys(x), nk) for x in (k, v)),
+                                        tag=layout.kind)
         outs.append(layout.queries_back(o[:, :, :layout.n]))
         lses.append(layout.queries_back(lse[:, :, :layout.n, 0]))
     lse_max = functools.reduce(jnp.maximum, lses)
@@ -409,7 +410,7 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
         state = pallas_kernels.forward(
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), rows=at,
             init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32,
-            seq_major=seq_major)
+            seq_major=seq_major, tag=layout.kind)
     out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state)
     return out, lse[..., 0]
 
@@ -428,7 +429,7 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
         grads = pallas_kernels.backward(
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do, lse,
             delta, rows=at, init=(dq, () if summary else dkv),
-            dtype=q.dtype if last else jnp.float32, seq_major=seq_major)
+            dtype=q.dtype if last else jnp.float32, seq_major=seq_major, tag=layout.kind)
         dq, dkv = grads[:1], grads[1:]
         if summary:  # the first term (``_chain``'s order): nothing to add to yet
             assert not last
@@ -464,7 +465,7 @@ def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
         q_l, do_l, lse_l, delta_l = (_pad_to(layout.queries(x), nq) for x in (q, do, lse, delta))
         k_l, v_l = (_pad_to(layout.keys(x), nk) for x in (k, v))
         dq, dk, dv = pallas_kernels.backward(compiler, keep, lists, q_l, k_l, v_l, do_l, lse_l,
-                                             delta_l)
+                                             delta_l, tag=layout.kind)
         grads[0] += layout.queries_back(dq[:, :, :layout.n])
         grads[1] += layout.keys_back(dk[:, :, :layout.nk])
         grads[2] += layout.keys_back(dv[:, :, :layout.nk])

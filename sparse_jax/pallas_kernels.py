@@ -438,6 +438,10 @@ def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, 
 # The passes.
 
 
+def _name(kernel, tag):
+    return f"{kernel}_{tag}" if tag else kernel
+
+
 def _gpu_inputs(q_attrs, k_attrs, tiled_attrs, data, rows, init):
     """``_gpu_call``'s inputs: the attributes (q's and k's tiled as ``tiled_attrs`` says: the
     program's own side), the (array, own side) data, own ones tiled unless ``rows`` addresses
@@ -461,12 +465,14 @@ def _dims(x, seq_major):
 
 
 def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=(),
-            dtype=jnp.float32, seq_major=False):
+            dtype=jnp.float32, seq_major=False, tag=""):
     """Output [B, H, Nq, dv] (``dtype``) and log-sum-exp [B, H, Nq, 1] (float32) of one term.
     By default q, k, v are in the term's layout; with ``rows`` = (query ``Rows``, key ``Rows``)
     the tiles are read (and the outputs written) where those say, e.g. strided in sequence
     order. ``init``: (o, lse) of the earlier terms, float32 where the outputs go, to resume the
-    online softmax from; ``seq_major``: every array [B, N, H, ...] instead (Triton only)."""
+    online softmax from; ``seq_major``: every array [B, N, H, ...] instead (Triton only).
+    ``tag`` names the kernel after its term (``sparse_forward_columns``), as profilers and
+    compilers' logs show it."""
     _only_triton(compiler, rows, init, dtype, seq_major)
     (batch, heads, nq), like = _dims(q, seq_major)
     bq, bk = compiler.block_q, compiler.block_k
@@ -479,20 +485,20 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
         kernel = functools.partial(_gpu_forward, keep=keep, own=own, listed=listed,
                                    resume=bool(init), one_loop=compiler.one_loop,
                                    seq_major=seq_major, interpret=compiler.interpret)
-        return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out, "sparse_forward",
-                         seq_major)
+        return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out,
+                         _name("sparse_forward", tag), seq_major)
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
     own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
     kernel = functools.partial(_tpu_forward, keep=keep, width=lists.forward.shape[1])
     return _tpu_call(compiler, kernel, lists.forward, own, listed, bk, out,
-                     [(bq, v.shape[3]), (bq, 1), (bq, 1)], "sparse_forward")
+                     [(bq, v.shape[3]), (bq, 1), (bq, 1)], _name("sparse_forward", tag))
 
 
 def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *, rows=None,
-             init=((), ()), dtype=jnp.float32, seq_major=False):
+             init=((), ()), dtype=jnp.float32, seq_major=False, tag=""):
     """Gradients (``dtype``) of one term's share of the output for the joint ``lse``; ``rows``
     and ``seq_major`` as ``forward``'s, ``init``: (dq,) and (dk, dv) so far (float32, where the
-    outputs go) to add to, or empty tuples (Triton only)."""
+    outputs go) to add to, or empty tuples (Triton only); ``tag`` as ``forward``'s."""
     _only_triton(compiler, rows, init[0] + init[1], dtype, seq_major)
     (batch, heads, nq), like = _dims(q, seq_major)
     nk = k.shape[1 if seq_major else 2]
@@ -508,7 +514,7 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
         dq = _gpu_call(compiler, functools.partial(
             _gpu_dq, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0]), **common),
             lists.forward, bq, dq_inputs, [(like(nq, q.shape[3]), dtype, tiled)],
-            "sparse_dq", seq_major)[0]
+            _name("sparse_dq", tag), seq_major)[0]
         dkv_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (False, True), [
             (k, True), (v, True), (q, False), (do, False), (lse, False), (delta, False)],
             rows, init[1])
@@ -516,7 +522,7 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
             _gpu_dkv, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1]), **common),
             lists.backward, bk, dkv_inputs, [(like(nk, k.shape[3]), dtype, tiled),
                                             (like(nk, v.shape[3]), dtype, tiled)],
-            "sparse_dkv", seq_major)
+            _name("sparse_dkv", tag), seq_major)
         return dq, dk, dv
     dq_out = [((batch, heads, nq, q.shape[3]), bq)]
     dkv_out = [((batch, heads, nk, k.shape[3]), bk), ((batch, heads, nk, v.shape[3]), bk)]
@@ -525,9 +531,9 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
     key_side = [k, v, *lists.k_attrs]
     dq = _tpu_call(compiler, functools.partial(_tpu_dq, keep=keep, width=lists.forward.shape[1]),
                    lists.forward, dq_own, key_side, bk, dq_out, [(bq, q.shape[3])],
-                   "sparse_dq")[0]
+                   _name("sparse_dq", tag))[0]
     dk, dv = _tpu_call(
         compiler, functools.partial(_tpu_dkv, keep=keep, width=lists.backward.shape[1]),
         lists.backward, key_side, dkv_listed, bq, dkv_out,
-        [(bk, k.shape[3]), (bk, v.shape[3])], "sparse_dkv")
+        [(bk, k.shape[3]), (bk, v.shape[3])], _name("sparse_dkv", tag))
     return dq, dk, dv
