@@ -53,6 +53,10 @@ _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when list
 
 
 VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels are combined
+WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
+_OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
+                 "heads_per_program": "the heads per program", "num_warps": "the warps",
+                 "num_stages": "the stages"}  # what each kind of option in `parse` sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,32 +89,74 @@ class BlockSizes:
         return BlockSizes() if backend == "triton" else BlockSizes(128, 128)
 
     @staticmethod
-    def parse(options: str) -> BlockSizes:
-        """From ``:``-separated options, the others default (a config or benchmark string):
-        ``QxK`` tiles, a variant, ``hG`` heads per program, ``wN`` warps, ``sN`` stages and
-        ``one_loop``; e.g. "64x64:chained:h2"."""
-        fields = {}
+    def parse(options: str, default: BlockSizes | None = None) -> BlockSizes:
+        """From ``:``-separated options, the others ``default``'s (None: ``BlockSizes()``, the
+        GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
+        program, ``wN`` warps, ``sN`` stages and ``one_loop``; e.g. "64x64:chained:h2". An
+        option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
+        refused (ValueError), not resolved by order."""
+        fields, given = {}, {}  # given: which option set each field
         for option in options.split(":"):
             if re.fullmatch(r"\d+x\d+", option):
-                fields["block_q"], fields["block_k"] = map(int, option.split("x"))
+                names, values = ("block_q", "block_k"), tuple(map(int, option.split("x")))
             elif option in VARIANTS:
-                fields["variant"] = option
+                names, values = ("variant",), (option,)
             elif option == "one_loop":
-                fields["one_loop"] = True
+                names, values = ("one_loop",), (True,)
             elif re.fullmatch(r"[hws]\d+", option):
-                name = {"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}
-                fields[name[option[0]]] = int(option[1:])
+                names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
+                    option[0]],)
+                values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
                                  "QxK, terms, chained, hG, wN, sN or one_loop")
-        return BlockSizes(**fields)
+            if names[0] in given:
+                first = given[names[0]]
+                what = f"{option!r} is given twice" if first == option else \
+                    f"{first!r} and {option!r} both set {_OPTION_NAMES[names[0]]}"
+                raise ValueError(f"kernel options {options!r}: {what}; give each option once")
+            for name, value in zip(names, values):
+                fields[name], given[name] = value, option
+        return dataclasses.replace(default or BlockSizes(), **fields)
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "heads_per_program"):
             value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
+                    or value & (value - 1):
+                option = "hG" if name == "heads_per_program" else "QxK"
+                raise ValueError(f"BlockSizes.{name}={value} (option {option}) must be a power "
+                                 "of two")
+        if isinstance(self.num_warps, bool) or self.num_warps not in WARPS:
+            raise ValueError(f"BlockSizes.num_warps={self.num_warps} (option w{self.num_warps}) "
+                             f"must be a power of two from 1 to {WARPS[-1]}: Triton's warps "
+                             "per program")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
+                or self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages} (option "
+                             f"s{self.num_stages}) must be at least 1: Triton's pipeline "
+                             "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
+
+    def check_backend(self, backend: str, tiles: bool = True) -> None:
+        """ValueError (one line) for options ``backend`` ("triton" or "mosaic") cannot compile:
+        the variant, ``heads_per_program`` and ``one_loop`` are Triton's, and (``tiles``)
+        Triton's tiles are at least 16 (its smallest matrix product), Mosaic's multiples of 128
+        (a TPU's vector lanes). Interpret mode runs any tiles (tests use small ones), so
+        ``compiler_for`` checks tiles only where the kernels compile."""
+        patterns.check_choice("backend", backend, pallas_kernels.BACKENDS)
+        size = f"{self.block_q}x{self.block_k}"
+        if tiles and backend == "triton" and min(self.block_q, self.block_k) < 16:
+            raise ValueError(f"kernel tiles {size}: Triton needs at least 16 queries and 16 keys "
+                             "per tile (e.g. 16x16, 64x64, the default)")
+        if tiles and backend == "mosaic" and (self.block_q % 128 or self.block_k % 128):
+            raise ValueError(f"kernel tiles {size}: Mosaic (a TPU) needs multiples of 128 "
+                             "(e.g. 128x128, the default)")
+        if backend != "triton" and (self.variant != "terms" or self.heads_per_program != 1
+                                    or self.one_loop):
+            raise ValueError(f"BlockSizes(variant={self.variant!r}, heads_per_program="
+                             f"{self.heads_per_program}, one_loop={self.one_loop}) needs the "
+                             f"triton backend (a GPU), not {backend}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,11 +540,7 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     if interpret is None:
         interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
     sizes = sizes or BlockSizes.for_backend(backend)
-    if backend != "triton" and (sizes.variant != "terms" or sizes.heads_per_program != 1
-                                or sizes.one_loop):
-        raise ValueError(f"BlockSizes(variant={sizes.variant!r}, heads_per_program="
-                         f"{sizes.heads_per_program}, one_loop={sizes.one_loop}) needs the "
-                         f"triton backend, not {backend}")
+    sizes.check_backend(backend, tiles=not interpret)
     return pallas_kernels.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax import patterns
+from sparse_jax import pallas_kernels, patterns
 from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.kernel import BlockSizes
 from sparse_jax.layers import Block, linear
@@ -164,7 +164,9 @@ class ModelConfig:
         if not isinstance(self.kernel, str):
             fail("kernel", "must be a string of kernel options, e.g. 'chained:h2'")
         try:
-            _ = self.block_sizes
+            sizes = self.block_sizes
+            if sizes is not None:  # against the backend of the platform traced for
+                sizes.check_backend(kernel_backend())
         except ValueError as e:
             fail("kernel", str(e))
         try:
@@ -192,6 +194,15 @@ class ModelConfig:
             if self.num_heads % len(specs):
                 fail("num_heads", f"cannot be split into {len(specs)} head groups "
                                   f"({', '.join(map(str, specs))})")
+        groups = sorted({self.num_heads // len(specs) for specs in set(self.specs())})
+        if sizes is not None and any(g % sizes.heads_per_program for g in groups):
+            fits = [f"h{2 ** i}" for i in range(math.gcd(*groups).bit_length())
+                    if math.gcd(*groups) % 2 ** i == 0]
+            heads = (f"the model's {self.num_heads} heads" if groups == [self.num_heads] else
+                     f"the heads of each head group ({' and '.join(map(str, groups))}: the "
+                     f"{self.num_heads} heads split evenly over a layer's patterns)")
+            fail("kernel", f"h{sizes.heads_per_program} heads per program must divide {heads}; "
+                           f"give {', '.join(fits)}")
         if self.shifted_heads:  # the pattern is strided (checked above)
             column_groups = {self.num_heads // len(specs) for specs in self.specs()
                              for spec in specs if _has_column(spec)}
@@ -224,8 +235,37 @@ class ModelConfig:
 
     @property
     def block_sizes(self) -> BlockSizes | None:
-        """The Pallas kernel's options (``kernel``), or None for the backend's default."""
-        return BlockSizes.parse(self.kernel) if self.kernel else None
+        """The Pallas kernel's options (``kernel``; the others the default of the backend of
+        the platform traced for), or None for the backend's default."""
+        if not self.kernel:
+            return None
+        return BlockSizes.parse(self.kernel, BlockSizes.for_backend(kernel_backend()))
+
+    @property
+    def kernel_unused(self) -> str | None:
+        """Why ``kernel``'s options change nothing on the platform traced for
+        (``pallas_kernels.target_platform``), in one line; None when they apply (or are
+        unset). They are the Pallas kernel's: the XLA path, the CPU kernels and dense
+        attention do not read them, nor Mosaic Triton's warps and stages."""
+        if not self.kernel:
+            return None
+        platform = pallas_kernels.target_platform()
+        implementation = resolve_implementation(self.attention)
+        unused = f"model.kernel={self.kernel!r} is not used: "
+        if implementation != "pallas":
+            runs = {"native": "the CPU kernels (sparse_jax.native)", "xla": "the XLA path"}
+            return (unused + f"attention={self.attention!r} runs {runs[implementation]} on "
+                    f"this {platform}, and the options are the Pallas kernel's (attention="
+                    "'pallas', or 'auto' on a GPU or TPU)")
+        if self.pattern == "dense":
+            return unused + "dense attention runs a fused dense kernel or XLA, not the " \
+                            "block-sparse Pallas kernel the options are for"
+        sizes, default = self.block_sizes, BlockSizes.for_backend("mosaic")
+        if kernel_backend() == "mosaic" and (sizes.num_warps, sizes.num_stages) != (
+                default.num_warps, default.num_stages):
+            return ("model.kernel's warps and stages (wN, sN) are not used: they are "
+                    "Triton's (a GPU), and this TPU's kernels compile through Mosaic")
+        return None
 
     @property
     def base_spec(self) -> PatternSpec:
@@ -272,6 +312,12 @@ class ModelConfig:
 def _has_column(spec: PatternSpec) -> bool:
     """Whether a head group with this pattern attends the strided column (every l-th byte)."""
     return spec.kind == "strided" and spec.part in ("both", "strided")
+
+
+def kernel_backend() -> str:
+    """The Pallas backend the kernel compiles through on the platform traced for: "mosaic" on a
+    TPU, else "triton" (interpreted on a CPU), as ``kernel.compiler_for`` picks it."""
+    return "mosaic" if pallas_kernels.target_platform() == "tpu" else "triton"
 
 
 def model_config(config) -> ModelConfig:

@@ -45,7 +45,7 @@ from sparse_jax import images as images_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax import workdir as workdir_lib
 from sparse_jax.data import Stage
-from sparse_jax.logs import Logger, Profiler, duration
+from sparse_jax.logs import Logger, Profiler, duration, warn
 from sparse_jax.model import ModelConfig, loss_bits
 from sparse_jax.optim import state_builders
 
@@ -213,6 +213,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     for note in notes:
         if note and primary:
             print(note, flush=True)
+    if cfg.kernel_unused:  # e.g. --config.model.kernel=chained where auto runs the CPU kernels
+        warn(cfg.kernel_unused)
     before = workdir_lib.contents(workdir)
     changes = workdir_lib.prepare_workdir(workdir, config)  # None: a new run
     with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():

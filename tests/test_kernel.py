@@ -12,6 +12,8 @@ twice the XLA path's error.
 """
 
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -445,3 +447,94 @@ def test_model_attention_kernel_variant_matches_dense():
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
     with pytest.raises(ValueError, match="ModelConfig.kernel='h3'.*power of two"):
         ModelConfig(**base, kernel="h3")
+
+
+BAD_KERNEL_OPTIONS = [  # (model.kernel, the one line's tail); the model has 4 heads
+    ("h8", "h8 heads per program must divide the model's 4 heads; give h1, h2, h4"),
+    ("w0", "num_warps=0 (option w0) must be a power of two from 1 to 32"),
+    ("w3", "num_warps=3 (option w3) must be a power of two from 1 to 32"),
+    ("s0", "num_stages=0 (option s0) must be at least 1"),
+    ("1x1", "kernel tiles 1x1: Triton needs at least 16 queries and 16 keys per tile"),
+    ("terms:chained", "'terms' and 'chained' both set the variant; give each option once"),
+    ("h2:h4", "'h2' and 'h4' both set the heads per program; give each option once"),
+    ("64x64:32x32", "'64x64' and '32x32' both set the tiles; give each option once"),
+    ("chained:chained", "'chained' is given twice; give each option once"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_KERNEL_OPTIONS)
+def test_bad_kernel_options_are_refused_when_the_config_is_read(tmp_path, options, message):
+    """Whatever a kernel option can get wrong is one line when the config is read, on any
+    platform and whether or not the kernel runs here: before data, devices or the workdir."""
+    import configs
+    from sparse_jax import train
+
+    config = configs.load("quickstart.py:data=embedded",
+                          {"model.num_heads": 4, "model.kernel": options})
+    with pytest.raises(ValueError) as e:
+        train.train(config, str(tmp_path / "run"))
+    line = str(e.value)
+    assert line.startswith(f"ModelConfig.kernel={options!r}: ") and message in line, line
+    assert "\n" not in line
+    assert os.listdir(tmp_path) == []  # no workdir, nothing else
+
+
+def test_heads_per_program_are_checked_against_each_head_group():
+    """Multi-head mode splits a layer's heads over its patterns: each kernel call attends a
+    group's heads, which hG must divide (h4 fits the model's 4 heads, not 2 groups of 2)."""
+    base = dict(seq_len=64, num_layers=2, d_model=32, num_heads=4, pattern="strided", stride=8)
+    ModelConfig(**base, kernel="h4")
+    ModelConfig(**base, mode="multihead", kernel="h2")
+    with pytest.raises(ValueError, match=re.escape(
+            "ModelConfig.kernel='h4': h4 heads per program must divide the heads of each head "
+            "group (2: the 4 heads split evenly over a layer's patterns); give h1, h2")):
+        ModelConfig(**base, mode="multihead", kernel="h4")
+
+
+def test_kernel_options_are_checked_for_the_platform_traced_for():
+    """The tiles and Triton-only options against the backend of ``target_platform``; where the
+    options cannot apply, ``kernel_unused`` is the one line that says so (None where they do)."""
+    from sparse_jax import native
+    from sparse_jax.pallas_kernels import compiling_for
+
+    base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8)
+    with compiling_for("gpu"):
+        assert ModelConfig(**base, attention="auto", kernel="16x16:chained:h2:w8:s3") \
+            .kernel_unused is None
+        assert "dense attention runs" in ModelConfig(**{**base, "pattern": "dense"},
+                                                     attention="auto", kernel="chained") \
+            .kernel_unused
+    with compiling_for("tpu"):
+        assert ModelConfig(**base, attention="auto", kernel="256x128").kernel_unused is None
+        with pytest.raises(ValueError, match="64x64: Mosaic .* multiples of 128"):
+            ModelConfig(**base, attention="auto", kernel="64x64")
+        with pytest.raises(ValueError, match="needs the triton backend"):
+            ModelConfig(**base, attention="auto", kernel="chained")
+        assert "are Triton's" in ModelConfig(**base, attention="auto", kernel="w8").kernel_unused
+    with compiling_for("cpu"):
+        runs = "the CPU kernels" if native.available() else "the XLA path"
+        assert ModelConfig(**base, attention="auto", kernel="chained").kernel_unused == (
+            f"model.kernel='chained' is not used: attention='auto' runs {runs}"
+            + (" (sparse_jax.native)" if native.available() else "") + " on this cpu, and the "
+            "options are the Pallas kernel's (attention='pallas', or 'auto' on a GPU or TPU)")
+        assert ModelConfig(**base, attention="pallas", kernel="chained").kernel_unused is None
+        assert ModelConfig(**base, attention="auto").kernel_unused is None
+
+
+def test_training_says_once_that_an_unused_kernel_option_is_not_used(tmp_path, capsys):
+    """On a CPU, auto runs the CPU kernels (or XLA): --config.model.kernel=chained changes
+    nothing, and one warning line says so at start-up, before the workdir is touched (here a
+    file, refused next, and left as it was)."""
+    import configs
+    from sparse_jax import train
+
+    config = configs.load("quickstart.py:data=embedded",
+                          {"model.attention": "auto", "model.kernel": "chained"})
+    workdir = tmp_path / "a_file"
+    workdir.write_text("mine")
+    with pytest.raises(OSError, match="cannot write to the workdir"):
+        train.train(config, str(workdir))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: model.kernel='chained' is not used: attention='auto' runs "), warnings
+    assert workdir.read_text() == "mine"
