@@ -25,10 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dry_run_measures_every_planned_row(tmp_path):
     # Through the report, as a GPU will run it (--stages=env,study there): the stage's
     # registration, its process, its check and its section of results.md.
+    # A cap no loaded machine reaches (the stage's 240 s were a clock: a busy CPU timed the
+    # last run out), and no timeout here: the report's own cap bounds the run.
     out = tmp_path / "study"
     proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
-                           "--stages=study", f"--output_dir={out}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200)
+                           "--stages=study", "--caps=study=86400", f"--output_dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())["stages"]["study"]
     assert result["status"] == "ok", (long_study.missing(result), proc.stdout[-3000:])
@@ -47,6 +49,9 @@ def test_dry_run_measures_every_planned_row(tmp_path):
     long_rows = [r for r in result["runs"] if r["seq_len"] == plan["long"]]
     assert len(long_rows) == 2 and all(len(r["test"]) == 6 for r in long_rows)
     text = (out / "results.md").read_text()
+    # what bounded each run, from its own figures: at 3,600 s of wall time, the 4-step cap
+    assert {row["bound"] for row in result["runs"]} == {long_study.STEP_CAP}
+    assert "each run capped at 4 steps" in text and "s of wall time from its start" not in text
     for row in result["runs"]:  # each run's line: steps, plain and matched bits
         line = next(x for x in text.splitlines() if x.startswith(f"| {row['name']} |"))
         assert f"| {row['steps']:,} |" in line
@@ -140,3 +145,33 @@ def test_no_time_left_runs_nothing_and_says_so(tmp_path):
     assert long_study.check(result)[0] == "failed"
     assert not [n for n in os.listdir(tmp_path) if n != "code_head.py"]
     assert jax.default_backend() == "cpu"  # the stage's own process keeps off the accelerator
+
+
+def test_the_text_says_what_bounded_the_runs_from_their_own_figures():
+    assert long_study.bounded_steps(300, 2, 4) == (4, long_study.STEP_CAP)
+    assert long_study.bounded_steps(3, 2, 4) == (3, long_study.WALL_TIME)
+    assert long_study.bounded_steps(1, 2, 4) == (2, long_study.STEP_FLOOR)
+    base = {"config": "c", "run_seconds": 120, "min_steps": 2, "max_steps": 4,
+            "matched_context": 32}
+
+    def text(*rows):
+        return "\n".join(long_study.markdown({**base, "runs": list(rows)}))
+
+    capped = [_row(name, [0, 32], bound=long_study.STEP_CAP, time_steps=held, wall_s=wall)
+              for name, held, wall in (("short sparse", 900, 19.2), ("long sparse", 400, 28.4))]
+    said = text(*capped)  # every run capped at steps: equal steps, not equal time
+    assert ("each run capped at 4 steps, fewer than its 120 s of wall time held (400–900 "
+            "steps): equal steps, not equal time; training took 19–28 s") in said
+    assert "s of wall time from its start" not in said and "| 4 | step cap |" in said
+    timed = [{**r, "bound": long_study.WALL_TIME} for r in capped]
+    assert "each run 120 s of wall time from its start" in text(*timed)
+    mixed = text(capped[0], timed[1])
+    assert "the cap of 4 steps (short sparse); 120 s of wall time (long sparse)" in mixed
+    assert "each run" not in mixed
+    # no run trained: no claim about their time at all
+    cut = {"name": "long dense", "optional": False, "seq_len": 256, "pattern": "dense",
+           "batch_size": 2, "test_contexts": [0, 32], "error": long_study.TIME_UP}
+    said = text(cut, {**cut, "name": "short sparse"})
+    assert "no run trained (each row says why)" in said
+    assert "wall time" not in said and "capped" not in said
+    assert "None" not in said and "| — | — |" in said

@@ -14,10 +14,12 @@ Every run reads 65,536 bytes a step with the same optimizer and schedule shape. 
 is the pattern study's (`sparse_jax.study`): in the run's process `study.calibrate` times its
 start-up (data, compilation, the first step), a median step and a validation pass,
 `study.budget_steps` turns `run_seconds` into steps and `study.budget_config` rescales the
-schedule to them (4 validation passes, warmup 10% of the run). Calibrating costs each run one
-extra compilation (~15 s on an H100), which buys equal time on a chip and at contexts no run
-has measured yet. Then `sparse_jax.train.train` trains, and `sparse_jax.evaluate.evaluate`
-scores the test part:
+schedule to them (4 validation passes, warmup 10% of the run), within the plan's least and most
+steps (`bounded_steps`: the dry run's 4 steps, not its time, bound every run there; each row
+says what bounded it, and results.md's text says so from the runs' figures, not from the plan).
+Calibrating costs each run one extra compilation (~15 s on an H100), which buys equal time on a
+chip and at contexts no run has measured yet. Then `sparse_jax.train.train` trains, and
+`sparse_jax.evaluate.evaluate` scores the test part:
 
   plain          non-overlapping windows: every byte once, with whatever context its window gives
   matched        `--min_context=M`, M = half the short context (2,048): every byte (but the
@@ -33,7 +35,8 @@ scores the test part:
   run(plan, emit) runs the study (plan["deadline"]: time.time() to end by; plan["workdir"]: a
                   scratch folder), calling emit(results so far) as they come; returns them
   check(result)   None when every planned row was measured, else ("partial" | "failed", why)
-  markdown(result) the section of results.md, as lines
+  markdown(result) the section of results.md, as lines; its text says what bounded the runs
+                  (wall time or a step cap) from their own figures (`bounds_text`)
 
 It runs as the report's `study` stage (`sparse_jax.bench.accelerator.study`, which holds its
 cap); on a CPU at toy sizes, in about two minutes:
@@ -53,6 +56,9 @@ import threading
 import time
 
 from sparse_jax.bench.accelerator.common import CODE_CORPUS, REPO, TIME_UP
+
+# What bounded a run's steps (a row's "bound"; `bounded_steps`).
+WALL_TIME, STEP_CAP, STEP_FLOOR = "wall time", "step cap", "step floor"
 
 # ---------------------------------------------------------------------------------------------
 # The plan.
@@ -88,8 +94,9 @@ def plan(dry_run: bool) -> dict:
         short, long = 64, 256
         model = {"model.num_layers": 1, "model.d_model": 32, "model.num_heads": 2,
                  "model.attention": "xla", "model.dtype": "float32"}
-        # max_steps decides: run_seconds only has to hold a loaded CPU's start-up
-        p = {"run_seconds": 120, "min_steps": 2, "max_steps": 4, "data_bytes": 40_000,
+        # max_steps decides: run_seconds only has to hold any CPU's start-up, however loaded
+        # (the stage's cap, not this, bounds the dry run's time)
+        p = {"run_seconds": 3600, "min_steps": 2, "max_steps": 4, "data_bytes": 40_000,
              "need_s": 40, "evals": 2}
         strides, batches = (8, 16), (8, 2)
     else:
@@ -155,7 +162,7 @@ def run(plan: dict, emit) -> dict:
             f.write(bytes(sources.load_bytes(os.path.join(REPO, CODE_CORPUS))[:p["data_bytes"]]))
     configs = {s["name"]: run_config(p, s, data_path) for s in p["runs"]}  # all checked first
     result = {"dry_run": p["dry_run"], "config": p["config"], "run_seconds": p["run_seconds"],
-              "max_steps": p["max_steps"],
+              "min_steps": p["min_steps"], "max_steps": p["max_steps"],
               "matched_context": p["matched_context"], "copy_edges": p["copy_edges"],
               "runs": [{"name": s["name"], "optional": s["optional"],
                         "seq_len": s["overrides"]["model.seq_len"],
@@ -224,6 +231,17 @@ def _run_worker(run_dir: str, job: dict, timeout: float, update) -> str | None:
 # One run, in its own process.
 
 
+def bounded_steps(time_steps: int, min_steps: int, max_steps: int) -> tuple[int, str]:
+    """(steps, what bounded them): "wall time" when `time_steps` (what the run's seconds hold,
+    `study.budget_steps`) lies within [min_steps, max_steps], else "step cap" (max_steps, fewer
+    than the time holds: equal steps, not equal time) or "step floor" (min_steps, more)."""
+    if time_steps > max_steps:
+        return max_steps, STEP_CAP
+    if time_steps < min_steps:
+        return min_steps, STEP_FLOOR
+    return time_steps, WALL_TIME
+
+
 def _worker(run_dir: str, job: dict) -> None:
     """Calibrates, trains and scores the run whose config is run_dir/config.json, printing its
     row so far as a JSON line after each part (Python's other output goes to stderr)."""
@@ -265,11 +283,12 @@ def _train_and_score(run_dir: str, job: dict, emit) -> None:
     config = config_lib.read_record(run_dir)
     evals = -(-config.total_steps // config.eval_every)
     calibration = study.calibrate(run_dir, time.time())
-    steps = study.budget_steps(calibration, job["run_seconds"], evals)
-    steps = max(job["min_steps"], min(steps, job["max_steps"]))
+    time_steps = study.budget_steps(calibration, job["run_seconds"], evals)
+    steps, bound = bounded_steps(time_steps, job["min_steps"], job["max_steps"])
     config = study.budget_config(config, steps)
     config_lib.write_record(run_dir, config)
-    emit(phase="training", calibration=calibration, planned_steps=steps)
+    emit(phase="training", calibration=calibration, planned_steps=steps, time_steps=time_steps,
+         bound=bound)
 
     start = time.time()
     trained = train_lib.train(config, run_dir)
@@ -342,31 +361,66 @@ def _f(value, spec=".4f"):
     return "—" if value is None else format(value, spec)
 
 
+def _span(values: list, spec: str) -> str:
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}–{high}"
+
+
+def bounds_text(result: dict) -> str:
+    """What bounded the runs, from their own figures (each trained run's "bound", the steps its
+    seconds held, its training's wall time), never from the plan alone: "each run 85 s of wall
+    time ...: equal time", "each run capped at 4 steps, fewer than ...: equal steps, not equal
+    time", which run each bound held when they differ, or that no run trained."""
+    trained = [r for r in result.get("runs", []) if r.get("steps") is not None]
+    if not trained:
+        return "no run trained (each row says why)"
+    seconds, cap, floor = (result.get(k) for k in ("run_seconds", "max_steps", "min_steps"))
+    walls = [r["wall_s"] for r in trained if r.get("wall_s") is not None]
+    took = f"; training took {_span(walls, '.0f')} s" if walls else ""
+    bounds = {}
+    for r in trained:
+        bounds.setdefault(r.get("bound"), []).append(r["name"])
+    held = [r["time_steps"] for r in trained if r.get("time_steps") is not None]
+    held = f" ({_span(held, ',')} steps)" if held else ""
+    if set(bounds) == {WALL_TIME}:
+        return (f"each run {seconds} s of wall time from its start (compilation, steps, "
+                f"validation passes; `study.calibrate` / `budget_steps`): equal time{took}")
+    if set(bounds) == {STEP_CAP}:
+        return (f"each run capped at {_f(cap, ',')} steps, fewer than its {seconds} s of wall time "
+                f"held{held}: equal steps, not equal time{took}")
+    what = {WALL_TIME: f"{seconds} s of wall time", STEP_CAP: f"the cap of {_f(cap, ',')} steps",
+            STEP_FLOOR: f"the least of {floor} steps, more than {seconds} s held",
+            None: "not recorded"}
+    return ("runs bounded by " + "; ".join(f"{what.get(b, b)} ({', '.join(names)})"
+                                           for b, names in bounds.items())
+            + (": equal time only among those bounded by wall time" if WALL_TIME in bounds
+               else ": not equal time") + took)
+
+
 def markdown(result: dict) -> list[str]:
     """The study's section of results.md: the runs, Table 4 of the long models, the copy
     classes in plain windows and at the matched context."""
     rows = result.get("runs", [])
     m = result.get("matched_context")
-    lines = ["## Long context at equal wall time (study)", ""]
+    lines = ["## Long context: short and long, sparse and dense (study)", ""]
     verdict = check(result)
     if verdict:
         lines += [f"**{verdict[0]}**: {verdict[1]}", ""]
-    lines += [f"`{result.get('config')}` on the code corpus, each run {result.get('run_seconds')}"
-              " s of wall time from its start (compilation, steps, validation passes; "
-              "`study.calibrate` / `budget_steps`)"
-              + (f", at most {result.get('max_steps')} steps (dry run)" if result.get("dry_run")
-                 else "") + "; test bits/byte in plain windows and with "
-              f"at least {m:,} bytes of context for every byte (matched).", "",
-              "| run | context | batch | params | steps | s/step | bytes/s | s of steps | "
-              "train bits | valid bits | test bits | test ≥ " + f"{m:,} |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dry = " (dry run)" if result.get("dry_run") else ""
+    lines += [f"`{result.get('config')}` on the code corpus{dry}, {bounds_text(result)}; "
+              "test bits/byte in plain windows and with at least "
+              f"{m:,} bytes of context for every byte (matched).", "",
+              "| run | context | batch | params | steps | bounded by | s/step | bytes/s | "
+              "s of steps | train bits | valid bits | test bits | test ≥ " + f"{m:,} |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         note = r.get("error") or r.get("skipped")
         plain, matched = test_row(r, 0) or {}, test_row(r, m) or {}
         lines.append(
             f"| {r['name']}" + (f" ({note})" if note else "") + f" | {r['seq_len']:,} "
             f"{r['pattern']} | {r['batch_size']} | {_f(r.get('params'), ',')} | "
-            f"{_f(r.get('steps'), ',')} | {_f(r.get('s_per_step'), '.4f')} | "
+            f"{_f(r.get('steps'), ',')} | {r.get('bound') or '—'} | "
+            f"{_f(r.get('s_per_step'), '.4f')} | "
             f"{_f(r.get('tokens_per_s'), ',.0f')} | {_f(r.get('steps_s'), '.1f')} | "
             f"{_f(r.get('train_bits'))} | {_f(r.get('valid_bits'))} | {_f(plain.get('bits'))} | "
             f"{_f(matched.get('bits'))} |")
