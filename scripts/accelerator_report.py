@@ -21,22 +21,32 @@ context, at Table 4's contexts and by copy distance):
 
   python scripts/accelerator_report.py --stages=env,study --output_dir=reports/h100_study
 
---stages runs a subset (e.g. to rerun one), --caps=STAGE=SECONDS,... changes caps, --budget_s
-caps the whole run, --profile adds jax.profiler traces of a few training steps (the preset's
-and the paper's 16k step, Pallas) to OUTPUT_DIR/profile and 40 s to train_step's cap.
+--stages runs a subset (e.g. to rerun one; each stage named once, and at least one),
+--caps=STAGE=SECONDS,... changes caps, --budget_s caps the whole run, --profile adds
+jax.profiler traces of a few training steps (the preset's and the paper's 16k step, Pallas) to
+OUTPUT_DIR/profile and 40 s to train_step's cap.
 
 Each stage ends "ok" only if it measured everything it planned; otherwise "partial" (a row
 not measured, "not run: stage time up" included; training cut by the cap before its steps or
 its validation; no test figure or sample) or "failed" (it ran no test, crashed, or measured
-nothing), with the reason in one line. The last line says "every stage ok" or lists the stages
-that are not, and the exit status is 0 only if every stage is ok (or skipped: no torch for
-flex); 1 if one is not, 2 for a bad argument (caps, budget, stages, a --wheels folder whose
-.whl files are not all readable zips: refused before anything runs, nothing written), 130 or
-143 when stopped by SIGINT or SIGTERM. Stopping it kills the running stage and everything it
-started (each stage runs in its own session), and the temporary folder (sparse_jax_accel_* in
-$TMPDIR: wheels, the preset's run, the stages' own temporary files) goes in every case. Writes
-results.md (the statuses and the summary tables), results.json (every figure), log.txt (every
-stage's output) and sample.txt to --output_dir, also when stopped.
+nothing), with the reason in one line; "skipped" when it has nothing to measure here (flex
+without torch). The last line (and results.md's verdict) says "every stage ok", or lists the
+stages that are not ok, and names every stage skipped ("every other stage ok; not every stage
+measured: flex skipped: torch is not installed ..."). The exit status is 0 when every stage is
+ok or skipped and something was measured; 1 when a stage is not ok, or when no stage measured
+anything: every stage asked for was skipped, or all but env (which describes the machine and
+measures nothing of the project: --stages=env,flex without torch measured nothing; --stages=env
+alone measured what it was asked); 2 for a bad argument (caps, budget, stages empty, unknown or
+repeated, a --wheels folder whose .whl files are not all readable zips, an --output_dir that is
+a file, cannot be written or holds a report: refused in one line before anything runs, nothing
+written); 130 or 143 when stopped by SIGINT or SIGTERM. Stopping it kills the running stage and
+everything it started (each stage runs in its own session), and the temporary folder
+(sparse_jax_accel_* in $TMPDIR: wheels, the preset's run, the stages' own temporary files) goes
+in every case. Writes results.md (the verdict, the statuses and the summary tables),
+results.json (every figure), log.txt (every stage's output), sample.txt and, with --profile,
+profile/ to --output_dir, also when stopped. A folder that already holds any of these is refused
+unless --overwrite is given; then the old report's files are removed before the first stage
+starts, so the folder never mixes two runs (other files there stay).
 
 The machine needs JAX for its accelerator, flax, optax, orbax-checkpoint, absl-py, tqdm,
 matplotlib and pillow (torch and triton for the flex stage). What it lacks travels as wheels:
@@ -72,6 +82,8 @@ _CAPS = flags.DEFINE_list("caps", None, "Stage caps to change, as STAGE=SECONDS 
 _PROFILE = flags.DEFINE_bool("profile", False, "Also write jax.profiler traces of a few steps "
                              "of the preset's and the paper's 16k training steps to "
                              "OUTPUT_DIR/profile (adds 40 s to the train_step cap).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the report already in --output_dir "
+                               "(its files are removed before the first stage starts).")
 
 
 def main(argv):
@@ -79,20 +91,22 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from sparse_jax.bench import accelerator
 
+    # --stages= (empty) is refused by the driver, not taken for the default list
+    stages = accelerator.STAGES if _STAGES.value is None else tuple(_STAGES.value)
     try:  # every argument is checked before a stage starts; nothing is written if one is bad
         report = accelerator.run_report(
-            _OUTPUT_DIR.value, wheels=_WHEELS.value, dry_run=_DRY_RUN.value,
-            stages=tuple(_STAGES.value or accelerator.STAGES), budget_s=_BUDGET.value,
-            caps=accelerator.parse_caps(_CAPS.value), profile=_PROFILE.value)
+            _OUTPUT_DIR.value, wheels=_WHEELS.value, dry_run=_DRY_RUN.value, stages=stages,
+            budget_s=_BUDGET.value, caps=accelerator.parse_caps(_CAPS.value),
+            profile=_PROFILE.value, overwrite=_OVERWRITE.value)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     wrote = f"Wrote {_OUTPUT_DIR.value}/results.md, results.json, log.txt"
-    bad = accelerator.not_ok(report)
+    ok, verdict = accelerator.verdict(report)
     if report.get("interrupted"):
-        print(f"{wrote}; interrupted by {report['interrupted']}; not ok: {'; '.join(bad)}")
+        print(f"{wrote}; interrupted by {report['interrupted']}; {verdict}")
         sys.exit(128 + signal.Signals[report["interrupted"]])
-    print(f"{wrote}; " + (f"not ok: {'; '.join(bad)}" if bad else "every stage ok"))
-    if bad:
+    print(f"{wrote}; {verdict}")
+    if not ok:
         sys.exit(1)
 
 

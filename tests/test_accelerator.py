@@ -3,7 +3,13 @@ that a renamed flag, a moved function or a broken import fails here and not on t
 is lent; a stage that measured less than it planned is not "ok" (the H100 report said "every
 stage ok" over a tests stage that ran no test, a preset cut before validation and an unmeasured
 training step); a stopped report leaves no process and no temporary folder; its arguments are
-checked before anything runs; FlexAttention's mask against the pattern."""
+checked before anything runs (the stages, the report folder: one that holds a report is replaced
+only with --overwrite, and then wholly); a stage skipped is named, and a report that measured
+nothing is not ok; rows not run print "—"; FlexAttention's mask against the pattern.
+
+No outcome here reads a clock: the dry runs run under caps no loaded machine reaches
+(`FAR_CAPS`), a test of the cap path gives a cap no machine can meet, and the waits end on
+state, not on a timeout."""
 
 import json
 import os
@@ -16,22 +22,42 @@ import zipfile
 import numpy as np
 import pytest
 
+from conftest import files_in, one_line_error
 from sparse_jax.bench import accelerator
 from sparse_jax.bench.accelerator import preset, tests, train_step
 from sparse_jax.bench.accelerator.common import TIME_UP
 from sparse_jax.patterns import PatternSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CAP = 86_400  # s: a stage cap no machine reaches, however loaded (a day)
+FAR_CAPS = "--caps=" + ",".join(f"{name}={NO_CAP}" for name in accelerator.MODULES)
 
 
-def _report(tmp_path, *args, timeout=400):
-    """Runs the script with its temporary folder under tmp_path/tmp; (process, output dir)."""
+def _report(tmp_path, *args, env=None):
+    """Runs the script with its temporary folder under tmp_path/tmp; (process, output dir).
+    No timeout: the report's caps bound it."""
     out, tmp = tmp_path / "report", tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
     proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
                            f"--output_dir={out}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "TMPDIR": str(tmp)})
+                          text=True, env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
     return proc, out
+
+
+def _refused(proc, *needles):
+    """The script's one `error:` line, exit status 2 (a bad argument), no traceback."""
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: --") and "Traceback" not in proc.stderr
+    assert all(n in proc.stderr for n in needles), proc.stderr
+
+
+def _no_torch(tmp_path):
+    """A folder that, first on PYTHONPATH, makes `import torch` fail as on a machine without it:
+    the flex stage is skipped, at once."""
+    folder = tmp_path / "no_torch"
+    folder.mkdir(exist_ok=True)
+    (folder / "torch.py").write_text("raise ImportError('No module named torch')\n")
+    return str(folder)
 
 
 def _left_in(tmp):
@@ -40,10 +66,15 @@ def _left_in(tmp):
 
 @pytest.mark.slow
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
-    proc, out = _report(tmp_path, "--profile")
+    # Under caps no loaded machine reaches: the stages' own dry caps (the attention stage's
+    # 40 s) cut a row on a busy machine ("not run: stage time up") and turned this red.
+    proc, out = _report(tmp_path, "--profile", FAR_CAPS)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1].endswith("every stage ok"), proc.stdout[-500:]
     report = json.loads((out / "results.json").read_text())
+    ok, verdict = accelerator.verdict(report)  # "every stage ok", or flex skipped, named
+    assert ok and verdict in ("every stage ok", "every other stage ok; not every stage "
+                              f"measured: flex skipped: {report['stages']['flex'].get('skipped')}")
+    assert proc.stdout.strip().splitlines()[-1].endswith(verdict), proc.stdout[-500:]
     assert list(report["stages"]) == list(accelerator.STAGES)
     for name, stage in report["stages"].items():
         torch_missing = name == "flex" and "torch is not installed" in stage.get("skipped", "")
@@ -64,7 +95,8 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     files = sorted(os.listdir(out))  # one piece: the report's files, and the traces' folder
     assert files == ["log.txt", "profile", "results.json", "results.md", "sample.txt"]
     summary = (out / "results.md").read_text()
-    assert "Every stage ok." in summary and "| preset | ok |" in summary
+    assert verdict[0].upper() + verdict[1:] + "." in summary and "| preset | ok |" in summary
+    assert "None" not in summary
     assert "Steps: " in summary and "Profile of tiny strided@xla" in summary
     assert _left_in(tmp_path / "tmp") == []
 
@@ -98,11 +130,27 @@ def test_a_tests_stage_that_runs_no_test_is_not_ok(tmp_path, monkeypatch):
     plan = accelerator.plan_for(dry_run=True)
     plan["tests"] = plan["tests"] + ["--collect-only"]  # pytest exits 0, having run nothing
     report = accelerator.run_report(str(tmp_path / "r"), dry_run=True, stages=("tests",),
-                                    plan=plan, log=lambda *a: None)
+                                    caps={"tests": NO_CAP}, plan=plan, log=lambda *a: None)
     result = report["stages"]["tests"]
     assert (result["status"], result["reason"]) == ("failed", "no test ran"), result
     assert accelerator.not_ok(report) == ["tests (failed: no test ran)"]
     assert "**Not ok: tests (failed: no test ran).**" in (tmp_path / "r/results.md").read_text()
+
+
+def _dying(pid: int) -> bool:
+    """Whether process `pid` is gone or on its way out: a zombie, exiting (PF_EXITING in its
+    flags), or with a SIGKILL pending."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f
+                       if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except OSError:
+        return True
+    kill = 1 << (signal.SIGKILL - 1)
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & 0x4) or any(p & kill
+                                                                        for p in pending)
 
 
 def _processes_with(marker: str, but: int) -> list[str]:
@@ -134,25 +182,26 @@ def test_a_stopped_report_leaves_no_process_and_no_temporary_folder(tmp_path, si
     out, tmp = tmp_path / "report", tmp_path / "tmp"
     tmp.mkdir()
     driver = subprocess.Popen([sys.executable, "scripts/accelerator_report.py", "--dry_run",
-                               f"--output_dir={out}", f"--stages={stage}"], cwd=ROOT,
+                               f"--output_dir={out}", f"--stages={stage}", FAR_CAPS], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        # Until the stage's child runs; a driver that never starts it ends at the stage's cap.
+        # Until the stage's child runs (a driver that never starts it ends, at the latest, at
+        # the stage's cap: a failure, however slow the machine).
         while not any(child in p for p in _processes_with(str(tmp), driver.pid)):
             assert driver.poll() is None, driver.communicate()
             time.sleep(0.2)
         driver.send_signal(sig)
-        stdout, stderr = driver.communicate(timeout=60)
+        stdout, stderr = driver.communicate()
     finally:
         driver.kill()
     assert driver.returncode == 128 + sig, stdout[-2000:] + stderr[-2000:]
     assert f"interrupted by {sig.name}" in stdout.strip().splitlines()[-1]
-    for _ in range(100):  # SIGKILLed processes may take a moment to be reaped
-        if not _processes_with(str(tmp), driver.pid):
-            break
+    # Each process it started got SIGKILL: wait until they are reaped, and fail at once on one
+    # that is still running and not dying (no clock: a busy machine reaps later, never red).
+    while left := _processes_with(str(tmp), driver.pid):
+        assert all(_dying(int(p.split(":")[0])) for p in left), left
         time.sleep(0.2)
-    assert _processes_with(str(tmp), driver.pid) == []
     assert _left_in(tmp) == []
     report = json.loads((out / "results.json").read_text())  # the report of what ran stays
     assert report["interrupted"] == sig.name
@@ -187,6 +236,8 @@ def test_caps_budget_stages_and_wheels_are_checked_before_anything_runs(tmp_path
     empty.mkdir()
     for kwargs, message in [
             ({"stages": ("env", "benchmarks")}, "unknown stage"),
+            ({"stages": ()}, "--stages is empty"),
+            ({"stages": ("env", "flex", "env", "flex")}, "env, flex named more than once"),
             ({"caps": {"env": float("nan")}}, "STAGE=SECONDS"),
             ({"budget_s": -5}, "--budget_s=-5"), ({"budget_s": float("nan")}, "--budget_s"),
             ({"budget_s": 0}, "--budget_s"),
@@ -201,10 +252,15 @@ def test_caps_budget_stages_and_wheels_are_checked_before_anything_runs(tmp_path
 
 @pytest.mark.slow
 def test_the_script_refuses_bad_arguments_in_one_line(tmp_path):
-    for args in (["--caps=env=nan"], ["--budget_s=-5"], ["--budget_s=nan"]):
-        proc, out = _report(tmp_path, *args, timeout=60)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
-        assert proc.stderr.startswith("error: --") and not out.exists()
+    for args, message in ((["--caps=env=nan"], "--caps"), (["--budget_s=-5"], "--budget_s"),
+                          (["--budget_s=nan"], "--budget_s"),
+                          # empty: refused, not taken for the default list (the whole report)
+                          (["--stages="], "--stages is empty"),
+                          (["--stages=env,env"], "env named more than once"),
+                          (["--stages=env,,flex"], "unknown stage(s) ''")):
+        proc, out = _report(tmp_path, *args)
+        _refused(proc, message)
+        assert not out.exists()
     assert _left_in(tmp_path / "tmp") == []
 
 
@@ -284,3 +340,132 @@ def test_the_full_plan_fits_nine_minutes_and_every_stage_has_its_parts():
     assert accelerator.peak_tflops("NVIDIA H200") == 989.0
     assert accelerator.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert accelerator.peak_tflops("cpu") is None
+
+
+def _skipped_flex():
+    return {"status": "skipped", "skipped": "torch is not installed", "seconds": 1}
+
+
+def test_a_skipped_stage_is_named_and_a_report_that_measured_nothing_is_not_ok():
+    plan = accelerator.plan_for(dry_run=True)
+
+    def report(**stages):
+        return {"dry_run": True, "started": "s", "finished": "f", "command": "c", "plan": plan,
+                "stages": stages}
+
+    env, tests_ok = {"status": "ok", "seconds": 1}, {"status": "ok", "seconds": 2}
+    named = "not every stage measured: flex skipped: torch is not installed"
+    # something measured beside the skipped stage: ok, and the skip said
+    both = report(env=env, tests=tests_ok, flex=_skipped_flex())
+    assert accelerator.verdict(both) == (True, f"every other stage ok; {named}")
+    assert f"**Every other stage ok; {named}.**" in accelerator.summary_markdown(both)
+    # only the skipped stage, or env (the machine, not a measurement) and the skipped stage
+    for nothing in (report(flex=_skipped_flex()), report(env=env, flex=_skipped_flex())):
+        assert accelerator.measured_nothing(nothing)
+        ok, line = accelerator.verdict(nothing)
+        assert not ok and line == ("not ok: no stage measured anything (flex skipped: torch "
+                                   "is not installed)")
+        assert "Every stage ok" not in accelerator.summary_markdown(nothing)
+        assert "**Not ok: no stage measured anything (flex skipped" in (
+            accelerator.summary_markdown(nothing))
+    assert accelerator.verdict(report(env=env)) == (True, "every stage ok")  # asked: env alone
+    bad = report(env=env, tests={"status": "failed", "reason": "no test ran"},
+                 flex=_skipped_flex())
+    assert accelerator.verdict(bad) == (False, f"not ok: tests (failed: no test ran); {named}")
+
+
+@pytest.mark.slow
+def test_the_script_says_a_stage_was_skipped_and_exits_1_when_nothing_was_measured(tmp_path):
+    # --dry_run --stages=flex without torch said "Every stage ok." and exited 0
+    proc, out = _report(tmp_path, "--stages=flex", FAR_CAPS,
+                        env={"PYTHONPATH": _no_torch(tmp_path)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.endswith("not ok: no stage measured anything (flex skipped: torch is not "
+                         "installed (pip install -r requirements-bench.txt))"), last
+    assert "Every stage ok" not in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["stages"]["flex"]["status"] == (
+        "skipped")
+    assert _left_in(tmp_path / "tmp") == []
+
+
+def _old_report(folder):
+    """A folder holding an earlier report (every file a report writes) and a file of the
+    user's."""
+    (folder / "profile" / "old_case").mkdir(parents=True)
+    (folder / "profile" / "old_case" / "trace.xplane.pb").write_bytes(b"old")
+    for name in ("results.md", "results.json", "log.txt", "sample.txt"):
+        (folder / name).write_text(f"old {name}\n")
+    (folder / "notes.txt").write_text("mine\n")
+    return files_in(folder)
+
+
+def test_a_folder_that_holds_a_report_is_refused_without_overwrite(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    out = tmp_path / "r"
+    assert accelerator.check_output_dir(str(out)) == []  # a new folder (not made yet)
+    out.mkdir()
+    assert accelerator.check_output_dir(str(out)) == []  # an empty one
+    before = _old_report(out)
+    for kwargs in ({}, {"stages": ("env",), "dry_run": True}):
+        one_line_error(ValueError, lambda kwargs=kwargs: accelerator.run_report(
+            str(out), **kwargs), f"--output_dir={out} holds a report (results.md, "
+            "results.json, log.txt, sample.txt, profile)", "pass --overwrite")
+    for name in accelerator.REPORT_FILES:  # any one of them is a report
+        only = tmp_path / f"only_{name}"
+        only.mkdir()
+        (only / name).mkdir() if name == "profile" else (only / name).write_text("x")
+        one_line_error(ValueError, lambda only=only: accelerator.check_output_dir(str(only)),
+                       "holds a report", "--overwrite")
+    assert accelerator.check_output_dir(str(out), overwrite=True) == list(
+        accelerator.REPORT_FILES)
+    (tmp_path / "a_file").write_text("mine\n")
+    for path, message in ((tmp_path / "a_file", "is a file, not a folder"),
+                          (tmp_path / "a_file" / "report", "a_file is not a folder")):
+        one_line_error(ValueError, lambda path=path: accelerator.run_report(
+            str(path), overwrite=True), message)
+    assert files_in(out) == before and (tmp_path / "a_file").read_text() == "mine\n"
+    assert _left_in(tmp_path) == []  # refused before the temporary folder
+
+
+@pytest.mark.slow
+def test_the_script_refuses_a_report_folder_and_overwrite_replaces_it_wholly(tmp_path):
+    out = tmp_path / "report"
+    out.mkdir()
+    before = _old_report(out)
+    no_torch = {"PYTHONPATH": _no_torch(tmp_path)}
+    proc, _ = _report(tmp_path, "--stages=flex", FAR_CAPS, env=no_torch)
+    _refused(proc, f"--output_dir={out} holds a report", "pass --overwrite")
+    assert files_in(out) == before and sorted(os.listdir(out)) == sorted(
+        [*accelerator.REPORT_FILES, "notes.txt"])  # the old log not even truncated
+    assert _left_in(tmp_path / "tmp") == []
+    # --overwrite: the old report's files all go (its sample and traces too), the user's stay
+    proc, _ = _report(tmp_path, "--stages=flex", FAR_CAPS, "--overwrite", env=no_torch)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr  # measured nothing
+    assert sorted(os.listdir(out)) == ["log.txt", "notes.txt", "results.json", "results.md"]
+    assert (out / "notes.txt").read_text() == "mine\n"
+    assert list(json.loads((out / "results.json").read_text())["stages"]) == ["flex"]
+    assert "old" not in (out / "log.txt").read_text()
+
+
+def test_rows_not_run_print_a_dash_never_none():
+    # --budget_s=1: every stage's rows "not run: stage time up", a training row "None × None"
+    plan = accelerator.plan_for(dry_run=False)
+    cut = {"status": "failed", "reason": "3 of 3 rows not measured", "seconds": 5}
+    attention_rows = [{"pattern": p, "seq_len": 16384, "error": TIME_UP}
+                      for p in plan["attention"]["groups"][0]["patterns"]]
+    report = {"dry_run": False, "started": "s", "command": "c", "plan": plan, "stages": {
+        "env": {"status": "partial", "reason": "no matmul measured", "seconds": 5,
+                "device_kind": "NVIDIA H100", "versions": {}},
+        "attention": {**cut, "rows": attention_rows},
+        "flex": {**cut, "rows": [{"pattern": "dense@sdpa", "seq_len": 16384, "error": TIME_UP}]},
+        "train_step": {**cut, "rows": [{"name": c["name"], "error": TIME_UP}
+                                       for c in plan["train_step"]["cases"]]},
+        "preset": {"status": "failed", "reason": "no training step logged", "seconds": 5,
+                   "steps": 10, "config": "configs/bytes.py:size=gpu", "attention": "xla",
+                   "overrides": {"data.path": "data/cpython_lib.py.gz"}}}}
+    text = accelerator.summary_markdown(report)
+    assert "None" not in text, text
+    assert f"| {plan['train_step']['cases'][0]['name']} | — | — |" in text
+    assert "| dense@sdpa | 16384 | — | — |" in text and "bf16 matmul: —." in text
+    assert "— of 10 steps" in text

@@ -1,13 +1,18 @@
 """The accelerator report (scripts/accelerator_report.py): everything a borrowed GPU (or TPU) can
 show about this project, measured by one command in about 9 minutes, and judged: a stage is
-"ok" only if it measured everything it planned.
+"ok" only if it measured everything it planned, and a stage skipped (flex without torch) is
+named in the verdict.
 
-  driver      run_report: arguments checked before anything runs; each stage in its own
-              process (its own session) with its own time cap, so a stage that fails or hangs
-              costs one line and the rest go on; a SIGINT/SIGTERM stops the running stage's
-              processes; the temporary folder goes in every case; writes the report folder
+  driver      run_report: arguments and the report folder checked before anything runs (a
+              folder that holds a report is refused unless overwrite is given, and then its
+              old report's files go first); each stage in its own process (its own session)
+              with its own time cap, so a stage that fails or hangs costs one line and the rest
+              go on; a SIGINT/SIGTERM stops the running stage's processes; the temporary folder
+              goes in every case; writes the report folder
   plan        the stages (MODULES, in order; STAGES, the default set), their caps, plan_for
-  summary     results.md: the stages' statuses, and why when not ok, then each stage's section
+  summary     results.md: the verdict (every stage ok; the stages that are not, and why; the
+              stages skipped, and "no stage measured anything" when all were), the stages'
+              statuses, then each stage's section
   common      the chips' bf16 peaks, result lines, the repo's scripts as children
   env, tests, attention, flex, train_step, preset: one module per stage (what `plan` says
               each has), in the order they run:
@@ -37,8 +42,10 @@ JAX or torch before a stage has started in its own process.
 
 from sparse_jax.bench.accelerator.common import CODE_CORPUS, REPO, peak_tflops
 from sparse_jax.bench.accelerator.driver import (
+    REPORT_FILES,
     TEMP_PREFIX,
     check_arguments,
+    check_output_dir,
     check_wheels,
     install_wheels,
     parse_caps,
@@ -46,7 +53,13 @@ from sparse_jax.bench.accelerator.driver import (
 )
 from sparse_jax.bench.accelerator.flex import flex_mask_mod
 from sparse_jax.bench.accelerator.plan import CAPS, DRY_CAPS, MODULES, STAGES, plan_for
-from sparse_jax.bench.accelerator.summary import not_ok, summary_markdown
+from sparse_jax.bench.accelerator.summary import (
+    measured_nothing,
+    not_ok,
+    skipped,
+    summary_markdown,
+    verdict,
+)
 
 
 def run_stage(name: str, plan: dict) -> dict:
@@ -58,7 +71,7 @@ def run_stage(name: str, plan: dict) -> dict:
     return MODULES[name].run(plan)
 
 
-__all__ = ["CAPS", "CODE_CORPUS", "DRY_CAPS", "MODULES", "REPO", "STAGES", "TEMP_PREFIX",
-           "check_arguments", "check_wheels", "flex_mask_mod", "install_wheels", "not_ok",
-           "parse_caps", "peak_tflops", "plan_for", "run_report", "run_stage",
-           "summary_markdown"]
+__all__ = ["CAPS", "CODE_CORPUS", "DRY_CAPS", "MODULES", "REPO", "REPORT_FILES", "STAGES",
+           "TEMP_PREFIX", "check_arguments", "check_output_dir", "check_wheels", "flex_mask_mod",
+           "install_wheels", "measured_nothing", "not_ok", "parse_caps", "peak_tflops",
+           "plan_for", "run_report", "run_stage", "skipped", "summary_markdown", "verdict"]

@@ -23,6 +23,8 @@ from sparse_jax.bench.accelerator.summary import not_ok, summary_markdown
 from sparse_jax.bench.accelerator.train_step import PROFILE_S
 
 TEMP_PREFIX = "sparse_jax_accel_"
+# What a report writes to its folder: a folder holding any of them holds a report.
+REPORT_FILES = ("results.md", "results.json", "log.txt", "sample.txt", "profile")
 
 
 def parse_caps(items) -> dict:
@@ -76,10 +78,18 @@ def check_arguments(stages=STAGES, caps: dict | None = None, budget_s: float | N
                     wheels: str | None = None) -> list[str]:
     """Everything the command was given, checked before any stage starts: a ValueError of one
     line for the first thing wrong. Returns the wheels to install."""
+    stages = tuple(stages)
+    if not stages:
+        raise ValueError(f"--stages is empty; name one or more of {', '.join(MODULES)}, or "
+                         f"leave the flag out for {','.join(STAGES)}")
     unknown = [s for s in stages if s not in MODULES]
-    if unknown or not stages:
-        raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from "
-                         f"{', '.join(MODULES)}")
+    if unknown:
+        raise ValueError(f"--stages: unknown stage(s) {', '.join(map(repr, unknown))}; choose "
+                         f"from {', '.join(MODULES)}")
+    twice = [s for s in dict.fromkeys(stages) if stages.count(s) > 1]
+    if twice:
+        raise ValueError(f"--stages: {', '.join(twice)} named more than once; name each stage "
+                         "once")
     for name, seconds in (caps or {}).items():
         parse_caps([f"{name}={seconds}"])
     if budget_s is not None:
@@ -89,6 +99,38 @@ def check_arguments(stages=STAGES, caps: dict | None = None, budget_s: float | N
             raise ValueError(f"--budget_s={budget_s}: not a positive finite number of "
                              "seconds") from None
     return check_wheels(wheels) if wheels is not None else []
+
+
+def check_output_dir(output_dir: str, overwrite: bool = False) -> list[str]:
+    """Before anything runs: the files of an earlier report in `output_dir` (`REPORT_FILES`
+    there) that this run replaces, [] for a new or empty folder. A ValueError of one line if
+    `output_dir` is not a folder, cannot be made or written, or holds a report and `overwrite`
+    is not set (a report is never mixed with another, nor replaced unasked)."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir={output_dir} is a file, not a folder; choose another "
+                         "--output_dir")
+    existing = os.path.abspath(output_dir)
+    while not os.path.lexists(existing):  # the folder the report's folders are made in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir={output_dir}: {existing} is not a folder this user can "
+                         "write in; choose another --output_dir")
+    old = [name for name in REPORT_FILES if os.path.lexists(os.path.join(output_dir, name))]
+    if old and not overwrite:
+        raise ValueError(f"--output_dir={output_dir} holds a report ({', '.join(old)}); pass "
+                         "--overwrite to replace it, or choose another --output_dir")
+    return old
+
+
+def _remove_old_report(output_dir: str, old: list[str]) -> None:
+    """Removes the earlier report's files (`check_output_dir`), so that none of them stays
+    beside the new report's; whatever else the folder holds stays."""
+    for name in old:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
 
 
 def install_wheels(wheels: list[str], target: str) -> list[str]:
@@ -207,16 +249,20 @@ def _stage_env(scratch: str, site: str | None) -> dict:
 
 def run_report(output_dir: str, *, wheels: str | None = None, dry_run: bool = False,
                stages=STAGES, budget_s: float | None = None, caps: dict | None = None,
-               profile: bool = False, plan: dict | None = None, log=print) -> dict:
+               profile: bool = False, overwrite: bool = False, plan: dict | None = None,
+               log=print) -> dict:
     """Runs the stages in order, each in its own process with its own cap, and writes to
     `output_dir`: results.json (every figure, each stage's status and why), results.md (the
     summary tables), log.txt (every stage's output), sample.txt (the preset's sample) and, with
     `profile`, profile/ (jax.profiler traces of the training steps). Returns the JSON, whose
     "interrupted" names the signal that stopped it, if one did. `plan` replaces
     plan_for(dry_run) (the tests change one stage's sizes). Arguments are checked first
-    (check_arguments): a ValueError writes nothing."""
+    (check_arguments, check_output_dir): a ValueError writes nothing. A folder that holds a
+    report is refused unless `overwrite`; then the old report's files go before the first
+    stage starts (after the wheels are installed), so that none stays beside the new ones."""
     stages = tuple(stages)
     wheel_paths = check_arguments(stages, caps, budget_s, wheels)
+    old_report = check_output_dir(output_dir, overwrite)
     caps = {**(DRY_CAPS if dry_run else CAPS), **(caps or {})}
     if profile and "train_step" in stages:
         caps["train_step"] += PROFILE_S
@@ -241,6 +287,7 @@ def run_report(output_dir: str, *, wheels: str | None = None, dry_run: bool = Fa
         env = _stage_env(scratch, site)
         if dry_run:
             env["JAX_PLATFORMS"] = "cpu"
+        _remove_old_report(output_dir, old_report)
         os.makedirs(output_dir, exist_ok=True)
         plan["workdir"] = os.path.join(scratch, "preset_run")
         if profile:
@@ -293,5 +340,5 @@ def _run_stages(report, stages, caps, budget_s, env, output_dir, log) -> None:
             log(f"stage {name}: interrupted by {report['interrupted']}")
 
 
-__all__ = ["check_arguments", "check_wheels", "install_wheels", "not_ok", "parse_caps",
-           "run_report", "TEMP_PREFIX"]
+__all__ = ["check_arguments", "check_output_dir", "check_wheels", "install_wheels", "not_ok",
+           "parse_caps", "REPORT_FILES", "run_report", "TEMP_PREFIX"]

@@ -87,10 +87,11 @@ def summary(report: dict) -> list[str]:
         lines += [f"**flax.nnx does not import: {env['flax_nnx_import']}** (a carried flax "
                   "wheel older than the machine's jax? Carry only what is missing.)", ""]
     return lines + [
-        f"Device: {env['device_kind']} ({env.get('backend')}, {env.get('device_count')} "
-        f"device(s)); nvidia-smi: {env.get('nvidia_smi') or '—'}; CUDA (driver) "
-        f"{env.get('cuda_driver_version') or '—'}; jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, "
-        f"flax {v.get('flax')}, torch {v.get('torch')}, triton {v.get('triton')}. bf16 peak "
-        f"(datasheet): {fmt(env.get('bf16_peak_tflops'))} TFLOP/s; measured "
-        f"{env.get('matmul_size')}² bf16 matmul: {fmt(env.get('matmul_bf16_tflops'))} "
-        "TFLOP/s.", ""]
+        f"Device: {env['device_kind']} ({fmt(env.get('backend'))}, "
+        f"{fmt(env.get('device_count'))} device(s)); nvidia-smi: {env.get('nvidia_smi') or '—'}; "
+        f"CUDA (driver) {env.get('cuda_driver_version') or '—'}; jax {fmt(v.get('jax'))}, "
+        f"jaxlib {fmt(v.get('jaxlib'))}, flax {fmt(v.get('flax'))}, torch {fmt(v.get('torch'))}, "
+        f"triton {fmt(v.get('triton'))}. bf16 peak (datasheet): "
+        f"{fmt(env.get('bf16_peak_tflops'))} TFLOP/s; measured "
+        + (f"{env['matmul_size']}² bf16 matmul: {fmt(env.get('matmul_bf16_tflops'))} TFLOP/s."
+           if "matmul_size" in env else "bf16 matmul: —."), ""]

@@ -146,7 +146,9 @@ def summary(report: dict) -> list[str]:
              "compile s | result |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         model = r.get("model", {})
-        lines.append(f"| {r['name']} | {r.get('batch_size')} × {model.get('seq_len')} | "
+        shape = (f"{r['batch_size']} × {model.get('seq_len')}" if "batch_size" in r
+                 else "—")  # a row not run ("not run: stage time up") has no figure
+        lines.append(f"| {r['name']} | {shape} | "
                      f"{fmt(r.get('step_s'))} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
                      f"{fmt(r.get('model_tflops'))} | {fmt(r.get('mfu'), '.1%')} | "
                      f"{fmt(r.get('planned_gb'))} | {fmt(r.get('compile_s'))} | "
