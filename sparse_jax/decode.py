@@ -29,7 +29,15 @@ context (in the first window, the prompt's) and at most n. Cost: a window feeds 
 n + 1 - keep new tokens, so past the first window a new token costs n / (n + 1 - keep) cached
 steps: about 2 at the default keep. ``keep = n`` re-reads the last n tokens for every token, n
 steps each: every token sees n, as with a full forward pass per token, and costs about as much.
-A prompt of P and L new tokens with P + L - 1 <= n is one window: nothing is re-read.
+A prompt of P and L new tokens with P + L - 1 <= n is one window: nothing is re-read. A sample
+of more than ``PROGRESS_WINDOWS`` windows shows its progress (windows, tokens per second, time
+left) on stderr.
+
+A picture model's window never slides: position p reads sub-pixel p - 1 of one picture (the
+constant 0 at position 0) and its position tables say which row, column and channel that is, so
+a window that started anywhere but at the picture's start would read every sub-pixel as another
+(a keep of n: one channel off). ``generate`` refuses a picture model's prompt and length that do
+not fit one window of n + 1 tokens (the picture and the 0 before it).
 
 Sampling: temperature 0 is greedy; top_k keeps the k most likely tokens (ties at the
 k-th value are kept), top_p the smallest set of most likely tokens whose probability reaches p;
@@ -42,11 +50,17 @@ longer one (up to float rounding where their first windows differ in length).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from sparse_jax import logs
+
+PROGRESS_WINDOWS = 4  # a sample of more windows than this shows its progress
+TOKEN_BYTES = 10  # host memory per sampled token, at most: int32 tokens, their bytes, the text
 
 
 def filter_logits(logits, temperature: float = 1.0, top_k: int | None = None,
@@ -108,12 +122,38 @@ def check_sampling(temperature, top_k, top_p, vocab_size: int = 256) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def check_length(prompt_len: int, length) -> None:
-    """ValueError unless ``length`` is a positive integer and the prompt holds a token."""
+def available_memory() -> int | None:
+    """Bytes of host memory a new allocation could get now (Linux's MemAvailable; else the
+    physical memory), or None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+
+def check_length(prompt_len: int, length, batch: int = 1,
+                 bytes_per_token: int = TOKEN_BYTES) -> None:
+    """ValueError unless ``length`` is a positive integer, the prompt holds a token and the
+    ``batch`` sequences of ``prompt_len + length`` tokens fit the host memory available now,
+    at ``bytes_per_token`` each (one line that says how long a sample fits)."""
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
         raise ValueError(f"length must be a positive integer, got {length!r}")
     if prompt_len < 1:
         raise ValueError("the prompt must hold at least one token")
+    available = available_memory()
+    need = batch * (prompt_len + length) * bytes_per_token
+    if available is not None and need > available:
+        fits = max(0, available // (batch * bytes_per_token) - prompt_len)
+        raise ValueError(f"length={length:,} cannot be held: {batch} sample(s) of "
+                         f"{prompt_len + length:,} tokens need about {need / 2**30:,.1f} GiB of "
+                         f"host memory ({bytes_per_token} bytes a token), and "
+                         f"{available / 2**30:,.1f} GiB are available; give a length below "
+                         f"{fits:,} (or fewer samples)")
 
 
 def windows(num_prompt: int, length: int, seq_len: int, keep: int) -> list[tuple[int, int, int]]:
@@ -129,12 +169,29 @@ def windows(num_prompt: int, length: int, seq_len: int, keep: int) -> list[tuple
     return out
 
 
+def check_picture(num_prompt: int, length: int, seq_len: int) -> None:
+    """ValueError (one line) unless a picture model's prompt and ``length`` new tokens fit one
+    window: the constant 0 and the picture's ``seq_len`` sub-pixels (module docstring)."""
+    if num_prompt + length > seq_len + 1:
+        raise ValueError(
+            f"a picture model reads one picture of {seq_len} sub-pixels after the constant 0 at "
+            f"position 0, and its window cannot slide (a later window would read each sub-pixel "
+            f"as another row, column or channel): a prompt of {num_prompt} and length={length} "
+            f"hold {num_prompt + length} tokens, more than {seq_len + 1}; give at most "
+            f"{max(0, seq_len + 1 - num_prompt)} new tokens")
+
+
 def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, keep: int | None = None,
-             return_logits: bool = False):
+             return_logits: bool = False, image: bool | None = None,
+             progress: bool | None = None):
     """Continues each row of ``prompt_BP`` (int [B, P], P >= 1, any P) by ``length`` sampled
     tokens, sliding the window past the context (module docstring; ``keep``: the tokens a new
     window starts with, 1 .. n, default n // 2). Only the last n prompt tokens are read.
+    ``image``: whether the model is a picture model, whose window never slides (``length``
+    must fit one picture, ``check_picture``); None: a model with the picture's position tables
+    (``pos_emb="image"``) is one. ``progress``: a progress bar on stderr; None: for a sample of
+    more than ``PROGRESS_WINDOWS`` windows.
 
     Returns int32 [B, P + length] (NumPy), and with ``return_logits`` also float32
     [B, P + length - 1, vocab]: row t predicts token t + 1 (drawn from it if new), as the full
@@ -151,7 +208,10 @@ def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float
         raise ValueError(f"prompt tokens must be in [0, {cfg.vocab_size})")
     check_sampling(temperature, top_k, top_p, cfg.vocab_size)
     batch, num_prompt = prompt_BP.shape
-    check_length(num_prompt, length)
+    check_length(num_prompt, length, batch,
+                 4 + (4 * cfg.vocab_size if return_logits else 0))  # int32, float32 logits
+    if cfg.pos_emb == "image" if image is None else image:
+        check_picture(num_prompt, length, n)
     keep = max(1, n // 2) if keep is None else keep
     if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or not 1 <= keep <= n:
         raise ValueError(f"keep must be an integer in [1, {n}] (the context), got {keep!r}")
@@ -163,7 +223,10 @@ def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float
     rng = jax.random.key(seed)
     settings = dict(temperature=float(temperature), top_k=top_k,
                     top_p=None if top_p is None else float(top_p), collect=return_logits)
-    for k, (start, known, end) in enumerate(windows(num_prompt, length, n, keep)):
+    spans = windows(num_prompt, length, n, keep)
+    bar = logs.Progress(len(spans), "sample", len(spans) > PROGRESS_WINDOWS
+                        if progress is None else progress, unit="window")
+    for k, (start, known, end) in enumerate(spans):
         # Past the first window every window is n + 1 long (the last one padded, its extra
         # tokens dropped): one compilation for all of them.
         width = end - start if k == 0 else n + 1
@@ -176,4 +239,5 @@ def generate(model, prompt_BP, length: int, *, seed: int = 0, temperature: float
             first = start if k == 0 else known - 1
             logits[:, first:end - 1] = np.asarray(window_logits).swapaxes(0, 1)[
                 :, first - start:end - 1 - start]
+        bar.update(k + 1, batch * (end - num_prompt), "tokens")
     return (tokens, logits) if return_logits else tokens

@@ -154,7 +154,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
                              "dataset such as cifar10)")
         text = prompt_bytes(prompt, prompt_file) or b"\n"
         length = DEFAULT_TEXT_LENGTH if length is None else length
-        check_length(len(text), length)
+        check_length(min(len(text), cfg.seq_len), length, num_samples)  # fits memory: ValueError
         if len(text) > cfg.seq_len:
             logs.warn(f"the prompt ({len(text)} bytes) is longer than the model's context of "
                       f"{cfg.seq_len} bytes; it is cut to its last {cfg.seq_len} bytes")
@@ -176,9 +176,10 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     rows, columns, channels = cfg.image_shape  # of an image model: its data's (make_dataset)
     shape = (-1, rows, columns, channels)
     start = time.time()
+    # image=: DataConfig.is_image tells generate whether the window may slide (a picture's never)
     if not image:  # the same prompt for every sample
         prompt_BP = np.tile(np.frombuffer(text, np.uint8), (num_samples, 1))
-        tokens = generate(model, prompt_BP, length, **settings)
+        tokens = generate(model, prompt_BP, length, **settings, image=image)
         samples = [bytes(row.astype(np.uint8)) for row in tokens]
         _write_text(path, samples, f"step {step}, seed {seed}, prompt {len(text)} bytes + "
                                    f"{length} new")
@@ -191,7 +192,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         originals = source.images(picked).astype(np.int32)
         half = rows // 2 * columns * channels
         prompt_BP = np.concatenate([np.zeros((complete, 1), np.int32), originals[:, :half]], 1)
-        tokens = generate(model, prompt_BP, cfg.seq_len - half, **settings)
+        tokens = generate(model, prompt_BP, cfg.seq_len - half, **settings, image=image)
         samples = tokens[:, 1:].reshape(shape).astype(np.uint8)
         shown = originals.reshape(shape).astype(np.uint8)
         hidden = shown.copy()
@@ -201,7 +202,7 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         save_png(grid.repeat(zoom, axis=0).repeat(zoom, axis=1), path)
     else:  # whole images after the constant 0 that position 0 reads
         prompt_BP = np.zeros((num_samples, 1), np.int32)
-        tokens = generate(model, prompt_BP, cfg.seq_len, **settings)
+        tokens = generate(model, prompt_BP, cfg.seq_len, **settings, image=image)
         samples = tokens[:, 1:].reshape(shape).astype(np.uint8)
         save_png(image_grid(samples), path)
     seconds = time.time() - start

@@ -963,6 +963,10 @@ def build_cases() -> list[Case]:
     err("sample/top_p 1.5", [*sa, "--top_p=1.5"], r"top_p", setup=trained_run)
     err("sample/length 0", ["sample", "--workdir={work}", "--length=0"], r"length",
         setup=trained_run)
+    err("sample/length beyond memory (was: MemoryError after loading)",
+        ["sample", "--workdir={work}", "--length=1000000000000"],
+        r"length=1,000,000,000,000 cannot be held.*GiB.*give a length below", setup=trained_run,
+        check=absent("work/samples"))
     ok("sample/length past the context (the window slides)",
        ["sample", "--workdir={work}", "--num_samples=1", "--length=1000"],
        file_matches("work/samples/4_seed0.txt", r"prompt 1 bytes \+ 1000 new"), setup=trained_run)

@@ -148,6 +148,51 @@ def test_sliding_is_deterministic_and_reads_only_the_last_n_prompt_tokens():
                                                                  seed=1)[:, n + 9:])
 
 
+def test_a_picture_models_window_never_slides():
+    """A picture model (position tables of one picture) reads sub-pixel p - 1 at position p:
+    a window started after the picture's start would read each one as another channel, so
+    ``generate`` takes at most the 0 and one picture, in one window, and refuses more in one
+    line; ``image=`` says what the data says (DataConfig.is_image), whatever the tables."""
+    picture, n = make(pattern="dense", pos_emb="image", image_shape=(4, 4, 2)), TINY["seq_len"]
+    assert decode.generate(picture, np.zeros((2, 1), int), n, seed=1).shape == (2, n + 1)
+    for prompt_BP, length in [(np.zeros((2, 1), int), n + 1), (PROMPT, n - 1),
+                              (np.zeros((1, n + 1), int), 1)]:
+        with pytest.raises(ValueError) as e:
+            decode.generate(picture, prompt_BP, length)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(
+            f"a picture model reads one picture of {n} sub-pixels after the constant 0") and \
+            f"more than {n + 1}; give at most {max(0, n + 1 - prompt_BP.shape[1])} new" in message
+    assert decode.generate(picture, PROMPT, n, image=False).shape == (2, n + 3)  # told: text
+    with pytest.raises(ValueError, match="a picture model reads one picture"):
+        decode.generate(make(pattern="strided"), PROMPT, n, image=True)
+
+
+def test_a_length_that_cannot_fit_in_memory_is_one_line_not_a_memory_error():
+    model = make(pattern="strided")
+    with pytest.raises(ValueError) as e:
+        decode.generate(model, PROMPT, 10**12)
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        "length=1,000,000,000,000 cannot be held: 2 sample(s) of 1,000,000,000,003 tokens need")
+    with pytest.raises(ValueError, match="give a length below"):
+        decode.check_length(3, 10**15)
+    decode.check_length(3, 10**6, batch=4)  # 40 MB: fits
+
+
+def test_a_sample_of_many_windows_shows_its_progress(capsys):
+    """More than PROGRESS_WINDOWS windows: progress lines on stderr (not a terminal: every
+    10%, the last one 100%); one window: none."""
+    model, n = make(pattern="strided"), TINY["seq_len"]
+    decode.generate(model, PROMPT, 4 * n, seed=1)
+    spans = len(decode.windows(3, 4 * n, n, n // 2))
+    assert spans > decode.PROGRESS_WINDOWS
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and lines[-1].startswith(f"sample: {spans}/{spans} (100%)"), lines
+    assert "tokens/s" in lines[-1]
+    decode.generate(model, PROMPT, n - 2, seed=1)
+    assert capsys.readouterr().err == ""
+
+
 def test_filter_logits_top_k_top_p_temperature():
     logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
     kept = lambda **kw: np.isfinite(np.asarray(decode.filter_logits(logits, **kw)))[0].tolist()  # noqa
@@ -222,6 +267,11 @@ def test_bad_input_fails_before_any_expensive_work(text_run, tmp_path, monkeypat
             (dict(checkpoint="newest"), "checkpoint"), (dict(complete=2), "image model")]:
         with pytest.raises(ValueError, match=message):
             S.sample(text_run, **kwargs)
+    before = sorted(os.listdir(text_run))
+    with pytest.raises(ValueError) as e:  # was: a MemoryError traceback after loading
+        S.sample(text_run, length=10**12)
+    assert "\n" not in str(e.value) and "length=1,000,000,000,000 cannot be held" in str(e.value)
+    assert sorted(os.listdir(text_run)) == before  # no samples folder, nothing written
     with pytest.raises(FileNotFoundError, match="does not exist"):
         S.sample(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="prompt file"):
