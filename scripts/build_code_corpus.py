@@ -11,6 +11,13 @@ code_corpus.files.txt, code_corpus.licenses.txt and code_corpus.sha256 beside it
 permissively licensed packages are accepted. About 30 s on 2 cores, downloads included (up to
 1.5 min on a busy host); the figures of the build are in data/README.md. Logic:
 `sparse_jax.code_corpus`.
+
+--output is checked before anything is downloaded, read or written: a folder in the place of
+the corpus or of one of its records, or no folder this user can write in above it, is one
+`error:` line (folders missing below a writable one are made). The corpus and its records are
+each written in full under a temporary name, then renamed into place, the corpus first: any
+failure (a full disk at the last byte included) leaves every one of them as it was, and no
+temporary file.
 """
 
 import time

@@ -22,10 +22,16 @@ lines, `sha256sum` format). data/README.md records what the shipped pins build.
 - The output is deterministic (gzip header without name or time). If the output folder's
   SHA256SUMS lists the decompressed file, a build whose bytes differ fails before anything is
   written; the loader (`sources.load_bytes`) checks the decompressed copy against the same line.
+- Where it goes is checked first (`check_output`: no folder in the place of the corpus or a
+  record, a folder this user can write in above them), before any download. The corpus and its
+  records are written all or none (`write_all`): each in full under a temporary name, then
+  renamed into place, the corpus first, the records after it; on any failure every path keeps
+  what it held before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import email.parser
 import gzip
@@ -34,13 +40,14 @@ import io
 import json
 import os
 import re
+import shutil
 import tarfile
 import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
 
-from sparse_jax.files import atomic_write, part_suffix
+from sparse_jax.files import atomic_write, part_suffix, write_error
 from sparse_jax.sources import CHECKSUMS, DOWNLOAD_TIMEOUT_S
 
 PINS = "data/code_corpus_pins.txt"
@@ -322,6 +329,81 @@ def _listed(folder: str, name: str) -> str | None:
     return None
 
 
+def records(output: str) -> tuple[str, str, str]:
+    """The records written beside the corpus `output`: its files list, its licences and its
+    checksums (`X.files.txt`, `X.licenses.txt`, `X.sha256` for `X.py.gz`)."""
+    stem = _stem(output)
+    return stem + ".files.txt", stem + ".licenses.txt", stem + ".sha256"
+
+
+def check_output(output: str) -> None:
+    """Before anything is downloaded, read or written: a one-line ValueError unless the corpus
+    and its records can be written where `output` says: none of them is a folder, and the
+    nearest existing folder above them is a folder this user can write in (missing folders
+    below it are made when the build writes)."""
+    for path in (output, *records(output)):
+        if os.path.isdir(path):
+            raise ValueError(f"{path} is a folder; give --output the path of a .py.gz file, or "
+                             "move the folder away")
+    existing = os.path.dirname(os.path.abspath(output))
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "a folder this user can write in" if os.path.isdir(existing) else "a folder"
+        raise ValueError(f"cannot write {output}: {existing} is not {what}; choose another "
+                         "--output")
+
+
+def write_all(contents: list[tuple[str, bytes]]) -> None:
+    """Writes every (path, bytes) or none: each in full under a temporary name first (flushed
+    to the disk), then renamed into place in the order given. If anything fails (a full disk at
+    the last byte, a rename), the paths keep what they held before, the temporary files and
+    the folders made for them go, and a one-line OSError names the path and what to do."""
+    folder = os.path.dirname(os.path.abspath(contents[0][0]))
+    made = []  # the folders made here, outermost first
+    while not os.path.lexists(folder):
+        made.insert(0, folder)
+        folder = os.path.dirname(folder)
+    staged, kept, placed, path = [], {}, [], contents[0][0]
+    try:
+        for folder in made:
+            os.mkdir(folder)
+        for path, data in contents:
+            staged.append((path, path + part_suffix(path)))
+            with open(staged[-1][1], "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for path, _ in staged:  # what a path held before, kept until every rename is done
+            if os.path.lexists(path):
+                kept[path] = path + ".old" + part_suffix(path + ".old")
+                try:
+                    os.link(path, kept[path])
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(path, kept[path])
+        for path, tmp in staged:
+            os.replace(tmp, path)
+            placed.append(path)
+    except OSError as e:
+        for done in reversed(placed):  # back to what each held, or to nothing
+            with contextlib.suppress(OSError):
+                if done in kept:
+                    os.replace(kept.pop(done), done)
+                else:
+                    os.remove(done)
+        for leftover in [tmp for _, tmp in staged] + list(kept.values()):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise write_error(path, e, "nothing was written; free some space (or choose another "
+                                   "--output) and run it again") from e
+    for old in kept.values():
+        with contextlib.suppress(OSError):
+            os.remove(old)
+
+
 def build(pins_path: str = PINS, sdists: str = SDISTS, output: str = OUTPUT,
           download: bool = True, index_url: str = INDEX_URL) -> dict:
     """Builds `output` (a `.py.gz` file) and its `.files.txt`, `.licenses.txt` and `.sha256`
@@ -329,6 +411,7 @@ def build(pins_path: str = PINS, sdists: str = SDISTS, output: str = OUTPUT,
     checksums, per package: licence, files, bytes, skipped files)."""
     if not output.endswith(".gz"):
         raise ValueError(f"output {output} must end in .gz (the corpus is written gzip -9'd)")
+    check_output(output)  # before anything is downloaded, read or written
     pins = read_pins(pins_path)
     paths = fetch(pins, sdists, pins_path, download, index_url)
     packages = [read_sdist(pin, paths[pin.label]) for pin in pins]
@@ -348,28 +431,25 @@ def build(pins_path: str = PINS, sdists: str = SDISTS, output: str = OUTPUT,
         g.write(raw)
     gz = buffer.getvalue()
     gz_sha = hashlib.sha256(gz).hexdigest()
-    stem = _stem(output)
-    os.makedirs(folder, exist_ok=True)
-    with atomic_write(stem + ".files.txt") as f:
-        f.writelines(f"{path}\t{licence}\n" for path, licence in files)
-    with atomic_write(stem + ".licenses.txt") as f:
-        f.write(f"Licences of {os.path.basename(output)}: for each package, the licence its "
-                "sdist's PKG-INFO states and the licence files the sdist ships with its code.\n")
-        for package in packages:
-            pin = package.pin
-            size = sum(len(d) for d in package.files.values())
-            f.write(f"\n==== {pin.label}: {package.licence} ({package.licence_source}) ====\n"
-                    f"sdist {pin.filename}, sha256 {pin.sha256}; {len(package.files):,} files, "
-                    f"{size:,} bytes in the corpus\n")
-            for path, text in package.licence_texts.items():
-                f.write(f"\n---- {path} ----\n{text.rstrip()}\n")
-    with atomic_write(stem + ".sha256") as f:
-        f.write(f"{gz_sha}  {os.path.basename(output)}\n{raw_sha}  {raw_name}\n")
-    with atomic_write(output, "wb") as f:
-        f.write(gz)
+    files_txt, licenses_txt, sha256_txt = records(output)
+    licences = [f"Licences of {os.path.basename(output)}: for each package, the licence its "
+                "sdist's PKG-INFO states and the licence files the sdist ships with its code.\n"]
+    for package in packages:
+        pin = package.pin
+        size = sum(len(d) for d in package.files.values())
+        licences.append(f"\n==== {pin.label}: {package.licence} ({package.licence_source}) ====\n"
+                        f"sdist {pin.filename}, sha256 {pin.sha256}; {len(package.files):,} "
+                        f"files, {size:,} bytes in the corpus\n")
+        licences += [f"\n---- {path} ----\n{text.rstrip()}\n"
+                     for path, text in package.licence_texts.items()]
+    write_all([  # the corpus first, then its records
+        (output, gz),
+        (files_txt, "".join(f"{path}\t{licence}\n" for path, licence in files).encode()),
+        (licenses_txt, "".join(licences).encode()),
+        (sha256_txt, f"{gz_sha}  {os.path.basename(output)}\n{raw_sha}  {raw_name}\n".encode())])
     return {"output": output, "files": len(files), "bytes": len(raw), "sha256": raw_sha,
             "gz_bytes": len(gz), "gz_sha256": gz_sha,
-            "beside": [stem + ".files.txt", stem + ".licenses.txt", stem + ".sha256"],
+            "beside": [files_txt, licenses_txt, sha256_txt],
             "packages": [{"package": p.pin.label, "licence": p.licence,
                           "licence_source": p.licence_source, "files": len(p.files),
                           "bytes": sum(len(d) for d in p.files.values()),

@@ -2,9 +2,12 @@
 tiny sdists made here (real .tar.gz files with a PKG-INFO, a LICENSE, .py files, tests and files
 that are not text), read from a folder, no network: the layout (headers, path order, tests and
 non-UTF-8 files left out), the checksums and the loader's check of them, the licence record,
-and one-line refusals of a non-permissive licence, a wrong sha256 and a missing sdist."""
+and one-line refusals of a non-permissive licence, a wrong sha256, a missing sdist and an output
+that cannot be written; a write that fails (a full disk at the last byte, a rename) leaves what
+was there before, whole."""
 
 import email
+import errno
 import gzip
 import hashlib
 import io
@@ -15,7 +18,7 @@ import tarfile
 
 import pytest
 
-from conftest import one_line_error
+from conftest import files_in, one_line_error
 from sparse_jax import code_corpus, sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +188,7 @@ def test_a_missing_sdist_says_what_to_download_and_where(tiny):
     # The script offline: one `error:` line, status 1.
     proc = subprocess.run([sys.executable, "scripts/build_code_corpus.py", f"--pins={pins}",
                            f"--sdists={folder}", f"--output={output}", "--nodownload"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: 2 of 2 sdists")
     assert "downloads are off" in proc.stderr
@@ -207,3 +210,80 @@ def test_the_shipped_pins_parse_and_a_bad_line_is_named(tmp_path):
     bad = tmp_path / "pins.txt"
     bad.write_text("alpha==1.0  alpha-1.0.tar.gz  abc\n")
     one_line_error(ValueError, lambda: code_corpus.read_pins(str(bad)), "pins.txt:1", "sha256")
+
+
+def _build(pins, folder, output):
+    return lambda: code_corpus.build(pins, folder, output, download=False)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_anything(tiny, tmp_path,
+                                                                     monkeypatch):
+    # A folder named like the corpus: the build wrote c.files.txt, c.licenses.txt and a
+    # c.sha256 listing a corpus never written, then failed naming a .tmp path.
+    pins, folder, output = tiny
+    out = tmp_path / "out"
+    (out / "c.py.gz").mkdir(parents=True)
+    before = sorted(os.listdir(out))
+    one_line_error(ValueError, _build(pins, folder, output), f"{output} is a folder",
+                   "give --output the path of a .py.gz file")
+    (out / "c.py.gz").rmdir()
+    (out / "c.sha256").mkdir()  # a record's path: refused as well, before anything
+    one_line_error(ValueError, _build(pins, folder, output), "c.sha256 is a folder")
+    assert sorted(os.listdir(out)) == ["c.sha256"] and before == ["c.py.gz"]
+    (tmp_path / "a_file").write_text("mine\n")
+    one_line_error(ValueError, _build(pins, folder, str(tmp_path / "a_file" / "d" / "c.py.gz")),
+                   f"{tmp_path / 'a_file'} is not a folder", "choose another --output")
+    with monkeypatch.context() as m:  # a folder this user cannot write in (the suite may be root)
+        m.setattr(os, "access", lambda path, mode: False)
+        one_line_error(ValueError, _build(pins, folder, str(tmp_path / "new" / "c.py.gz")),
+                       f"{tmp_path} is not a folder this user can write in")
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "out", "pins.txt", "sdists"]
+    # The script: one `error:` line, status 1, nothing written
+    (out / "c.sha256").rmdir()
+    (out / "c.py.gz").mkdir()
+    proc = subprocess.run([sys.executable, "scripts/build_code_corpus.py", f"--pins={pins}",
+                           f"--sdists={folder}", f"--output={output}", "--nodownload"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {output} is a folder")
+    assert sorted(os.listdir(out)) == ["c.py.gz"] and not os.listdir(out / "c.py.gz")
+
+
+def _failing(monkeypatch, name, fails):
+    """os.`name` raising a full disk's OSError on the calls `fails(args)` picks."""
+    real = getattr(os, name)
+
+    def fake(*args):
+        if fails(args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(os, name, fake)
+
+
+def test_a_failure_at_the_last_write_leaves_nothing_written(tiny, tmp_path, monkeypatch):
+    pins, folder, output = tiny
+    calls = []  # the fourth flush to the disk is the last file's (the checksums')
+    _failing(monkeypatch, "fsync", lambda args: calls.append(args) or len(calls) == 4)
+    message = one_line_error(OSError, _build(pins, folder, output), "could not write",
+                             "c.sha256", "the disk is full", "nothing was written")
+    assert ".part" not in message and len(calls) == 4
+    assert sorted(os.listdir(tmp_path)) == ["pins.txt", "sdists"]  # not even the folder
+
+
+def test_a_failed_rebuild_leaves_the_build_before_it_whole(tiny, tmp_path, monkeypatch):
+    pins, folder, output = tiny
+    out = tmp_path / "out"
+    code_corpus.build(pins, folder, output, download=False)
+    (out / "c.files.txt").write_text("an older files list\n")  # to tell the builds apart
+    before = files_in(out)
+    # The corpus and two records already renamed into place when the last rename fails: every
+    # file goes back to what it held.
+    _failing(monkeypatch, "replace", lambda args: args[1].endswith("c.sha256"))
+    one_line_error(OSError, _build(pins, folder, output), "could not write", "c.sha256")
+    assert files_in(out) == before and sorted(os.listdir(out)) == sorted(before)
+    monkeypatch.undo()
+    # and the first write failing, the same
+    _failing(monkeypatch, "fsync", lambda args: True)
+    one_line_error(OSError, _build(pins, folder, output), "could not write", "c.py.gz")
+    assert files_in(out) == before and sorted(os.listdir(out)) == sorted(before)
