@@ -414,7 +414,10 @@ def test_a_folder_that_holds_a_report_is_refused_without_overwrite(tmp_path, mon
     for name in accelerator.REPORT_FILES:  # any one of them is a report
         only = tmp_path / f"only_{name}"
         only.mkdir()
-        (only / name).mkdir() if name == "profile" else (only / name).write_text("x")
+        if name == "profile":
+            (only / name).mkdir()
+        else:
+            (only / name).write_text("x")
         one_line_error(ValueError, lambda only=only: accelerator.check_output_dir(str(only)),
                        "holds a report", "--overwrite")
     assert accelerator.check_output_dir(str(out), overwrite=True) == list(
