@@ -117,6 +117,10 @@ def _list(folder: str) -> tuple[list[str], list[tuple[int, int]], int]:
                 continue
             path = os.path.join(root, name)
             stat = os.stat(path)
+            kind = sources.not_regular(stat.st_mode)  # a FIFO would block the reader: never open
+            if kind:
+                raise ValueError(f"{path} is {kind}, not a picture file; move it out of "
+                                 f"{folder}, or save the picture it stands for as a file")
             found.append((os.path.relpath(path, folder).replace(os.sep, "/"),
                           (stat.st_size, stat.st_mtime_ns)))
     found.sort()

@@ -2,8 +2,9 @@
 
 Everything here is NumPy on the host and returns whole splits or random access to them;
 `sparse_jax.data` turns them into batches. Facts about the formats: docs/design.md §6. A file
-that cannot be read (missing, a folder, unreadable, empty, truncated or damaged) raises a
-one-line error naming it and the fix; no file of the user's is ever replaced or deleted.
+that cannot be read (missing, a folder, a pipe or a device, unreadable, empty, truncated or
+damaged) raises a one-line error naming it and the fix; no file of the user's is ever replaced
+or deleted.
 
 - Byte files (`load_bytes`) are memory-mapped; a `.gz` file is decompressed once next to it. A
   file listed in its folder's SHA256SUMS (as the corpus shipped in `data/` is) is checked
@@ -17,11 +18,13 @@ one-line error naming it and the fix; no file of the user's is ever replaced or 
 - The "embedded" stream (`embedded_bytes`) is generated in-process: no download.
 """
 
+import errno
 import gzip
 import hashlib
 import json
 import os
 import shutil
+import stat
 import urllib.request
 import zipfile
 import zlib
@@ -96,8 +99,8 @@ def vouch(path: str, key: dict) -> None:
 
 def file_key(path: str, **extra) -> dict:
     """{"size", "mtime_ns", **extra} of `path`: what identifies one version of a file."""
-    stat = os.stat(path)
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **extra}
+    info = os.stat(path)
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, **extra}
 
 
 def _check_digest(path: str, algorithm: str, expected: str, fix: str) -> None:
@@ -162,18 +165,35 @@ def _gunzip_cached(path: str, flag: str = "--config.data.path") -> str:
         if _checksum(path) or _checksum(raw):  # listed: a shipped corpus (data/SHA256SUMS)
             raise ValueError(f"{path} is not a complete gzip file ({e}); fetch it again (a file "
                              f"of this repository: git checkout -- {path})") from e
-        raise ValueError(f"{path} is damaged or not a gzip file ({e}); compress the original "
-                         f"again (gzip -k FILE), or set {flag} to the uncompressed file") from e
+        raise ValueError(f"{path} is damaged or not a gzip file ({e}); set {flag} to the "
+                         "uncompressed file, or compress that again with gzip -f FILE (not -k: "
+                         f"a FILE kept beside FILE.gz is refused) and set {flag}=FILE.gz"
+                         ) from e
     except OSError as e:
         raise write_error(raw, e, f"free some space or make the folder writable, or decompress "
-                                  f"{path} elsewhere (gunzip -k) and set {flag} to the copy"
-                          ) from e
+                                  f"{path} elsewhere (gzip -dc {path} > OTHER_FOLDER/FILE) and "
+                                  f"set {flag} to that copy") from e
     return raw
+
+
+def not_regular(mode: int) -> str | None:
+    """What a path whose ``os.stat`` gives ``st_mode`` ``mode`` is, when it is not a regular
+    file: "a pipe (FIFO)", "a character device", "a block device", "a socket", "a folder" or
+    "not a regular file"; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = [(stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISDIR, "a folder")]
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 def require_file(path: str, flag: str = "--config.data.path") -> None:
     """One-line FileNotFoundError / IsADirectoryError / OSError unless `path` is a readable
-    file; `flag`, the option that named it, is what the errors tell the user to set."""
+    regular file; `flag`, the option that named it, is what the errors tell the user to set.
+    A pipe (``<(cat file)``, a FIFO), a device (/dev/zero) or a socket is refused from its
+    ``os.stat`` before anything opens it (opening a FIFO with no writer would wait forever):
+    the data is memory-mapped and read more than once, which only a file can serve."""
     if not os.path.exists(path):
         where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
         raise FileNotFoundError(f"data file {path} not found{where}: set {flag} to an existing "
@@ -182,6 +202,11 @@ def require_file(path: str, flag: str = "--config.data.path") -> None:
     if os.path.isdir(path):
         raise IsADirectoryError(f"data path {path} is a folder, and a model of bytes reads a "
                                 f"file (plain or .gz): set {flag} to a file")
+    kind = not_regular(os.stat(path).st_mode)
+    if kind:
+        raise OSError(errno.EINVAL, f"data path {path} is {kind}, not a regular file: the data "
+                                    "is memory-mapped and read more than once; save it to a "
+                                    f"file (e.g. cat ... > FILE) and set {flag}=FILE")
     try:
         with open(path, "rb") as f:
             f.read(1)

@@ -245,6 +245,11 @@ def mkdir(rel: str):
     return lambda ctx: os.makedirs(ctx.path(rel), exist_ok=True)
 
 
+def mkfifo(rel: str):
+    """A named pipe (FIFO) with no writer: a reader that opens it waits forever."""
+    return lambda ctx: os.mkfifo(ctx.path(rel))
+
+
 def remove(rel: str):
     def run(ctx):
         path = ctx.path(rel)
@@ -630,6 +635,13 @@ def build_cases() -> list[Case]:
         tiny(*on_bytes(), "--config.model.vocab_size=100"), r"vocab",
         setup=write("data.txt", DATA + bytes([200, 255]) * 50),
         rule="vocabulary smaller than the data's bytes is refused")
+    regular = "data is read from a regular file, never opened unless it is one (no wait)"
+    err("data/a FIFO as the file (was: waits forever)", tiny(*on_bytes("{tmp}/fifo")),
+        r"fifo is a pipe \(FIFO\), not a regular file.*set --config\.data\.path=FILE",
+        setup=mkfifo("fifo"), check=absent("work"), rule=regular)
+    err("data/a device as the file", tiny(*on_bytes("/dev/zero")),
+        r"/dev/zero is a character device, not a regular file", check=absent("work"),
+        rule=regular)
     err("data/truncated .gz", tiny(*on_bytes("{tmp}/data.txt.gz")), r"data\.txt\.gz",
         setup=write("data.txt.gz", gz(DATA)[:3000]))
     err("data/not gzip .gz", tiny(*on_bytes("{tmp}/data.txt.gz")), r"data\.txt\.gz",
@@ -923,6 +935,12 @@ def build_cases() -> list[Case]:
         r"empty\.txt is empty; set --data to a file with data",
         check=absent("work/eval/empty.txt"), setup=seq(trained_run, write("empty.txt", b"")),
         rule="errors name the flag of the command that was run")
+    err("evaluate/--data a FIFO with no writer (was: waits forever)", [*ev, "--data={tmp}/fifo"],
+        r"fifo is a pipe \(FIFO\), not a regular file.*set --data=FILE",
+        check=absent("work/eval/fifo"), setup=seq(trained_run, mkfifo("fifo")), rule=regular)
+    err("evaluate/--data /dev/zero (was: \"is empty\")", [*ev, "--data=/dev/zero"],
+        r"/dev/zero is a character device, not a regular file.*set --data=FILE",
+        check=absent("work/eval/zero"), setup=trained_run, rule=regular)
     err("evaluate/--data a folder of pictures", [*ev, "--data={tmp}/pics"],
         r"pics is a folder, and a model of bytes reads a file .*set --data to a file",
         check=absent("work/eval/pics"), setup=seq(trained_run, pictures()))
@@ -932,7 +950,8 @@ def build_cases() -> list[Case]:
         setup=seq(trained_run, write("ten.txt", b"0123456789")),
         rule="a trained model's data cut cannot change: the fix is another file or --split")
     err("evaluate/--data a damaged .gz of the user's", [*ev, "--data={tmp}/mine.txt.gz"],
-        r"mine\.txt\.gz is damaged or not a gzip file.*gzip -k.*set --data to the uncompressed",
+        r"mine\.txt\.gz is damaged or not a gzip file.*set --data to the uncompressed file, "
+        r"or compress that again with gzip -f FILE \(not -k.*set --data=FILE\.gz",
         check=all_of(absent("work/eval/mine.txt.gz"), lambda run: ["git checkout"] * (
             "git checkout" in run.stderr)),
         setup=seq(trained_run, write("mine.txt.gz", DATA[:5000])))

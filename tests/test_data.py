@@ -200,7 +200,8 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
             D.make_dataset({"name": "bytes", "path": gz}, 8)
         message = str(e.value)
         assert "\n" not in message and "git checkout" not in message
-        assert f"{gz} is damaged or not a gzip file" in message and "gzip -k" in message
+        assert f"{gz} is damaged or not a gzip file" in message and "gzip -f FILE (not -k" \
+            in message and "set --config.data.path=FILE.gz" in message
         assert "set --config.data.path to the uncompressed file" in message
         one_line_error(ValueError, lambda: sources.load_bytes(gz, "--data"), gz,
                        "set --data to the uncompressed file")
@@ -227,6 +228,78 @@ def test_damaged_gz_or_cache_gives_one_line_error_and_keepsfiles_in(tmp_path):
     # A listed plain file is checked too.
     with pytest.raises(ValueError, match="damaged"):
         sources.load_bytes(tmp_path / "text.txt")
+
+
+@pytest.mark.parametrize("advice", ["gzip -f FILE", "the uncompressed file"])
+def test_the_damaged_gz_advice_is_one_the_next_run_accepts(tmp_path, advice):
+    """A user's .gz is damaged and the original is at hand: each fix the one line names (the
+    uncompressed file itself, or gzip -f FILE, which leaves no FILE beside FILE.gz) loads on
+    the next run. (gzip -k, the old advice, kept FILE beside the .gz, which is refused.)"""
+    import shutil
+    import subprocess
+
+    raw = b"Call me Ishmael. Some years ago, never mind how long precisely.\n" * 100
+    folder = tmp_path / "data"
+    folder.mkdir()
+    gz = gz_with_sums(folder, raw, listed=False)
+    corrupt_middle(gz)
+    message = one_line_error(ValueError, lambda: sources.load_bytes(gz, "--data"), gz,
+                             "is damaged or not a gzip file")
+    assert advice in message
+    original = folder / "text.txt"  # the user's original, where gzip would put it back
+    original.write_bytes(raw)
+    if advice == "gzip -f FILE":
+        if shutil.which("gzip") is None:
+            pytest.skip("no gzip here")
+        subprocess.run(["gzip", "-f", str(original)], check=True)
+        assert sorted(os.listdir(folder)) == ["text.txt.gz"]
+        assert sources.load_bytes(gz, "--data").tobytes() == raw
+    else:
+        assert sources.load_bytes(original, "--data").tobytes() == raw
+
+
+def test_a_data_path_that_is_not_a_regular_file_is_one_line_without_blocking(tmp_path):
+    """A pipe (bash's <(cat file) is /dev/fd/N), a FIFO with no writer (opening it would wait
+    forever), a device (/dev/zero) or a socket: refused from os.stat in one line that says
+    what it is, whatever the option that named it; nothing written beside it."""
+    import threading
+
+    fifo, sock_path = tmp_path / "fifo", tmp_path / "sock"
+    os.mkfifo(fifo)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock_path))
+    read_end, write_end = os.pipe()
+    cases = [(fifo, "a pipe (FIFO)"), (f"/dev/fd/{read_end}", "a pipe (FIFO)"),
+             ("/dev/zero", "a character device"), (sock_path, "a socket")]
+    try:
+        for path, kind in cases:
+            for flag, call in [("--data", lambda p=path: sources.load_bytes(p, "--data")),
+                               ("--config.data.path", lambda p=path: D.make_dataset(
+                                   {"name": "bytes", "path": str(p)}, 8))]:
+                outcome = []
+
+                def attempt(call=call, outcome=outcome):
+                    try:
+                        call()
+                        outcome.append(None)
+                    except Exception as e:  # noqa: BLE001  (checked below)
+                        outcome.append(e)
+
+                worker = threading.Thread(target=attempt, daemon=True)
+                worker.start()
+                worker.join(timeout=30)
+                assert outcome, f"{path}: blocked"
+                assert isinstance(outcome[0], OSError), (path, outcome)
+                message = str(outcome[0].strerror)
+                assert "\n" not in message and message == (
+                    f"data path {path} is {kind}, not a regular file: the data is "
+                    f"memory-mapped and read more than once; save it to a file (e.g. cat ... > "
+                    f"FILE) and set {flag}=FILE"), message
+        assert sorted(os.listdir(tmp_path)) == ["fifo", "sock"]
+    finally:
+        server.close()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_full_disk_while_decompressing_is_one_line_and_the_next_load_succeeds(tmp_path,

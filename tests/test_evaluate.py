@@ -188,7 +188,8 @@ def test_another_file_is_scored_as_by_hand_and_written_apart(text_run, tmp_path)
 
 def test_another_file_that_cannot_be_scored_says_what_evaluate_can_do_and_leaves_no_folder(
         text_run, tmp_path, monkeypatch):
-    """--data with an empty file, a folder (of pictures or anything), a file too short for the
+    """--data with an empty file, a folder (of pictures or anything), a FIFO with no writer or
+    a device (not regular files: refused unopened, without blocking), a file too short for the
     split, or a user's damaged .gz: one line naming --data (evaluate has no --config) and what
     is possible for a trained model (a longer file, another --split, the uncompressed file),
     before any parameters are restored, and no eval/<name>/ folder left behind."""
@@ -200,21 +201,26 @@ def test_another_file_that_cannot_be_scored_says_what_evaluate_can_do_and_leaves
     (tmp_path / "pics").mkdir()
     (tmp_path / "ten.txt").write_bytes(b"0123456789")
     (tmp_path / "mine.txt.gz").write_bytes(b"not gzip at all")
+    os.mkfifo(tmp_path / "fifo")  # no writer: opening it would wait forever
     for name, error, parts in [
+            ("fifo", OSError, ["fifo is a pipe (FIFO), not a regular file", "set --data=FILE"]),
+            ("/dev/zero", OSError, ["/dev/zero is a character device, not a regular file"]),
             ("empty.txt", ValueError, ["empty.txt is empty", "set --data to a file with data"]),
             ("pics", IsADirectoryError, ["pics is a folder", "a model of bytes reads a file",
                                          "set --data to a file"]),
             ("ten.txt", ValueError, ["the test split", "has 0 bytes", "give --data a longer file",
                                      "--split=train (9 bytes)"]),
             ("mine.txt.gz", ValueError, ["mine.txt.gz is damaged or not a gzip file",
-                                         "gzip -k", "set --data to the uncompressed file"])]:
+                                         "gzip -f FILE (not -k", "set --data=FILE.gz",
+                                         "set --data to the uncompressed file"])]:
         with pytest.raises(error) as e:
             E.evaluate(text_run, data_path=str(tmp_path / name))
         message = str(e.value)
         assert "\n" not in message and all(p in message for p in parts), message
         assert "--config" not in message and "git checkout" not in message, message
-        assert not os.path.exists(os.path.join(text_run, "eval", name)), name
-    assert sorted(os.listdir(tmp_path)) == ["empty.txt", "mine.txt.gz", "pics", "ten.txt"]
+        assert not os.path.exists(os.path.join(text_run, "eval", os.path.basename(name))), name
+    assert sorted(os.listdir(tmp_path)) == ["empty.txt", "fifo", "mine.txt.gz", "pics",
+                                            "ten.txt"]
     with pytest.raises(ValueError, match=r"--data=.*ten\.txt: only a model of bytes"):
         config = config_lib.read_record(text_run)  # a run of another vocabulary
         config.model.vocab_size = 128

@@ -246,6 +246,27 @@ def test_a_bad_folder_is_one_line_naming_the_file_and_the_fix(tmp_path, monkeypa
     assert not [k for k in after if k.endswith("pixels.npy")]  # no cache of a bad folder
 
 
+def test_a_picture_name_that_is_not_a_regular_file_is_one_line_without_blocking(tmp_path):
+    """A FIFO named like a picture (opening it with no writer would wait forever) is refused
+    from the folder's listing, in one line that says what it is; nothing is written."""
+    import threading
+
+    folder = tmp_path / "pics"
+    write_pictures(folder, ["a/1.png"])
+    os.mkfifo(folder / "a" / "2.png")
+    config = {"name": "images", "path": str(folder)}
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(
+        ValueError, lambda: D.make_dataset(config, 144, image_shape=(6, 8, 3)))), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert outcome, "blocked on the FIFO"
+    message = str(outcome[0].value)
+    assert message == f"{folder / 'a' / '2.png'} is a pipe (FIFO), not a picture file; move it " \
+                      f"out of {folder}, or save the picture it stands for as a file", message
+    assert sorted(os.listdir(folder / "a")) == ["1.png", "2.png"] and os.listdir(folder) == ["a"]
+
+
 def test_a_model_of_another_shape_is_refused_before_decoding(tmp_path, monkeypatch):
     folder = tmp_path / "pics"
     write_pictures(folder, names("p", 4))
