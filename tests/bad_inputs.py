@@ -568,6 +568,17 @@ def build_cases() -> list[Case]:
     err("config/bytes.py bad size", tiny(config="{root}/configs/bytes.py:size=huge"), r"size")
 
     # -- values caught by the config checks ---------------------------------------------------
+    kernel = "kernel options are checked when the config is read, whatever the platform"
+    err("check/kernel heads per program above the heads (was: trained)",
+        tiny("--config.model.kernel=h4"),
+        r"ModelConfig\.kernel='h4': h4 heads per program must divide the model's 2 heads",
+        check=absent("work"), rule=kernel)
+    err("check/kernel options that contradict (was: the last won)",
+        tiny("--config.model.kernel=terms:chained"),
+        r"'terms' and 'chained' both set the variant; give each option once",
+        check=absent("work"), rule=kernel)
+    err("check/kernel tiles Triton cannot compile", tiny("--config.model.kernel=1x1"),
+        r"kernel tiles 1x1: Triton needs at least 16", check=absent("work"), rule=kernel)
     err("check/negative lr", tiny("--config.optimizer.lr=-1"), r"lr")
     err("check/zero lr", tiny("--config.optimizer.lr=0"), r"lr")
     err("check/min_lr_ratio above 1", tiny("--config.optimizer.min_lr_ratio=2"), r"min_lr_ratio")
