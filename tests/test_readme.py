@@ -1,9 +1,13 @@
 """The "In your own model" code block of docs/attention.md (the page the README sends users to
 for the attention API) runs as printed, gives the shapes and dtypes its comments state, and its
-attention equals the dense masked reference."""
+attention equals the dense masked reference; and the README's facts a newcomer reads first: the
+licence it names is in the repository, a results row is a figure and its command (the story is
+on the linked page), the quickstart gives its spread across hosts, and "Your own data" says how
+long a useful run is and how to shorten one."""
 
 import os
 import re
+import tomllib
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,3 +43,55 @@ def test_attention_example_runs_as_printed():
     q, k, v = (namespace[name].astype(jnp.float32) for name in "qkv")
     reference = dense_attention(q, k, v, namespace["spec"].mask(q.shape[1]))
     np.testing.assert_allclose(np.asarray(out, np.float32), reference, atol=3e-2)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def front_door() -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def section(text: str, title: str) -> str:
+    assert f"\n## {title}\n" in text, f"README.md has no section {title!r}"
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_licence_the_readme_names_is_in_the_repository_and_the_wheel():
+    """README and pyproject say Apache-2.0; LICENSE holds the licence's whole text, and
+    setuptools' default license-files (LICEN[CS]E*, no key in pyproject) put it in the wheel."""
+    assert "Apache-2.0" in front_door()
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["license"] == "Apache-2.0"
+    assert "LICENSE" in project.get("license-files", ["LICENSE"])
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        text = f.read()
+    for part in ["Apache License", "Version 2.0, January 2004", "TERMS AND CONDITIONS FOR USE, "
+                 "REPRODUCTION, AND DISTRIBUTION", "9. Accepting Warranty or Additional "
+                 "Liability.", "END OF TERMS AND CONDITIONS", "APPENDIX: How to apply"]:
+        assert part in text, part
+    assert len(text.split()) > 1500  # the whole text, not a pointer to it
+
+
+def test_a_results_row_is_a_figure_and_its_command():
+    """One line each: what and where, the command, the figure (and a comparison); the story
+    behind a figure lives on the page the row links to."""
+    rows = [line for line in section(front_door(), "Results").splitlines()
+            if line.startswith("| ") and not line.startswith("| what")]
+    assert len(rows) >= 8
+    for row in rows:
+        what, command, result = (cell.strip() for cell in row.strip("|").split(" | "))
+        assert command.startswith("`python scripts/") or command == "same", row
+        assert len(result) <= 140 and result.count(". ") == 0, result
+
+
+def test_the_quickstart_figure_gives_its_spread_and_your_own_data_how_long_a_run_is():
+    text = front_door()
+    quickstart = section(text, "Quickstart")
+    assert "**1.94–1.95 bits/byte**" in quickstart and "1.9397" in quickstart \
+        and "1.9502" in quickstart and "add floats in other orders" in quickstart
+    own = section(text, "Your own data")
+    assert "2,900 steps" in own and "--config.total_steps=600" in own
+    assert "not a broken one" in own
