@@ -1,0 +1,94 @@
+r"""Compiles for an H100 (or an A100) on this CPU, with no GPU, every program the accelerator
+report times, and tabulates what the compiler decided per Triton kernel: grid, threads,
+registers, spills, shared memory, blocks per SM, occupancy and its bound, waves over the SMs,
+key tiles per program, estimated HBM bytes; per program XLA's planned memory against the
+device's and the compile time.
+
+  pip install --no-deps --target .gpu_tools -r requirements-gpu-compile.txt
+  python scripts/compile_report.py --output_dir=docs/benchmarks/compiled_h100
+  python scripts/compile_report.py --target=a100 --programs=attention16k
+  python scripts/compile_report.py --programs=ci --check     # the test suite's GPU check
+
+--programs takes groups (attention16k, attention64k, tiles16k, steps, study, ci, all) or
+program names (--list prints them). The dense rows need cuDNN in the tools folder too
+(`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without
+it they compile XLA's unfused attention and say so. --check exits 1 when a program does not
+compile or a Triton kernel spills registers, naming each. Each program compiles in its own
+process with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools) on its
+path. Writes results.md and results.json to --output_dir (a folder that holds results is
+refused without --overwrite). These are the compiler's figures; no time is measured
+(sparse_jax/bench/compiled.py says how they are read).
+"""
+
+import datetime
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from sparse_jax import cli
+from sparse_jax.bench import compiled
+
+_TARGET = flags.DEFINE_enum("target", "h100", sorted(compiled.TARGETS), "The GPU compiled for.")
+_PROGRAMS = flags.DEFINE_list("programs", ["all"], "Groups or program names (--list).")
+_TOOLS = flags.DEFINE_string("tools", None, "Folder of requirements-gpu-compile.txt's packages "
+                             "(default: $SPARSE_JAX_GPU_TOOLS, else .gpu_tools).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go "
+                                  "(default: print the table only).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results in --output_dir.")
+_CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a program fails to compile or spills.")
+_LIST = flags.DEFINE_bool("list", False, "Print the programs and their groups, then exit.")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _LIST.value:
+        for p in compiled.programs():
+            print(f"{p['group']:13} {p['name']}")
+        return
+    try:
+        chosen = compiled.select(_PROGRAMS.value)
+        tools = _TOOLS.value or os.environ.get(compiled.TOOLS_ENV) or compiled.DEFAULT_TOOLS
+        compiled.check_tools(tools)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    out = _OUTPUT_DIR.value
+    if out and not _OVERWRITE.value and any(
+            os.path.exists(os.path.join(out, f)) for f in ("results.md", "results.json")):
+        raise app.UsageError(f"--output_dir={out} already holds results: give --overwrite to "
+                             "replace them, or another folder")
+    rows = []
+    for i, program in enumerate(chosen, 1):
+        row = compiled.compile_program(program, _TARGET.value, tools, _TIMEOUT.value)
+        rows.append(row)
+        print(f"[{i}/{len(chosen)}] {row['name']}: " + (row["error"] if "error" in row else (
+            f"{row['compile_s']:.1f} s, {row['planned_gb']:.2f} GB planned, "
+            f"{len(row['kernels'])} Triton kernels, max spill {row['max_spill_bytes']} B")),
+            flush=True)
+    date = datetime.date.today().isoformat()
+    command = "python scripts/compile_report.py " + " ".join(argv[0:0] + sys.argv[1:])
+    header = [f"# Deviceless compile for {compiled.TARGETS[_TARGET.value].name}", "",
+              f"`{command.strip()}` on {date}, {compiled.versions(tools)}: compiler figures, "
+              "not measurements."]
+    text = compiled.markdown(rows, _TARGET.value, header)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump({"target": _TARGET.value, "date": date, "command": command.strip(),
+                       "rows": rows}, f, indent=1)
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(text)
+        print(f"Wrote {out}/results.md and results.json")
+    else:
+        print(text)
+    bad = compiled.problems(rows)
+    if _CHECK.value and bad:
+        print("GPU compile check failed: " + "; ".join(bad))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli.run(main)

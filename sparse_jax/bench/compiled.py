@@ -1,0 +1,576 @@
+r"""The GPU programs compiled for an H100 (or an A100) on a CPU host, exactly as XLA builds them
+on the device, with no GPU present; per Triton kernel what the compiler decided.
+
+  pip install --no-deps --target .gpu_tools -r requirements-gpu-compile.txt
+  python scripts/compile_report.py --output_dir=docs/benchmarks/compiled_h100
+
+How: jaxlib's CUDA plugin (``jax-cuda12-plugin``/``-pjrt``) and NVIDIA's ``ptxas``
+(``nvidia-cuda-nvcc-cu12``) installed into a folder of their own (``--tools``), put on the path of
+a child process only, so the project's own environment stays a CPU one;
+``jax.experimental.topologies`` builds the device from XLA's target description
+(``targets/*.txtpb``) and ``jax.jit(f).lower(...).compile()`` performs a deviceless compile,
+every program in its own process (``pallas_kernels.compiling_for("gpu")`` makes the kernels
+Triton's, not interpret mode). From each compile:
+
+  ptxas -v        (XLA's own call, in its log) registers per thread and spilled bytes per kernel
+  thunk sequence  (``--xla_dump_to``) each kernel's grid, threads and dynamic shared memory
+  block lists     (``sparse_jax.kernel``) the key tiles each program visits
+  memory          ``compiled.memory_analysis()``: XLA's planned arguments, outputs, temporaries
+
+and from those: blocks per SM and what bounds them (registers, shared memory, threads), the
+occupancy (resident warps of the SM's 64), waves of programs over the SMs, and an estimate of
+the HBM bytes each kernel moves (its tiles' loads and stores, no L2 reuse) plus those of XLA's
+own kernels around it (each fusion's operands and outputs), against the least a pass must move.
+GEMM autotuning does not run without a device (XLA's default tiles), and no time is measured:
+these are the compiler's figures, not measurements.
+
+  programs(target)       the programs the accelerator report times, by name and group
+  compile_program(...)   one program compiled in a child process: its figures as a dict
+  occupancy(...)         blocks per SM, occupancy and the bounding resource of one kernel
+  report(...)            every chosen program: rows, kernel tables, markdown
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+TOOLS_ENV = "SPARSE_JAX_GPU_TOOLS"  # where the CUDA plugin and ptxas are installed
+DEFAULT_TOOLS = ".gpu_tools"
+REQUIREMENTS = "requirements-gpu-compile.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU as the occupancy calculator needs it (NVIDIA's compute capability tables)."""
+    name: str
+    spec_file: str
+    arch: str
+    sms: int
+    regs_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    smem_per_sm: int = 233472  # bytes usable by blocks
+    smem_reserved_per_block: int = 1024  # the runtime's per-block reservation (sm_80 and up)
+    hbm_gb: float = 80.0
+    hbm_gbps: float = 3352.0  # memory bandwidth, GB/s
+
+    def config_text(self) -> str:
+        with open(os.path.join(TARGETS_DIR, self.spec_file)) as f:
+            return f.read()
+
+
+TARGETS = {
+    "h100": Target("NVIDIA H100 80GB HBM3 (SXM)", "h100_sxm.txtpb", "sm_90a", sms=132,
+                   hbm_gb=84.94, hbm_gbps=3352.3),
+    "a100": Target("NVIDIA A100-SXM4-80GB", "a100_sxm_80.txtpb", "sm_80", sms=108,
+                   max_blocks_per_sm=32, smem_per_sm=167936, hbm_gb=85.90, hbm_gbps=2039.0),
+}
+
+# ---------------------------------------------------------------------------------------------
+# The programs: what the accelerator report times (sparse_jax.bench.accelerator).
+
+ATTENTION_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
+# Tiles the H100 report timed at 16k (docs/benchmarks/h100): 1.18 and 1.52 ms against 0.912
+# for 64 x 64; compiled beside it, they show which static figures follow the measured order.
+MEASURED_TILES = ("strided:128@pallas:128x64", "strided:128@pallas:128x128")
+CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
+               "attention 16k strided:128@pallas:chained")
+
+
+def programs() -> list[dict]:
+    """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
+    16k (baselines, then the kernel variants) and 64k, the training steps (train_step's cases)
+    and the long-context study's runs. Each: name, group, kind and what to build."""
+    from sparse_jax.bench.accelerator import attention, train_step
+    from sparse_jax.bench.long_study import plan as study_plan
+
+    out = []
+    for group, n, names in (("attention16k", 16384, attention.BASELINES + attention.VARIANTS_16K),
+                            ("attention64k", 65536,
+                             attention.BASELINES + attention.VARIANTS_64K)):
+        for pattern in names:
+            out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
+                        "kind": "attention", "pattern": pattern, "seq_len": n,
+                        **ATTENTION_SHAPE})
+    for pattern in MEASURED_TILES:  # dropped from the report, but timed on an H100 before
+        out.append({"name": f"attention 16k {pattern}", "group": "tiles16k", "kind": "attention",
+                    "pattern": pattern, "seq_len": 16384, **ATTENTION_SHAPE})
+    for case in train_step.plan(False)["cases"]:
+        out.append({"name": f"step {case['name']}", "group": "steps", "kind": "step",
+                    "model": case["model"], "batch_size": case["batch_size"]})
+    study = study_plan(False)
+    for run in study["runs"]:
+        out.append({"name": f"study {run['name']}", "group": "study", "kind": "config",
+                    "config": study["config"], "overrides": run["overrides"]})
+    return out
+
+
+def select(names: list[str] | None) -> list[dict]:
+    """The programs named, or of the groups named ("attention16k", "attention64k", "tiles16k",
+    "steps", "study", "ci" for the CI check's three, "all"); ValueError naming an unknown
+    one."""
+    every = programs()
+    if not names or names == ["all"]:
+        return every
+    chosen = []
+    for name in names:
+        if name == "ci":
+            matches = [p for p in every if p["name"] in CI_PROGRAMS]
+        else:
+            matches = [p for p in every if name in (p["group"], p["name"])]
+        if not matches:
+            raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
+                             f"attention16k, attention64k, tiles16k, steps, study or a name "
+                             f"(--list prints them)")
+        chosen += [p for p in matches if p not in chosen]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: one deviceless compile.
+
+
+def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2) -> dict:
+    """Per kernel name (``sparse_{forward,dq,dkv}_{kind}``): the key (or query) tiles each
+    program visits (mean, max), its programs and an estimate of the HBM bytes it moves
+    (own tiles in, listed tiles in per visit, outputs out; float32 partial results; no reuse
+    through L2)."""
+    from sparse_jax import kernel
+
+    compiler = kernel.compiler_for(sizes, "triton", interpret=False)
+    rows = -(-n // spec.block)
+    chained = (sizes or kernel.BlockSizes()).variant == "chained"
+    if chained:
+        _, plan = kernel._chain(spec, rows, compiler)
+        terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
+    else:
+        terms = [(layout, lists, compiler) for layout, _, lists in
+                 kernel._terms(spec, rows, compiler)]
+    d = max(16, 1 << (head_dim - 1).bit_length())
+    h = compiler.heads_per_program
+    groups = heads // h
+    out = {}
+    for index, (layout, lists, comp) in enumerate(terms):
+        bq, bk = comp.block_q, comp.block_k
+        last, resume = chained and index == len(terms) - 1, chained and index > 0
+        out_bytes = dtype_bytes if last else 4
+        for name, table, own, listed in (("forward", lists.forward, bq, bk),
+                                         ("dq", lists.forward, bq, bk),
+                                         ("dkv", lists.backward, bk, bq)):
+            visits = table[:, 0] + table[:, 1]
+            tiles = int(visits.sum())
+            if name == "forward":  # q own; k, v listed; o, lse out
+                own_in, per_visit = own * d * dtype_bytes, 2 * listed * d * dtype_bytes
+                own_out = own * d * out_bytes + own * 4
+            elif name == "dq":  # q, do, lse, delta own; k, v listed; dq out
+                own_in, per_visit = 2 * own * d * dtype_bytes + 2 * own * 4, \
+                    2 * listed * d * dtype_bytes
+                own_out = own * d * out_bytes
+            else:  # k, v own; q, do, lse, delta listed; dk, dv out
+                own_in = 2 * own * d * dtype_bytes
+                per_visit = 2 * listed * d * dtype_bytes + 2 * listed * 4
+                own_out = 2 * own * d * out_bytes
+            resume_in = (own_out * 4 // out_bytes) if resume and not (
+                name == "dkv" and layout.kind == "summary") else 0
+            per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
+            out[f"sparse_{name}_{layout.kind}"] = {
+                "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
+                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads)}
+    return out
+
+
+def _build(program: dict, mesh):
+    """(function, abstract arguments, tile work or None) of one program on ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    if program["kind"] == "attention":
+        from sparse_jax.attention import sparse_attention
+        from sparse_jax.bench.attention import parse_pattern
+
+        n, heads, d = program["seq_len"], program["heads"], program["head_dim"]
+        spec, implementation, sizes = parse_pattern(program["pattern"], n)
+        x = jax.ShapeDtypeStruct((program["batch"], n, heads, d), jnp.bfloat16,
+                                 sharding=replicated)
+        if spec.kind == "dense":
+            def loss(q, k, v):
+                out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation=implementation)
+                return out.astype(jnp.float32).sum()
+            work = None
+        else:
+            def loss(q, k, v):
+                return sparse_attention(q, k, v, spec, implementation,
+                                        sizes).astype(jnp.float32).sum()
+            work = _tile_work(spec, n, sizes, heads, d) if implementation == "pallas" else None
+        return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x), work
+    from flax import nnx
+
+    from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.model import ModelConfig
+
+    if program["kind"] == "config":
+        import configs
+        from sparse_jax import config as config_lib
+
+        config = configs.load(program["config"], program["overrides"])
+        cfg = config_lib.check_config(config)
+        batch = config.batch_size
+    else:
+        cfg, batch = ModelConfig(**program["model"]), program["batch_size"]
+    step, abstract, tx = _grad_fn(cfg, update=True)
+    state = nnx.state(abstract)
+    opt_state = jax.eval_shape(tx.init, state)
+    place = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32, sharding=replicated)
+    return step, (place(state), place(opt_state), tokens), None
+
+
+def _child(program: dict, target: str) -> None:
+    """Compiles ``program`` for ``target`` with no device and prints one ``RESULT {json}``
+    line (the ptxas figures and the thunk sequence go to stderr and to --xla_dump_to)."""
+    import jax
+    from jax.experimental import topologies
+
+    from sparse_jax import pallas_kernels
+
+    t = TARGETS[target]
+    topology = topologies.get_topology_desc(platform="cuda", target_config=t.config_text(),
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    result = {}
+    with pallas_kernels.compiling_for("gpu"):
+        fn, args, work = _build(program, mesh)
+        start = time.perf_counter()
+        lowered = jax.jit(fn).lower(*args)
+        compiled = lowered.compile()
+        result["compile_s"] = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    result["memory"] = {key: getattr(memory, f"{key}_size_in_bytes")
+                        for key in ("argument", "output", "alias", "temp")}
+    result["tile_work"] = work
+    result["xla_kernel_bytes"] = xla_kernel_bytes(compiled.as_text())
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the compiler printed.
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                          r"loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_THUNK = re.compile(r"\b(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
+                    r"shared_memory: (\d+) bytes")
+
+
+def parse_ptxas(log: str) -> dict[str, dict]:
+    """Per entry function in ``ptxas -v`` output: arch, registers, stack frame and spilled
+    bytes (stores + loads)."""
+    out, current = {}, None
+    for line in log.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            current = out.setdefault(m.group(1), {"arch": m.group(2)})
+        elif current is None:
+            continue
+        elif m := _PTXAS_SPILL.search(line):
+            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                           spill_loads=int(m.group(3)))
+        elif m := _PTXAS_USED.search(line):
+            current["registers"] = int(m.group(1))
+    return out
+
+
+def parse_thunks(text: str) -> list[dict]:
+    """Each kernel launch of an XLA thunk sequence: name, grid, threads and dynamic shared
+    memory (a kernel inside a loop appears once)."""
+    return [{"name": m.group(1), "grid": [int(m.group(i)) for i in (2, 3, 4)],
+             "threads": int(m.group(5)) * int(m.group(6)) * int(m.group(7)),
+             "shared_memory": int(m.group(8))} for m in _THUNK.finditer(text)]
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
+                "conditional", "call", "after-all", "partition-id", "replica-id"}
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _SHAPE.findall(text))
+
+
+def xla_kernel_bytes(hlo: str) -> dict:
+    """XLA's own kernels in the entry computation of compiled HLO text, Pallas calls apart:
+    how many, and the bytes they read and write (each one's operands and outputs: an upper
+    bound for fusions that read a slice)."""
+    shapes, entry, in_entry = {}, [], False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+            continue
+        if in_entry and line.startswith("}"):
+            in_entry = False
+        m = _HLO_LINE.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = _shape_bytes(shape)
+        if in_entry:
+            entry.append((name, op, rest))
+    count = total = 0
+    for name, op, rest in entry:
+        if op in _NOT_KERNELS or (op == "custom-call" and "triton" in rest):
+            continue
+        args = rest.split("), ")[0]
+        count += 1
+        total += shapes[name] + sum(shapes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
+    return {"kernels": count, "bytes": total}
+
+
+def occupancy(target: Target, registers: int, threads: int, shared_memory: int) -> dict:
+    """Blocks of ``threads`` per SM with ``registers`` per thread and ``shared_memory`` bytes
+    each (the CUDA occupancy calculator's rules: registers allocated per warp in units of 256,
+    a per-block shared-memory reservation), the resident share of the SM's warps and the
+    resource that bounds it."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = {"registers": (target.regs_per_sm // per_warp) // warps if per_warp else 10**9,
+              "shared memory": target.smem_per_sm // (shared_memory
+                                                      + target.smem_reserved_per_block),
+              "threads": target.max_warps_per_sm // warps,
+              "blocks": target.max_blocks_per_sm}
+    bound = min(limits, key=limits.get)
+    blocks = limits[bound]
+    return {"blocks_per_sm": blocks, "bound": bound,
+            "occupancy": blocks * warps / target.max_warps_per_sm}
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: a child per program, its figures gathered.
+
+
+def tools_env(tools: str) -> dict:
+    """The child's environment: the tools folder first on the path, the CUDA plugin's checks
+    for a local driver off, XLA's ptxas log on."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tools), _repo(),
+                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", TF_CPP_MIN_LOG_LEVEL="0",
+               TF_CPP_VMODULE="subprocess_compilation=3")
+    env.pop("JAX_PLATFORMS", None)  # the CUDA plugin must load (it finds no GPU: CPU runs)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached program runs no ptxas to read
+    return env
+
+
+def _repo() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def check_tools(tools: str) -> None:
+    """ValueError (one line) if ``tools`` lacks the CUDA plugin or ptxas."""
+    need = {"jax_plugins/xla_cuda12": "jax-cuda12-plugin",
+            "nvidia/cuda_nvcc/bin/ptxas": "nvidia-cuda-nvcc-cu12"}
+    missing = [pkg for path, pkg in need.items() if not os.path.exists(os.path.join(tools, path))]
+    if missing:
+        raise ValueError(f"--tools={tools} lacks {', '.join(missing)}: install them with `pip "
+                         f"install --no-deps --target {tools} -r {REQUIREMENTS}`")
+
+
+def versions(tools: str) -> str:
+    """jax's version and the tools folder's packages', as the report's header names them."""
+    import jax
+
+    found = sorted(name[:-len(".dist-info")].replace("_", "-").replace("-0", " 0", 1).replace(
+        "-1", " 1", 1) for name in os.listdir(tools) if name.endswith(".dist-info"))
+    return f"jax {jax.__version__}, " + ", ".join(found)
+
+
+def compile_program(program: dict, target: str, tools: str, timeout: float = 600) -> dict:
+    """``program`` compiled for ``target`` in a child process: the row of the report (compile
+    seconds, planned memory, per Triton kernel its grid, registers, spills, shared memory,
+    occupancy, waves, tiles and bytes), or with "error" the compiler's last line."""
+    t = TARGETS[target]
+    row = {"name": program["name"], "group": program["group"], "target": target}
+    with tempfile.TemporaryDirectory(prefix="sparse_jax_compile_") as dump:
+        env = tools_env(tools)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "sparse_jax.bench.compiled", json.dumps(program), target],
+                env=env, cwd=_repo(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            row["error"] = f"not compiled in {timeout:.0f} s"
+            return row
+        row["wall_s"] = time.perf_counter() - start
+        results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not results:
+            row["error"] = _last_error(proc.stderr) or f"exit status {proc.returncode}"
+            return row
+        row.update(json.loads(results[-1]))
+        thunks = []
+        for path in sorted(os.listdir(dump)):
+            if path.endswith(".thunk_sequence.txt"):
+                with open(os.path.join(dump, path)) as f:
+                    thunks += parse_thunks(f.read())
+    ptxas = parse_ptxas(proc.stderr)
+    if _dense(program) and not os.path.isdir(os.path.join(tools, "nvidia", "cudnn")):
+        row["note"] = ("no cuDNN in --tools (nvidia-cudnn-cu12): XLA's unfused attention, as on "
+                       "a GPU without cuDNN")
+    memory = row["memory"]
+    row["planned_gb"] = (memory["argument"] + memory["output"] - memory["alias"]
+                         + memory["temp"]) / 1e9
+    row["fits"] = row["planned_gb"] <= t.hbm_gb
+    work = row.pop("tile_work") or {}
+    kernels, seen = [], {}
+    for thunk in thunks:
+        if not thunk["name"].startswith("sparse_"):
+            continue
+        base = re.sub(r"__\d+$", "", thunk["name"])
+        key = (base, tuple(thunk["grid"]), thunk["shared_memory"],
+               ptxas.get(thunk["name"], {}).get("registers"))
+        if key in seen:  # the same kernel in another layer: counted, listed once
+            seen[key]["launches"] += 1
+            continue
+        figures = ptxas.get(thunk["name"], {})
+        kernel = {**thunk, "registers": figures.get("registers"),
+                  "spill_bytes": figures.get("spill_stores", 0) + figures.get("spill_loads", 0)}
+        programs = math.prod(thunk["grid"])
+        kernel.update(programs=programs, launches=1)
+        seen[key] = kernel
+        if kernel["registers"] is not None:
+            kernel.update(occupancy(t, kernel["registers"], thunk["threads"],
+                                    thunk["shared_memory"]))
+            kernel["waves"] = programs / (kernel["blocks_per_sm"] * t.sms)
+        if base in work:
+            kernel.update(tiles_mean=work[base]["tiles_mean"], tiles_max=work[base]["tiles_max"],
+                          hbm_bytes=work[base]["hbm_bytes"])
+        kernels.append(kernel)
+    row["kernels"] = kernels
+    row["max_spill_bytes"] = max((k["spill_bytes"] for k in kernels), default=0)
+    row["triton_launches"] = sum(k["launches"] for k in kernels)
+    row["other_spills"] = sorted(name for name, f in ptxas.items()
+                                 if not name.startswith("sparse_")
+                                 and f.get("spill_stores", 0) + f.get("spill_loads", 0))
+    if work:
+        row["kernel_hbm_gb"] = sum(k.get("hbm_bytes", 0) for k in kernels) / 1e9
+        row["xla_hbm_gb"] = row["xla_kernel_bytes"]["bytes"] / 1e9
+        row["hbm_gb"] = row["kernel_hbm_gb"] + row["xla_hbm_gb"]
+        row["hbm_floor_ms"] = row["hbm_gb"] / t.hbm_gbps * 1e3
+    return row
+
+
+def _dense(program: dict) -> bool:
+    """Whether the program runs dense attention (cuDNN's where it is installed)."""
+    pattern = (program.get("pattern") or program.get("model", {}).get("pattern")
+               or program.get("overrides", {}).get("model.pattern") or "")
+    return pattern.startswith("dense")
+
+
+def _last_error(stderr: str) -> str:
+    """The line of a child's stderr that says why it failed."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"Error|error:|RESOURCE_EXHAUSTED|INTERNAL", line) and "W0000" not in line:
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def least_bytes(n: int, batch: int = 1, heads: int = 8, head_dim: int = 64) -> float:
+    """The least bytes any attention fwd+bwd in bfloat16 must move: q, k, v read by both passes,
+    o written and read, do read, dq, dk, dv written (12 arrays)."""
+    return 12 * batch * n * heads * head_dim * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """The Pallas attention rows in the order the static figures promise: no spills first, then
+    the fewest estimated bytes (tile traffic and XLA's kernels around), then the higher
+    occupancy of the worst kernel."""
+    rows = [r for r in rows if r.get("hbm_gb") is not None]
+    return sorted(rows, key=lambda r: (r["max_spill_bytes"] > 0, r["hbm_gb"],
+                                       -min(k.get("occupancy", 0) for k in r["kernels"])))
+
+
+def markdown(rows: list[dict], target: str, header: list[str]) -> str:
+    """results.md: one row per program, the attention programs ranked by their static figures,
+    then one row per Triton kernel."""
+    t = TARGETS[target]
+    f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
+    lines = [*header, "", f"Target: {t.name} ({t.arch}, {t.sms} SMs, {t.hbm_gb:.1f} GB, "
+             f"{t.hbm_gbps:,.0f} GB/s).", "",
+             "| program | compile s | planned GB | fits | Triton kernels (launches) | "
+             "max spill B | est. GB moved | at full bandwidth ms | result |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kernels = r.get("kernels")
+        count = "—" if kernels is None else f"{len(kernels)} ({r['triton_launches']})"
+        lines.append(
+            f"| {r['name']} | {f(r.get('compile_s'), '.1f')} | {f(r.get('planned_gb'), '.2f')} "
+            f"| {'—' if 'fits' not in r else ('yes' if r['fits'] else '**no**')} | {count} "
+            f"| {f(r.get('max_spill_bytes'), 'd')} | {f(r.get('hbm_gb'), '.3f')} "
+            f"| {f(r.get('hbm_floor_ms'), '.3f')} | {r.get('error', 'ok')}"
+            + (f" ({r['note']})" if "note" in r else "") + " |")
+    ranked = rank(rows)
+    if ranked:
+        lines += ["", "The Pallas attention programs as their static figures rank them (no "
+                  "spills, then fewest bytes moved, then occupancy):", "",
+                  "| rank | program | max spill B | lowest occupancy | est. GB moved |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {i} | {r['name']} | {r['max_spill_bytes']} | "
+                  f"{min(k.get('occupancy', 0) for k in r['kernels']):.1%} | {r['hbm_gb']:.3f} |"
+                  for i, r in enumerate(ranked, 1)]
+    lines += ["", "Per Triton kernel (a kernel repeated in other layers is listed once, with its "
+              "launches; tiles: the key tiles a program visits, query tiles for dkv; est. GB: "
+              "its tiles' loads and stores with no reuse through L2):", "",
+              "| program | kernel | launches | grid | threads | regs | spill B | smem KB | "
+              "blocks/SM | occupancy | bound | waves | tiles mean / max | est. GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for k in r.get("kernels", []):
+            lines.append(
+                f"| {r['name']} | {k['name']} | {k['launches']} | "
+                f"{'×'.join(map(str, k['grid']))} | "
+                f"{k['threads']} | {f(k.get('registers'), 'd')} | {k['spill_bytes']} | "
+                f"{k['shared_memory'] / 1024:.1f} | {f(k.get('blocks_per_sm'), 'd')} | "
+                f"{f(k.get('occupancy'), '.1%')} | {k.get('bound', '—')} | "
+                f"{f(k.get('waves'), '.1f')} | "
+                + (f"{k['tiles_mean']:.2f} / {k['tiles_max']}" if "tiles_mean" in k else "—")
+                + f" | {f(k['hbm_bytes'] / 1e9 if 'hbm_bytes' in k else None, '.4f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """What fails the check: a program that did not compile, a Triton kernel that spills."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['name']}: {r['error']}")
+        for k in r.get("kernels", []):
+            if k["spill_bytes"]:
+                out.append(f"{r['name']}: {k['name']} spills {k['spill_bytes']} bytes "
+                           f"({k.get('registers')} registers)")
+    return out
+
+
+if __name__ == "__main__":  # the child: python -m sparse_jax.bench.compiled PROGRAM_JSON TARGET
+    _child(json.loads(sys.argv[1]), sys.argv[2])
