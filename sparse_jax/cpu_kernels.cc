@@ -15,12 +15,15 @@
 //   i - max_distance (if >= 0), the start of the row prev rows before i's (rows of `block`),
 //   and i's own row start (if same_row).
 // * Summary term: query i sees the keys at residues res[0..s) of every grid row before its own.
+// * Dense causal attention: query i sees keys [0, i], alone (pattern "dense"; its own drivers
+//   write the output and log-sum-exp, and dq, dk, dv, instead of merging into a joint softmax).
 // Forward: merges the term into the running maximum, sum of exponentials and weighted values
 // (not divided) of the joint softmax. Backward: adds the term's dq, dk and dv, given the joint
 // log-sum-exp and D = dO · O per query. Float32 only.
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -647,6 +650,99 @@ ffi::Error BandBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   return ffi::Error::Success();
 }
 
+// Dense causal attention: query i sees keys [0, i], the band whose window is the whole sequence,
+// alone in its softmax. Per batch row all heads are gathered once; each query block of a head
+// runs over the key blocks up to its diagonal. Forward writes the output and the log-sum-exp
+// itself (no running statistics to read in or divide outside); backward computes D = dO · O and
+// writes dq, dk, dv (no earlier term's gradients to add to).
+ffi::Error DenseForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                            ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
+                            ffi::ResultBuffer<ffi::F32> lse, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long N = s.N, H = s.H, d = s.d, dv = s.dv;
+  Blocks c;
+  c.q.resize(H * N * d); c.k.resize(H * N * d); c.v.resize(H * N * dv);
+  c.m.resize(H * N); c.l.resize(H * N); c.o.resize(H * N * dv);
+  c.lo.assign(kQB, 0); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  const Rows all{N, H, 0, 1, N};
+  for (long b = 0; b < s.B; ++b) {
+    all.gather(q.typed_data(), d, b, c.q.data());
+    all.gather(k.typed_data(), d, b, c.k.data());
+    all.gather(v.typed_data(), dv, b, c.v.data());
+    std::fill(c.m.begin(), c.m.end(), kFloor);
+    std::fill(c.l.begin(), c.l.end(), 0.0f);
+    std::fill(c.o.begin(), c.o.end(), 0.0f);
+    for (long h = 0; h < H; ++h)
+      for (long i0 = 0; i0 < N; i0 += kQB) {
+        const long qn = std::min<long>(kQB, N - i0), at = h * N + i0;
+        for (long i = 0; i < qn; ++i) c.hi[i] = i0 + i + 1;
+        attend_forward(c.q.data() + at * d, c.k.data() + h * N * d, c.v.data() + h * N * dv, qn,
+                       i0 + qn, d, dv, c.lo.data(), c.hi.data(), scale, c.m.data() + at,
+                       c.l.data() + at, c.o.data() + at * dv, w);
+        for (long i = at; i < at + qn; ++i) {  // every row sees its own key: l >= 1
+          const vf inv = splat(1.0f / c.l[i]);
+          for (long j = 0; j < dv; j += kVW) store(&c.o[i * dv + j], load(&c.o[i * dv + j]) * inv);
+          c.m[i] += std::log(c.l[i]);
+        }
+      }
+    all.scatter(c.o.data(), dv, b, out->typed_data());
+    all.scatter(c.m.data(), 1, b, lse->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DenseBackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out,
+                             ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> lse,
+                             ffi::ResultBuffer<ffi::F32> d_q, ffi::ResultBuffer<ffi::F32> d_k,
+                             ffi::ResultBuffer<ffi::F32> d_v, float scale) {
+  Shape s;
+  if (auto e = shape_of(q, v, &s); e.failure()) return e;
+  const long N = s.N, H = s.H, d = s.d, dv = s.dv;
+  Blocks c;
+  c.q.resize(H * N * d); c.k.resize(H * N * d); c.v.resize(H * N * dv);
+  c.o.resize(H * N * dv); c.m.resize(H * N); c.l.resize(H * N);
+  c.x.resize(H * N * d); c.y.resize(H * N * d); c.z.resize(H * N * dv);
+  c.lo.assign(kQB, 0); c.hi.resize(kQB);
+  Work w;
+  w.reserve(d, dv);
+  const Rows all{N, H, 0, 1, N};
+  for (long b = 0; b < s.B; ++b) {
+    all.gather(q.typed_data(), d, b, c.q.data());
+    all.gather(k.typed_data(), d, b, c.k.data());
+    all.gather(v.typed_data(), dv, b, c.v.data());
+    all.gather(d_out.typed_data(), dv, b, c.o.data());
+    all.gather(lse.typed_data(), 1, b, c.m.data());
+    for (long i = 0; i < N; ++i)  // D = dO · O, as [H, N]
+      for (long h = 0; h < H; ++h) {
+        const float* o = out.typed_data() + ((b * N + i) * H + h) * dv;
+        const float* g = d_out.typed_data() + ((b * N + i) * H + h) * dv;
+        vf acc{};
+        for (long j = 0; j < dv; j += kVW) acc += load(o + j) * load(g + j);
+        c.l[h * N + i] = hsum(acc);
+      }
+    std::fill(c.x.begin(), c.x.end(), 0.0f);
+    std::fill(c.y.begin(), c.y.end(), 0.0f);
+    std::fill(c.z.begin(), c.z.end(), 0.0f);
+    for (long h = 0; h < H; ++h)
+      for (long i0 = 0; i0 < N; i0 += kQB) {
+        const long qn = std::min<long>(kQB, N - i0), at = h * N + i0;
+        for (long i = 0; i < qn; ++i) c.hi[i] = i0 + i + 1;
+        attend_backward(c.q.data() + at * d, c.k.data() + h * N * d, c.v.data() + h * N * dv,
+                        c.o.data() + at * dv, c.m.data() + at, c.l.data() + at, qn, i0 + qn, d,
+                        dv, c.lo.data(), c.hi.data(), scale, c.x.data() + at * d,
+                        c.y.data() + h * N * d, c.z.data() + h * N * dv, w);
+      }
+    all.scatter(c.x.data(), d, b, d_q->typed_data());
+    all.scatter(c.y.data(), d, b, d_k->typed_data());
+    all.scatter(c.z.data(), dv, b, d_v->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
 // The summary term's keys: residue res[j] of grid row r is key r * s + j; query i sees the keys
 // of the rows before its own, [0, (i / block) * s).
 struct Summary {
@@ -818,6 +914,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxBandBackward, BandBackwardImpl,
                                   .Attr<int64_t>("prev")
                                   .Attr<int64_t>("max_distance")
                                   .Attr<bool>("same_row")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxDenseForward, DenseForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxDenseBackward, DenseBackwardImpl,
+                              SixToThree()
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseJaxSummaryForward, SummaryForwardImpl,

@@ -1,7 +1,8 @@
 """The fused CPU kernels of ``cpu_kernels.cc``: built on first use, registered as XLA FFI targets.
 
 ``sparse_attention(..., implementation="native")`` (and "auto" on a CPU) runs a pattern's band,
-column and summary terms through these kernels (a band over chosen residues on the XLA path).
+column and summary terms through these kernels (a band over chosen residues on the XLA path),
+and dense causal attention as one kernel forward and one backward.
 The source is compiled once per machine with the host's C++ compiler (``$CXX``, else ``c++``),
 ``-O3 -march=native``, against the FFI headers jaxlib ships, into a cache folder
 (``$SPARSE_JAX_CACHE``, else ``$XDG_CACHE_HOME/sparse_jax`` or ``~/.cache/sparse_jax``) keyed by
@@ -44,7 +45,9 @@ TARGETS = {"column_forward": "SparseJaxColumnForward",
            "band_forward": "SparseJaxBandForward",
            "band_backward": "SparseJaxBandBackward",
            "summary_forward": "SparseJaxSummaryForward",
-           "summary_backward": "SparseJaxSummaryBackward"}
+           "summary_backward": "SparseJaxSummaryBackward",
+           "dense_forward": "SparseJaxDenseForward",
+           "dense_backward": "SparseJaxDenseBackward"}
 HEAD_DIM_MULTIPLE = 16  # the kernels' vectors run along the head dimension
 CACHE_ENV = "SPARSE_JAX_CACHE"  # the cache folder of the built library
 RECORD = ".verified"  # suffix of the library's record: {"key", "size", "sha256"}
@@ -342,3 +345,16 @@ def summary_backward(q_g, k_g, v_g, d_out, lse, delta, d_q, d_k, d_v, residues, 
     outs = _call("summary_backward", tuple(_result(x, x.shape) for x in args[6:]), *args,
                  aliases={6: 0, 7: 1, 8: 2}, **_summary_attrs(q_g, residues, scale))
     return tuple(_grid(x, q_g) for x in outs)
+
+
+def dense_forward(q, k, v, scale: float):
+    """Dense causal attention over ``[B, n, H, d]`` arrays (float32, query i sees keys 0 .. i):
+    the output ``[B, n, H, dv]`` and the log-sum-exp ``[B, n, H]``."""
+    return _call("dense_forward", (_result(v, v.shape), _result(q, q.shape[:-1])), q, k, v,
+                 scale=np.float32(scale))
+
+
+def dense_backward(q, k, v, out, d_out, lse, scale: float):
+    """Dense causal attention's dq, dk, dv given the output, its gradient and the log-sum-exp."""
+    return _call("dense_backward", tuple(_result(x, x.shape) for x in (q, k, v)), q, k, v, out,
+                 d_out, lse, scale=np.float32(scale))

@@ -75,12 +75,48 @@ def test_matches_dense_forward_and_gradients(spec, shape):
     assert_matches_dense(spec, *qkv(shape, seed=11), attend=native_attention)
 
 
+@pytest.mark.parametrize("shape", [
+    (2, 1, 2, 16),  # one position: its own key only
+    (2, 7, 3, 16),  # fewer positions than a vector of keys
+    (1, 63, 2, 32), (1, 64, 2, 32), (1, 65, 2, 32),  # around one block of queries
+    (2, 200, 2, 16),  # query blocks across key blocks of 128 and a rest
+    (1, 300, 1, 48),  # three key blocks, a head dim of three vectors
+], ids=str)
+def test_dense_runs_one_kernel_and_matches_the_reference(shape):
+    """Dense causal attention is one fused call forward and one backward (the band whose window
+    is the whole sequence), equal to the masked reference, forward and gradients."""
+    spec = PatternSpec("dense")
+    q, k, v = qkv(shape, seed=shape[1])
+    assert_matches_dense(spec, q, k, v, attend=native_attention)
+    grad = jax.jit(jax.grad(lambda q, k, v: native_attention(q, k, v, spec).sum(), (0, 1, 2)))
+    text = grad.lower(q, k, v).as_text()
+    assert "sparse_jax_dense_forward" in text and "sparse_jax_dense_backward" in text
+    assert "sparse_jax_band" not in text
+
+
+def test_dense_takes_the_xla_path_where_the_kernels_do_not_run():
+    """bfloat16, or a head dim that is not a multiple of 16: the XLA path's chunks, still right;
+    "auto" on a CPU is the kernel for float32."""
+    spec = PatternSpec("dense")
+    for q, k, v in (qkv((1, 70, 2, 8)), qkv((1, 70, 2, 16), dtype=jnp.bfloat16)):
+        text = jax.jit(native_attention, static_argnums=3).lower(q, k, v, spec).as_text()
+        assert "sparse_jax_" not in text
+        np.testing.assert_allclose(native_attention(q, k, v, spec).astype(jnp.float32),
+                                   dense_ref(q, k, v, spec).astype(jnp.float32), atol=2e-2)
+    q, k, v = qkv((1, 70, 2, 16))
+    auto = lambda q, k, v: A.sparse_attention(q, k, v, spec, "auto")  # noqa: E731
+    assert "sparse_jax_dense_forward" in jax.jit(auto).lower(q, k, v).as_text()
+    assert_matches_dense(spec, *qkv((1, 40, 2, 16), dv=32, seed=1), attend=native_attention)
+
+
 def test_value_dim_may_differ_from_query_dim():
     q, k, v = qkv((2, 72, 2, 16), dv=32, seed=2)
     assert_matches_dense(PatternSpec("strided", stride=8), q, k, v, attend=native_attention)
 
 
-def test_equals_the_xla_path_under_shard_map():
+@pytest.mark.parametrize("spec", [PatternSpec("strided", stride=8), PatternSpec("dense")],
+                         ids=str)
+def test_equals_the_xla_path_under_shard_map(spec):
     """Under ``shard_map`` (how devices split the heads) the results carry the inputs' per-device
     type; the numbers equal the XLA path's to rounding."""
     from jax.sharding import Mesh
@@ -88,7 +124,6 @@ def test_equals_the_xla_path_under_shard_map():
 
     heads = P(None, None, "heads", None)
     mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
-    spec = PatternSpec("strided", stride=8)
 
     def sharded(implementation):
         def attend(q, k, v, spec):

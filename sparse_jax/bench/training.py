@@ -31,11 +31,12 @@ def training_overrides(seq_len: int, pattern: str, *, steps: int, data_path: str
     to nanoGPT's CPU recipe (4 layers, d=128, 4 heads, batch 12, AdamW at 1e-3), trained on
     `data_path` for `steps` steps with one validation pass at the end. ``pattern``: dense,
     strided or fixed, optionally ``@IMPL`` for the attention's implementation (``@native``: the
-    CPU kernels; default ``xla``)."""
+    CPU kernels, ``@xla``: the XLA path; default ``auto``, what the configs use: on a CPU the
+    kernels where they build, dense attention included)."""
     pattern, _, attention = pattern.partition("@")
     return {"data.path": data_path, "model.seq_len": seq_len, "model.num_layers": 4,
             "model.d_model": 128, "model.num_heads": 4, "model.pattern": pattern,
-            "model.attention": attention or "xla",
+            "model.attention": attention or "auto",
             "model.stride": stride, "model.c": max(1, stride // 4), "batch_size": 12,
             "total_steps": steps, "optimizer.lr": 1e-3,
             "optimizer.warmup_steps": min(100, steps // 10),
