@@ -305,6 +305,11 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
      K.BlockSizes(16, 16, variant="chained", heads_per_program=2, one_loop=True)),
     (PatternSpec("fixed", stride=16, c=4, summary="lra"), 90, 64, "bfloat16",
      K.BlockSizes(16, 16, heads_per_program=2, one_loop=True)),
+    # queries tiles twice the keys' (the report's 64x32 variants) over a stride of two tiles
+    (PatternSpec("strided", stride=32), 200, 64, "float32",
+     K.BlockSizes(32, 16, variant="chained", one_loop=True)),
+    (PatternSpec("fixed", stride=32, c=8), 160, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="chained")),
 ]
 
 
