@@ -1,0 +1,162 @@
+"""The deviceless TPU compile (sparse_jax.bench.compiled_tpu, scripts/compile_tpu.py): reading
+the compiler's figures from compiled HLO, and the check itself, which compiles the default strided
+and fixed kernels (fwd+bwd, bfloat16) for one TPU v5e on this CPU and fails for a kernel that
+Mosaic refuses.
+
+The check needs requirements-tpu-compile.txt's libtpu in a folder of its own: .ci/run installs it
+and sets SPARSE_JAX_TPU_TOOLS; elsewhere the check runs if .tpu_tools holds it and is skipped
+otherwise (the reason says how to install it).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sparse_jax.bench import compiled_tpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# From the compiled HLO of strided:128 at 16k (B=1, H=8, d=128) and fixed:128:32 at 2k for a
+# v5e, the kernels' MLIR bodies cut short: a custom call that is no kernel, two kernels with
+# their operands in HBM, one whose outputs XLA keeps in VMEM (S(1)).
+HLO = """\
+  %custom-call = s32[16384,1]{1,0:T(8,128)S(1)} custom-call(%slice-done, %slice-done.1, %slice-d\
+one.2, %slice-done.3), custom_call_target="ConcatBitcast", backend_config={"flag_configs":[],"sc\
+oped_memory_configs":[],"used_scoped_memory_configs":[],"aliasing_operands":{"lists":[]}}
+  %jvp_sparse_forward_rows_.1 = (f32[1,8,16384,128]{3,2,1,0:T(8,128)}, f32[1,8,16384,1]{3,2,1,0:\
+T(8,128)}) custom-call(%copy-done.10, %get-tuple-element.16, %constant.22, %custom-call, %get-tu\
+ple-element.14, /*index=5*/%get-tuple-element.12, %copy-done.7, %copy-done.5, %broadcast.2), cus\
+tom_call_target="tpu_custom_call", operand_layout_constraints={s32[512]{0}, bf16[1,8,16384,128]{\
+3,2,1,0}, s32[16384,1]{1,0}, s32[16384,1]{1,0}, bf16[1,8,16384,128]{3,2,1,0}, bf16[1,8,16384,128\
+]{3,2,1,0}, s32[1,16384]{1,0}, s32[1,16384]{1,0}, s32[1,16384]{1,0}}, frontend_attributes={kerne\
+l_metadata={}}, metadata={op_name="jit(loss)/jvp(sparse_forward_rows)/pallas_call" stack_frame_i\
+d=17}, backend_config={"flag_configs":[],"scoped_memory_configs":[],"custom_call_config":{"body"\
+:"TUzvUgFNTElS...","needs_layout_passes":true,"allow_input_fusion":[],"serialization_format":"1"\
+,"output_memory_colors":[],"output_memory_space_colors":[],"input_memory_space_colors":[]},"used\
+_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"786432"}],"retry_config":{"ret\
+ry_count":"0"},"aliasing_operands":{"lists":[]}}
+  %transpose_jvp_sparse_dq_rows__.1 = f32[1,8,16384,128]{3,2,1,0:T(8,128)} custom-call(%copy-don\
+e.10, %get-tuple-element.16, %constant.22, %custom-call, %broadcast.16, /*index=5*/%get-tuple-el\
+ement.10, %copy.27, %get-tuple-element.14, %get-tuple-element.12, %copy-done.7, /*index=10*/%cop\
+y-done.5, %broadcast.2), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[5\
+12]{0}, bf16[1,8,16384,128]{3,2,1,0}, s32[16384,1]{1,0}, s32[16384,1]{1,0}, bf16[1,8,16384,128]{\
+3,2,1,0}, f32[1,8,16384,1]{3,2,1,0}, f32[1,8,16384,1]{3,2,1,0}, bf16[1,8,16384,128]{3,2,1,0}, bf\
+16[1,8,16384,128]{3,2,1,0}, s32[1,16384]{1,0}, s32[1,16384]{1,0}, s32[1,16384]{1,0}}, frontend_a\
+ttributes={kernel_metadata={}}, metadata={op_name="jit(loss)/transpose(jvp(sparse_dq_rows))/pall\
+as_call" stack_frame_id=5}, backend_config={"flag_configs":[],"scoped_memory_configs":[],"custom\
+_call_config":{"body":"TUzvUgFNTElS...","needs_layout_passes":true,"allow_input_fusion":[],"seri\
+alization_format":"1","output_memory_colors":[],"output_memory_space_colors":[],"input_memory_sp\
+ace_colors":[]},"used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"720896"}]\
+,"retry_config":{"retry_count":"0"},"aliasing_operands":{"lists":[]}}
+  %jvp_sparse_forward_summary_.1 = (f32[1,8,2048,128]{3,2,1,0:T(8,128)S(1)}, f32[1,8,2048,1]{3,2\
+,1,0:T(8,128)S(1)}) custom-call(%copy-done.9, %fusion.4, %custom-call.4, %custom-call.5, %bitcas\
+t.45, /*index=5*/%bitcast.48, %copy-done.5, %copy-done.6, %jit_loss_.3), custom_call_target="tpu\
+_custom_call", operand_layout_constraints={s32[96]{0}, bf16[1,8,2048,128]{3,2,1,0}, s32[2048,1]{\
+1,0}, s32[2048,1]{1,0}, bf16[1,8,512,128]{3,2,1,0}, bf16[1,8,512,128]{3,2,1,0}, s32[1,512]{1,0},\
+ s32[1,512]{1,0}, s32[1,512]{1,0}}, frontend_attributes={kernel_metadata={}}, metadata={op_name=\
+"jit(loss)/jvp(sparse_forward_summary)/pallas_call" stack_frame_id=28}, backend_config={"flag_co\
+nfigs":[],"scoped_memory_configs":[],"custom_call_config":{"body":"TUzvUgFNTElS...","needs_layou\
+t_passes":true,"allow_input_fusion":[],"serialization_format":"1","output_memory_colors":[],"out\
+put_memory_space_colors":[],"input_memory_space_colors":[]},"used_scoped_memory_configs":[{"memo\
+ry_space":"1","offset":"0","size":"196608"}],"retry_config":{"retry_count":"0"},"aliasing_operan\
+ds":{"lists":[]}}
+"""
+
+
+def test_compiled_hlo_gives_each_mosaic_kernel_and_its_vmem():
+    assert compiled_tpu.parse_mosaic_kernels(HLO) == [
+        {"name": "sparse_forward_rows", "vmem_bytes": 786432, "output_in_vmem": False,
+         "calls": 1},
+        {"name": "sparse_dq_rows", "vmem_bytes": 720896, "output_in_vmem": False, "calls": 1},
+        {"name": "sparse_forward_summary", "vmem_bytes": 196608, "output_in_vmem": True,
+         "calls": 1}]
+
+
+def test_a_kernel_in_several_computations_is_listed_once_with_its_calls():
+    line = HLO.splitlines()[1]
+    again = line.replace("%jvp_sparse_forward_rows_.1", "%jvp_sparse_forward_rows_.2")
+    kernels = compiled_tpu.parse_mosaic_kernels(line + "\n" + again + "\n")
+    assert [(k["name"], k["calls"]) for k in kernels] == [("sparse_forward_rows", 2)]
+
+
+def test_problems_name_failures_missing_kernels_and_overflows():
+    rows = [{"name": "a@pallas", "target": "v5e", "kernels": [{"name": "k"}], "fits": True},
+            {"name": "b@pallas", "target": "v5e", "error": "RESOURCE_EXHAUSTED: E1001"},
+            {"name": "c@pallas", "target": "v5e", "kernels": [], "fits": True},
+            {"name": "d@pallas", "target": "v5e", "kernels": [{"name": "k"}], "fits": False,
+             "planned_gib": 17.5}]
+    assert compiled_tpu.problems(rows) == [
+        "b@pallas: RESOURCE_EXHAUSTED: E1001",
+        "c@pallas: no Mosaic kernel in the compiled program",
+        "d@pallas: plans 17.50 GiB, more than the chip's 16 GiB"]
+
+
+def test_programs_and_selection_refuse_unknown_names():
+    assert [p["name"] for p in compiled_tpu.select(["ci"])] == [
+        "attention 8k strided:128@pallas", "attention 8k fixed:128:32@pallas"]
+    with pytest.raises(ValueError, match="'attention99k' is no program or group"):
+        compiled_tpu.select(["attention99k"])
+
+
+def test_missing_tools_are_one_line_with_the_install_command(tmp_path):
+    with pytest.raises(ValueError, match=r"lacks libtpu: install it with `pip install --no-deps "
+                                         r"--target .* -r requirements-tpu-compile.txt`"):
+        compiled_tpu.check_tools(str(tmp_path))
+    proc = subprocess.run([sys.executable, "scripts/compile_tpu.py", f"--tools={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "lacks libtpu" in proc.stderr
+
+
+def _tools():
+    tools = os.environ.get(compiled_tpu.TOOLS_ENV)
+    if tools is None:
+        tools = os.path.join(REPO, compiled_tpu.DEFAULT_TOOLS)
+        if not os.path.isdir(tools):
+            pytest.skip(f"no TPU compile tools: pip install --no-deps --target "
+                        f"{compiled_tpu.DEFAULT_TOOLS} -r {compiled_tpu.REQUIREMENTS}")
+    compiled_tpu.check_tools(tools)  # set but incomplete (CI): fails, never skips
+    return tools
+
+
+@pytest.mark.slow
+def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
+    tools = _tools()
+    proc = subprocess.run([sys.executable, "scripts/compile_tpu.py", f"--tools={tools}",
+                           "--target=v5e", "--check", f"--output_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        rows = json.load(f)["rows"]
+    assert [r["name"] for r in rows] == [p["name"] for p in compiled_tpu.select(["ci"])]
+    for row in rows:  # libtpu from the tools folder; forward, dq and dkv per term, in Mosaic
+        assert row["libtpu"].startswith(os.path.abspath(tools)), row["libtpu"]
+        assert row["fits"] and len(row["kernels"]) == 6, row["name"]
+        assert {k["name"].rsplit("_", 1)[0] for k in row["kernels"]} == {
+            "sparse_forward", "sparse_dq", "sparse_dkv"}
+        # scratch and double-buffered 128 x 128 tiles, well within a v5e's VMEM
+        assert all(192 * 1024 <= k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
+    assert "| attention 8k strided:128@pallas | sparse_dkv_columns |" in (
+        tmp_path / "results.md").read_text()
+
+
+def _program(options, **extra):
+    return {"name": f"attention strided:128@pallas:{options}", "group": "test",
+            "kind": "attention", "pattern": f"strided:128@pallas:{options}", "seq_len": 2048,
+            **compiled_tpu.ATTENTION_SHAPE, **extra}
+
+
+@pytest.mark.slow
+def test_the_check_fails_for_a_kernel_mosaic_refuses():
+    tools = _tools()
+    # 64 x 64 tiles: the project refuses them for a TPU (BlockSizes.check_backend) ...
+    refused = compiled_tpu.compile_program(_program("64x64"), "v5e", tools)
+    assert "Mosaic (a TPU) needs multiples of 128" in refused["error"]
+    # ... and so does Mosaic itself, past that rule: a key tile's last dimension, 64, is no
+    # multiple of the 128 lanes
+    mosaic = compiled_tpu.compile_program(_program("64x64", unchecked_tiles=True), "v5e", tools)
+    assert "divisible by 8 and 128" in mosaic["error"], mosaic["error"]
+    assert len(compiled_tpu.problems([refused, mosaic])) == 2
