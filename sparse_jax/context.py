@@ -1,0 +1,514 @@
+"""Context parallelism: one sequence split over the devices of a mesh axis, attention exact.
+
+``context_attention(q, k, v, spec, axis="seq")`` runs inside ``jax.shard_map``: q, k, v
+``[B, n/P, H, d]`` are this device's contiguous shard of the sequence along mesh axis ``axis``
+(P devices, shard ``jax.lax.axis_index(axis)``), and the result is this shard's rows of
+``sparse_attention(q, k, v, spec)`` over the whole sequence. ``context_parallel_attention`` takes
+global arrays and a mesh and runs the ``shard_map``. This module is the one place that knows how
+each pattern's keys cross shard boundaries:
+
+* a **band** term (local window, fixed block) needs only a **halo**: the last ``prev`` grid rows
+  of keys and values of the previous shard (one ``ppermute``; shard 0 gets none). The fixed
+  block (``prev = 0``) needs nothing.
+* a **column** term (the strided part) runs **residue-sharded**: an ``all_to_all`` gives each
+  device ``l/P`` whole columns of the ``[n/l, l]`` grid (every position of its residues, which
+  needs ``P | l``), the column attention runs there locally, and a second ``all_to_all`` brings
+  the output and its log-sum-exp back.
+* a **summary** term (fixed): the summary keys within the shard are the grid's summary term on
+  the shard; those of earlier shards (``n·c/l`` keys in all) come by an ``all_gather``.
+* **dense**: a ring, P - 1 ``ppermute`` steps passing K/V blocks on; a block from a later shard
+  is skipped (``lax.cond``), the one from this shard is causal.
+
+Each part gives an output and its log-sum-exp, merged as ``attention`` merges its terms (one
+joint softmax). The parts run the XLA path's (or the fused CPU kernels') term computations of
+``attention`` on local data. Forward and backward are a ``custom_vjp``: the backward recomputes
+each part's probabilities from the merged log-sum-exp (``attention``'s flash-style backward on
+the same local data) and sends the key gradients back the way the keys came (the transposes of
+the collectives: halo gradients to the previous shard, ``all_to_all`` back, a ``psum_scatter``
+of the summary keys' gradients, the ring's key gradients travelling with their keys).
+
+``communication_bytes`` counts what each device sends per layer forward, for each pattern and
+for the dense ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax import attention, patterns
+from sparse_jax.patterns import BandTerm, ColumnTerm, PatternSpec, SummaryTerm
+
+_NEG = attention._NEG  # a masked score
+_EMPTY = -attention._NEG  # attention's log-sum-exp of a query with no key (its backward's 0)
+_DENSE_QUERIES = 512  # queries per step of a dense block (scores [B, H, 512, keys])
+IMPLEMENTATIONS = ("xla", "native", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Terms:
+    """Some terms of a pattern, where ``attention``'s grid functions take a spec (they call only
+    ``terms()``)."""
+    items: tuple
+
+    def terms(self):
+        return self.items
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a sparse pattern's terms are split over ``devices`` shards of ``rows`` grid rows of
+    ``block`` positions each: the terms on the shard's own grid (with ``halo`` rows of the
+    previous shard before it), the column terms (residue-sharded: ``block / devices`` columns
+    per device) and the summary residues whose keys of earlier shards are gathered."""
+    block: int
+    devices: int
+    local: tuple = ()
+    halo: int = 0
+    columns: tuple = ()
+    summary: tuple[int, ...] | None = None
+
+
+def _plan(spec: PatternSpec, n: int, devices: int) -> _Plan:
+    """The split of ``spec`` over ``devices`` shards of a sequence of ``n``; a ValueError in one
+    line if the split does not fit the pattern."""
+    block = spec.block
+    if n % devices or (n // devices) % block:
+        raise ValueError(f"context parallelism over {devices} devices needs n/P a multiple of "
+                         f"{spec}'s block {block}; got n={n}")
+    rows = n // devices // block
+    terms = spec.terms()
+    local = tuple(t for t in terms if not isinstance(t, ColumnTerm))
+    halo = max((t.prev for t in local if isinstance(t, BandTerm)), default=0)
+    if halo > rows:
+        raise ValueError(f"{spec}'s window reaches {halo} rows of {block} back, more than one "
+                         f"shard's {rows} rows (n={n}, P={devices}): use fewer devices")
+    columns = tuple(ColumnTerm(block // devices, t.min_rows) for t in terms
+                    if isinstance(t, ColumnTerm))
+    if columns and block % devices:
+        raise ValueError(f"{spec}'s column term splits its {block} residues over the devices: "
+                         f"P={devices} must divide the stride {block}")
+    summaries = [t.residues for t in terms if isinstance(t, SummaryTerm)]
+    assert len(summaries) <= 1 and not (summaries and halo), terms
+    return _Plan(block, devices, local, halo if devices > 1 else 0,
+                 columns, summaries[0] if summaries and devices > 1 else None)
+
+
+def check_split(spec: PatternSpec, n: int, devices: int) -> None:
+    """ValueError (one line) unless a sequence of ``n`` splits over ``devices`` for ``spec``:
+    P | n, and for a sparse pattern n/P a multiple of its block, P | l for a column term, a
+    window no longer than a shard."""
+    n = patterns.check_int("n", n)
+    devices = patterns.check_int("devices", devices)
+    if n % devices:
+        raise ValueError(f"context parallelism over {devices} devices needs P | n; got n={n}")
+    if spec.kind != "dense":
+        _plan(spec, n, devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts: (output float32, log-sum-exp) of some of a query's keys, and their backward given the
+# merged output and log-sum-exp. attention's log-sum-exp of a query with no key is _EMPTY.
+
+
+def _grid(x, block):  # [B, m, H, ...] -> [B, m / block, block, H, ...]
+    return x.reshape(x.shape[0], -1, block, *x.shape[2:])
+
+
+def _flat(x):  # the inverse of _grid
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _merge(parts):
+    """One joint softmax of parts [(out, lse)]: the merged (out, lse)."""
+    lses = [jnp.where(lse >= _EMPTY, -jnp.inf, lse) for _, lse in parts]
+    top = functools.reduce(jnp.maximum, lses)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = [jnp.exp(lse - top) for lse in lses]
+    total = sum(weights)
+    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
+    out = out / jnp.maximum(total, 1e-30)[..., None]
+    return out, jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), _EMPTY)
+
+
+def _dense_chunks(m: int) -> int:
+    return max(c for c in range(1, min(_DENSE_QUERIES, m) + 1) if m % c == 0)
+
+
+def _by_query_chunks(x, c):  # [B, m, ...] -> [m / c, B, c, ...]
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, c, *x.shape[2:]), 1, 0)
+
+
+def _from_query_chunks(x):
+    return _flat(jnp.moveaxis(x, 0, 1))
+
+
+def _dense_forward(q, k, v, keep, scale):
+    """q [B, m, H, d] against k, v [B, K, H, d]; ``keep(rows)``: bool [c or 1, K] for the
+    queries ``rows`` (their index in q). Chunks of queries in a ``lax.map``."""
+    c = _dense_chunks(q.shape[1])
+
+    def one(args):
+        start, q_c = args
+        q_c = q_c * jnp.asarray(scale, q.dtype)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q_c, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(keep(start + jnp.arange(c))[None, None], scores, _NEG)
+        top = jnp.maximum(scores.max(-1), attention._FLOOR)
+        probs = jnp.exp(scores - top[..., None])
+        total = probs.sum(-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+        out = out / jnp.maximum(total, 1e-30).transpose(0, 2, 1)[..., None]
+        lse = jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), _EMPTY)
+        return out, lse.transpose(0, 2, 1)
+
+    starts = jnp.arange(0, q.shape[1], c)
+    out, lse = jax.lax.map(one, (starts, _by_query_chunks(q, c)))
+    return _from_query_chunks(out), _from_query_chunks(lse)
+
+
+def _dense_backward(q, k, v, out, lse, d_out, keep, scale):
+    """The backward of ``_dense_forward`` given the merged output and log-sum-exp: (dq, dk, dv)
+    in q, k, v's dtypes."""
+    c = _dense_chunks(q.shape[1])
+    delta = jnp.einsum("bqhd,bqhd->bqh", d_out, out)
+
+    def step(carry, args):
+        d_k, d_v = carry
+        start, q_c, lse_c, delta_c, do_c = args
+        q_c = q_c * jnp.asarray(scale, q.dtype)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q_c, k, preferred_element_type=jnp.float32)
+        probs = jnp.exp(scores - lse_c.transpose(0, 2, 1)[..., None])
+        probs = jnp.where(keep(start + jnp.arange(c))[None, None], probs, 0.0)
+        do_c = do_c.astype(v.dtype)
+        d_v = d_v + jnp.einsum("bhqk,bqhd->bkhd", probs.astype(v.dtype), do_c,
+                               preferred_element_type=jnp.float32)
+        d_probs = jnp.einsum("bqhd,bkhd->bhqk", do_c, v, preferred_element_type=jnp.float32)
+        d_scores = (probs * (d_probs - delta_c.transpose(0, 2, 1)[..., None])).astype(q.dtype)
+        d_q = jnp.einsum("bhqk,bkhd->bqhd", d_scores, k, preferred_element_type=jnp.float32)
+        d_k = d_k + jnp.einsum("bhqk,bqhd->bkhd", d_scores, q_c,
+                               preferred_element_type=jnp.float32)
+        return (d_k, d_v), d_q * scale
+
+    zeros = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    starts = jnp.arange(0, q.shape[1], c)
+    chunks = [_by_query_chunks(x, c) for x in (q, lse, delta, d_out.astype(jnp.float32))]
+    (d_k, d_v), d_q = jax.lax.scan(step, zeros, (starts, *chunks))
+    d_q = _from_query_chunks(d_q)
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse patterns: band (+ halo), columns (residue-sharded), summary keys (all-gathered).
+
+
+def _to_columns(x_g, axis):
+    """A shard's grid [B, rows, block, ...] -> this device's columns [B, P * rows, block/P, ...]
+    of the whole sequence's grid."""
+    return jax.lax.all_to_all(x_g, axis, 2, 1, tiled=True)
+
+
+def _from_columns(x_c, axis):
+    return jax.lax.all_to_all(x_c, axis, 1, 2, tiled=True)
+
+
+def _to_next(x, axis, devices):  # shard s gets shard s - 1's x; shard 0 gets zeros
+    return jax.lax.ppermute(x, axis, [(i, i + 1) for i in range(devices - 1)])
+
+
+def _to_previous(x, axis, devices):  # the transpose of _to_next
+    return jax.lax.ppermute(x, axis, [(i + 1, i) for i in range(devices - 1)])
+
+
+def _summary_keys(x_g, residues, axis):
+    """The summary positions of every shard's grid, [B, P * rows * c, H, ...] in order."""
+    s = jax.lax.all_gather(x_g[:, :, np.asarray(residues)], axis, axis=1, tiled=True)
+    return s.reshape(s.shape[0], -1, *s.shape[3:])
+
+
+def _earlier_shards(plan, rows, axis):
+    """keep(query rows) of the gathered summary keys: the keys of earlier shards."""
+    per_shard = rows * len(plan.summary)
+    shard = jnp.arange(plan.devices * per_shard) // per_shard
+    before = shard < jax.lax.axis_index(axis)
+    return lambda query_rows: before[None, :]
+
+
+def _with_halo(x, halo):  # [B, m, ...] with `halo` positions before it
+    return jnp.concatenate([halo, x], axis=1)
+
+
+def _sparse_forward(plan, axis, native, q, k, v):
+    batch, m, heads, _ = q.shape
+    block, devices = plan.block, plan.devices
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    parts = []
+    if plan.local:
+        local = _Terms(plan.local)
+
+        def own(q, k, v):
+            out, lse = attention._grid_forward(local, scale, *(_grid(x, block) for x in (q, k, v)),
+                                               native)
+            return _flat(out), _flat(lse)
+
+        if plan.halo:
+            size = plan.halo * block
+            k_h, v_h = (_to_next(x[:, m - size:], axis, devices) for x in (k, v))
+
+            def extended(q, k, v):
+                out, lse = own(_with_halo(q, jnp.zeros_like(q[:, :size])), _with_halo(k, k_h),
+                               _with_halo(v, v_h))
+                return out[:, size:], lse[:, size:]
+
+            parts.append(jax.lax.cond(jax.lax.axis_index(axis) == 0, own, extended, q, k, v))
+        else:
+            parts.append(own(q, k, v))
+    if plan.columns:
+        q_c, k_c, v_c = (_to_columns(_grid(x, block), axis) for x in (q, k, v))
+        out, lse = attention._grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
+        parts.append((_flat(_from_columns(out, axis)), _flat(_from_columns(lse, axis))))
+    if plan.summary is not None:
+        k_s, v_s = (_summary_keys(_grid(x, block), plan.summary, axis) for x in (k, v))
+        parts.append(_dense_forward(q, k_s, v_s, _earlier_shards(plan, m // block, axis), scale))
+    return _merge(parts)
+
+
+def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
+    m = q.shape[1]
+    block, devices = plan.block, plan.devices
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    d_q, d_k, d_v = (jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+    if plan.local:
+        local = _Terms(plan.local)
+
+        def own(q, k, v, out, lse, d_out):
+            grads = attention._grid_attention_bwd(
+                local, scale, native, tuple(_grid(x, block) for x in (q, k, v, out, lse)),
+                _grid(d_out, block))
+            return tuple(_flat(g).astype(jnp.float32) for g in grads)
+
+        if plan.halo:
+            size = plan.halo * block
+            k_h, v_h = (_to_next(x[:, m - size:], axis, devices) for x in (k, v))
+
+            def first(q, k, v, out, lse, d_out):
+                d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
+                return d_q, d_k, d_v, jnp.zeros_like(d_k[:, :size]), jnp.zeros_like(d_v[:, :size])
+
+            def extended(q, k, v, out, lse, d_out):
+                zeros = lambda x, value=0: jnp.full_like(x[:, :size], value)  # noqa: E731
+                d_q, d_k, d_v = own(
+                    _with_halo(q, zeros(q)), _with_halo(k, k_h), _with_halo(v, v_h),
+                    _with_halo(out, zeros(out)), _with_halo(lse, zeros(lse, _EMPTY)),
+                    _with_halo(d_out, zeros(d_out)))
+                return d_q[:, size:], d_k[:, size:], d_v[:, size:], d_k[:, :size], d_v[:, :size]
+
+            d_q, d_k, d_v, d_k_h, d_v_h = jax.lax.cond(
+                jax.lax.axis_index(axis) == 0, first, extended, q, k, v, out, lse, d_out)
+            d_k = d_k.at[:, m - size:].add(_to_previous(d_k_h, axis, devices))
+            d_v = d_v.at[:, m - size:].add(_to_previous(d_v_h, axis, devices))
+        else:
+            d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
+    if plan.columns:
+        to_c = lambda x: _to_columns(_grid(x, block), axis)  # noqa: E731
+        grads = attention._grid_attention_bwd(
+            _Terms(plan.columns), scale, native, tuple(to_c(x) for x in (q, k, v, out, lse)),
+            to_c(d_out))
+        d_q, d_k, d_v = (a + _flat(_from_columns(g, axis)).astype(jnp.float32)
+                         for a, g in zip((d_q, d_k, d_v), grads))
+    if plan.summary is not None:
+        rows = m // block
+        k_s, v_s = (_summary_keys(_grid(x, block), plan.summary, axis) for x in (k, v))
+        g_q, g_k, g_v = _dense_backward(q, k_s, v_s, out, lse, d_out,
+                                        _earlier_shards(plan, rows, axis), scale)
+        d_q = d_q + g_q.astype(jnp.float32)
+        at = np.asarray(plan.summary)
+        for g, name in ((g_k, "k"), (g_v, "v")):
+            g = g.reshape(g.shape[0], devices * rows, len(at), *g.shape[2:])
+            g = jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1,
+                                     tiled=True)
+            if name == "k":
+                d_k = _flat(_grid(d_k, block).at[:, :, at].add(g))
+            else:
+                d_v = _flat(_grid(d_v, block).at[:, :, at].add(g))
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sparse(plan, axis, native, q, k, v):
+    return _sparse_forward(plan, axis, native, q, k, v)[0].astype(q.dtype)
+
+
+def _sparse_fwd(plan, axis, native, q, k, v):
+    out, lse = _sparse_forward(plan, axis, native, q, k, v)
+    return out.astype(q.dtype), (q, k, v, out, lse)
+
+
+def _sparse_bwd(plan, axis, native, residuals, d_out):
+    return _sparse_backward(plan, axis, native, *residuals, d_out)
+
+
+_sparse.defvjp(_sparse_fwd, _sparse_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense: a ring of K/V blocks.
+
+
+def _ring_shift(x, axis, devices):  # shard s gets shard s - 1's x, shard 0 gets shard P - 1's
+    return jax.lax.ppermute(x, axis, [(i, (i + 1) % devices) for i in range(devices)])
+
+
+def _diagonal(m):
+    return lambda rows: rows[:, None] >= jnp.arange(m)[None, :]
+
+
+def _everything(rows):
+    return jnp.ones((1, 1), bool)
+
+
+def _ring_forward(axis, devices, q, k, v):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    me = jax.lax.axis_index(axis)
+    merged = _dense_forward(q, k, v, _diagonal(q.shape[1]), scale)
+    nothing = lambda q, k, v: (jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),  # noqa: E731
+                               jnp.full(q.shape[:3], _EMPTY, jnp.float32))
+    earlier = lambda q, k, v: _dense_forward(q, k, v, _everything, scale)  # noqa: E731
+    for step in range(1, devices):
+        k, v = _ring_shift(k, axis, devices), _ring_shift(v, axis, devices)
+        part = jax.lax.cond(step <= me, earlier, nothing, q, k, v)  # from shard me - step
+        merged = _merge([merged, part])
+    return merged
+
+
+def _ring_backward(axis, devices, q, k, v, out, lse, d_out):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    me = jax.lax.axis_index(axis)
+    d_q, d_k, d_v = _dense_backward(q, k, v, out, lse, d_out, _diagonal(q.shape[1]), scale)
+    d_q, d_k, d_v = (g.astype(jnp.float32) for g in (d_q, d_k, d_v))
+    nothing = lambda q, k, v: tuple(jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+                                    for x in (q, k, v))
+    earlier = lambda q, k, v: tuple(g.astype(jnp.float32) for g in _dense_backward(  # noqa: E731
+        q, k, v, out, lse, d_out, _everything, scale))
+    for step in range(1, devices):  # the key gradients travel with their keys
+        k, v, d_k, d_v = (_ring_shift(x, axis, devices) for x in (k, v, d_k, d_v))
+        g_q, g_k, g_v = jax.lax.cond(step <= me, earlier, nothing, q, k, v)
+        d_q, d_k, d_v = d_q + g_q, d_k + g_k, d_v + g_v
+    d_k, d_v = _ring_shift(d_k, axis, devices), _ring_shift(d_v, axis, devices)  # home
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(axis, devices, q, k, v):
+    return _ring_forward(axis, devices, q, k, v)[0].astype(q.dtype)
+
+
+def _ring_fwd(axis, devices, q, k, v):
+    out, lse = _ring_forward(axis, devices, q, k, v)
+    return out.astype(q.dtype), (q, k, v, out, lse)
+
+
+def _ring_bwd(axis, devices, residuals, d_out):
+    return _ring_backward(axis, devices, *residuals, d_out)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points.
+
+
+def _native(implementation: str) -> bool:
+    patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    return attention.resolve_implementation(implementation) == "native"
+
+
+def context_attention(q, k, v, spec: PatternSpec, *, axis: str = "seq",
+                      implementation: str = "xla"):
+    """This shard's rows of ``sparse_attention`` over the whole sequence; call inside
+    ``jax.shard_map`` (``check_vma=False``) with q, k, v ``[B, n/P, H, d]`` the shard
+    ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis``. ``implementation``:
+    "xla" or "native" (the fused CPU kernels for the sparse terms; "auto" picks them on a CPU
+    where they build). Differentiable (a custom backward, exact)."""
+    attention._check_qkv(q, k, v)
+    if not isinstance(spec, PatternSpec):
+        raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
+    native = _native(implementation)
+    try:
+        devices = jax.lax.axis_size(axis)
+    except NameError:
+        raise ValueError(f"context_attention runs inside jax.shard_map over a mesh axis "
+                         f"{axis!r}; no such axis is bound here") from None
+    n = q.shape[1] * devices
+    check_split(spec, n, devices)
+    if spec.kind == "dense":
+        return _ring(axis, devices, q, k, v) if devices > 1 else attention.sparse_attention(
+            q, k, v, spec, implementation)
+    return _sparse(_plan(spec, n, devices), axis, native, q, k, v)
+
+
+def seq_mesh(devices: int, axis: str = "seq") -> jax.sharding.Mesh:
+    """A one-axis mesh of the first ``devices`` devices (axis type Auto, as ``sharding``'s)."""
+    devices = patterns.check_int("devices", devices)
+    if devices > jax.device_count():
+        raise ValueError(f"a {axis} axis of {devices} devices needs {devices} devices; "
+                         f"{jax.device_count()} are visible")
+    return jax.make_mesh((devices,), (axis,), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def context_parallel_attention(q, k, v, spec: PatternSpec, mesh: jax.sharding.Mesh, *,
+                               axis: str = "seq", implementation: str = "xla"):
+    """``sparse_attention(q, k, v, spec)`` with the sequence split over mesh axis ``axis``:
+    q, k, v ``[B, n, H, d]`` (global arrays), each device attending its contiguous ``n/P``
+    positions with ``context_attention``. Refuses (ValueError, one line) a split that does not
+    fit the pattern before any work."""
+    attention._check_qkv(q, k, v)
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r} (axes: {', '.join(mesh.axis_names)})")
+    check_split(spec, q.shape[1], mesh.shape[axis])
+    _native(implementation)
+    split = jax.sharding.PartitionSpec(None, axis)
+    attend = functools.partial(context_attention, spec=spec, axis=axis,
+                               implementation=implementation)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split,
+                         check_vma=False)(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# What it costs.
+
+
+def communication_bytes(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
+                        dtype_bytes: int = 4, batch: int = 1) -> dict[str, int]:
+    """Bytes one device sends per layer forward with the sequence of ``n`` split over
+    ``devices``, by collective (and ``"total"``), as this module runs them: a ``ppermute`` sends
+    its block, an ``all_to_all`` the ``(P - 1)/P`` of its shard that leaves, an ``all_gather``
+    its shard to each of the ``P - 1`` others (as a ring passes it on). The column part's output
+    and log-sum-exp travel in float32. The most any device sends (the halo: all but the last
+    shard; the ring: all but the first shard's blocks are computed, all are sent)."""
+    check_split(spec, n, devices)
+    unit = batch * heads * head_dim  # one position of one of q, k, v
+    m = n // devices
+    sent = {}
+    if devices > 1 and spec.kind == "dense":
+        sent["ring ppermute (k, v)"] = (devices - 1) * 2 * m * unit * dtype_bytes
+    elif devices > 1:
+        plan = _plan(spec, n, devices)
+        if plan.halo:
+            sent["halo ppermute (k, v)"] = 2 * plan.halo * plan.block * unit * dtype_bytes
+        if plan.columns:
+            leaving = m * (devices - 1) // devices
+            sent["columns all_to_all (q, k, v)"] = 3 * leaving * unit * dtype_bytes
+            sent["columns all_to_all back (out, lse)"] = leaving * (unit + batch * heads) * 4
+        if plan.summary is not None:
+            keys = m // plan.block * len(plan.summary)
+            sent["summary all_gather (k, v)"] = (devices - 1) * 2 * keys * unit * dtype_bytes
+    sent["total"] = sum(sent.values())
+    return sent
