@@ -100,6 +100,20 @@ def test_problems_name_failures_and_spills():
         "c: RESOURCE_EXHAUSTED: Shared memory size limit exceeded"]
 
 
+def test_rank_puts_spills_last_and_then_bytes_per_resident_warp():
+    def row(name, spill, occupancy, gb):
+        return {"name": name, "max_spill_bytes": spill, "hbm_gb": gb,
+                "kernels": [{"occupancy": occupancy}, {"occupancy": 0.5}]}
+    rows = [row("attention 16k strided:128@pallas:a", 424, 0.0625, 1.39),
+            row("attention 16k strided:128@pallas", 0, 0.125, 1.44),
+            row("attention 16k strided:128@pallas:b", 0, 0.25, 1.37),
+            row("attention 16k fixed:128:32@pallas", 0, 0.125, 4.47),
+            {"name": "attention 16k dense@cudnn", "kernels": []}]
+    assert [r["name"][14:] for r in compiled.rank(rows)] == [
+        "fixed:128:32@pallas", "strided:128@pallas:b", "strided:128@pallas",
+        "strided:128@pallas:a"]
+
+
 def test_programs_cover_the_report_and_selection_refuses_unknown_names():
     names = [p["name"] for p in compiled.programs()]
     assert set(compiled.CI_PROGRAMS) <= set(names)

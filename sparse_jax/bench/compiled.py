@@ -503,15 +503,24 @@ def least_bytes(n: int, batch: int = 1, heads: int = 8, head_dim: int = 64) -> f
 
 
 def rank(rows: list[dict]) -> list[dict]:
-    """The Pallas attention rows in the order the static figures promise: fewest spilled bytes,
-    then the highest occupancy of the worst kernel, then the fewest estimated bytes. On the
-    H100 the spills and the occupancy ordered 64 x 64, 128 x 64 and 128 x 128 tiles as their
-    measured times did (0.912, 1.18, 1.52 ms); the estimated bytes ordered them backwards
-    (docs/gpu_compile.md)."""
+    """The Pallas attention rows of each length and pattern ("16k strided") in the order the
+    static figures promise: fewest spilled bytes, then the fewest estimated bytes per resident
+    warp (GB moved over the worst kernel's occupancy: a kernel that waits on memory moves bytes
+    at a rate its warps in flight set, Little's law). On the H100 the spills ordered the 64 x 64,
+    128 x 64 and 128 x 128 tiles as their measured times did (0.912, 1.18, 1.52 ms), which the
+    bytes alone ordered backwards (docs/gpu_compile.md)."""
     rows = [r for r in rows if r.get("hbm_gb") is not None]
-    return sorted(rows, key=lambda r: (r["max_spill_bytes"],
-                                       -min(k.get("occupancy", 0) for k in r["kernels"]),
-                                       r["hbm_gb"]))
+    return sorted(rows, key=lambda r: (_family(r), r["max_spill_bytes"], _per_warp(r)))
+
+
+def _per_warp(row: dict) -> float:
+    return row["hbm_gb"] / max(1e-9, min(k.get("occupancy", 0) for k in row["kernels"]))
+
+
+def _family(row: dict) -> str:
+    """"16k strided" of "attention 16k strided:128@pallas:chained"."""
+    _, length, pattern = row["name"].split(" ", 2)
+    return f"{length} {pattern.split(':')[0]}"
 
 
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:
@@ -535,13 +544,18 @@ def markdown(rows: list[dict], target: str, header: list[str]) -> str:
             + (f" ({r['note']})" if "note" in r else "") + " |")
     ranked = rank(rows)
     if ranked:
-        lines += ["", "The Pallas attention programs as their static figures rank them (fewest "
-                  "spilled bytes, then the worst kernel's occupancy, then bytes moved):", "",
-                  "| rank | program | max spill B | lowest occupancy | est. GB moved |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {i} | {r['name']} | {r['max_spill_bytes']} | "
-                  f"{min(k.get('occupancy', 0) for k in r['kernels']):.1%} | {r['hbm_gb']:.3f} |"
-                  for i, r in enumerate(ranked, 1)]
+        lines += ["", "The Pallas attention programs of each length and pattern as their static "
+                  "figures rank them (fewest spilled bytes, then the fewest bytes moved per "
+                  "resident warp: GB over the worst kernel's occupancy):", "",
+                  "| length, pattern | rank | program | max spill B | lowest occupancy | "
+                  "est. GB moved | GB / occupancy |", "|---|---|---|---|---|---|---|"]
+        place = {}
+        for r in ranked:
+            place[_family(r)] = place.get(_family(r), 0) + 1
+            lines.append(f"| {_family(r)} | {place[_family(r)]} | {r['name']} | "
+                         f"{r['max_spill_bytes']} | "
+                         f"{min(k.get('occupancy', 0) for k in r['kernels']):.1%} | "
+                         f"{r['hbm_gb']:.3f} | {_per_warp(r):.1f} |")
     lines += ["", "Per Triton kernel (a kernel repeated in other layers is listed once, with its "
               "launches; tiles: the key tiles a program visits, query tiles for dkv; est. GB: "
               "its tiles' loads and stores with no reuse through L2):", "",
