@@ -1,0 +1,122 @@
+"""Context parallelism (sparse_jax.context): one sequence split over a `seq` mesh axis.
+
+The pytest process has one CPU device. The split runs use a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (as test_sharding's): one child runs every
+case and prints its largest differences from the unsplit `sparse_attention`, output and
+gradients w.r.t. q, k and v, which the tests below read. The refusals and the byte counts need
+no devices.
+"""
+
+import functools
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sparse_jax import attention
+from sparse_jax import context as C
+from sparse_jax.patterns import PatternSpec
+from test_sharding import TESTS, child_env
+
+SPECS = {"strided": PatternSpec("strided", stride=16),
+         "fixed": PatternSpec("fixed", stride=16, c=4), "dense": PatternSpec("dense"),
+         "strided_part": PatternSpec("strided", stride=16, part="strided"),
+         "fixed_summary": PatternSpec("fixed", stride=16, c=4, part="summary"),
+         "local": PatternSpec("local", stride=16),
+         "strided_wide": PatternSpec("strided", stride=16, local_width=40)}
+# (pattern, devices, implementation): every pattern at seq=8, the three at seq=2 and 4, the
+# fused CPU kernels inside the shard_map at seq=8.
+CASES = ([(name, 8, "xla") for name in SPECS]
+         + [(name, p, "xla") for name in ("strided", "fixed", "dense") for p in (2, 4)]
+         + [(name, 8, "native") for name in ("strided", "fixed")])
+BATCH, N, HEADS, HEAD_DIM = 2, 512, 2, 16
+
+
+def _differences(name, devices, implementation):
+    """Largest |split - unsplit| of the output and of dq, dk, dv (float32)."""
+    spec, mesh = SPECS[name], C.seq_mesh(devices)
+    keys = jax.random.split(jax.random.key(devices), 4)
+    q, k, v, d_out = (jax.random.normal(key, (BATCH, N, HEADS, HEAD_DIM)) for key in keys)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def run(q, k, v, split):
+        attend = (lambda q, k, v: C.context_parallel_attention(  # noqa: E731
+            q, k, v, spec, mesh, implementation=implementation)) if split else (
+            lambda q, k, v: attention.sparse_attention(q, k, v, spec))  # noqa: E731
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(d_out))
+
+    return [float(jnp.abs(a - b).max()) for a, b in zip(run(q, k, v, True),
+                                                       run(q, k, v, False))]
+
+
+def _child():
+    """Runs in a subprocess with 8 devices: one line of JSON per case."""
+    assert jax.device_count() == 8
+    for case in CASES:
+        print("CASE", json.dumps([*case, _differences(*case)]), flush=True)
+
+
+@pytest.fixture(scope="module")
+def differences():
+    env = child_env(8)  # the suite's cheap compile (conftest.py): the cases are compile-bound
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes"
+    out = subprocess.run([sys.executable, "-c", "import test_context as t; t._child()"],
+                         env=env, cwd=TESTS, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    found = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("CASE "):
+            name, devices, implementation, diffs = json.loads(line[5:])
+            found[name, devices, implementation] = diffs
+    return found
+
+
+@pytest.mark.slow  # starts a process with 8 devices
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_split_sequence_equals_unsplit_output_and_gradients(differences, case):
+    out, d_q, d_k, d_v = differences[case]
+    assert out < 1e-5 and max(d_q, d_k, d_v) < 1e-5, (case, differences[case])
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals and byte counts (no devices needed).
+
+
+@pytest.mark.parametrize("spec,n,devices,match", [
+    (SPECS["dense"], 512, 3, "P | n"),
+    (SPECS["strided"], 512, 64, "multiple of"),  # 8 positions a shard, the block is 16
+    (SPECS["fixed"], 480, 8, "multiple of"),  # 60 positions a shard
+    (PatternSpec("strided", stride=12), 768, 8, "must divide the stride"),
+    (PatternSpec("strided", stride=16, local_width=40), 256, 8, "more than one shard"),
+])
+def test_a_split_that_does_not_fit_the_pattern_is_refused_in_one_line(spec, n, devices, match):
+    with pytest.raises(ValueError, match=match) as error:
+        C.check_split(spec, n, devices)
+    assert "\n" not in str(error.value)
+
+
+def test_a_seq_axis_without_devices_or_without_a_shard_map_is_refused():
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        C.seq_mesh(8)
+    q = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        C.context_attention(q, q, q, SPECS["strided"])
+    with pytest.raises(ValueError, match="mesh has no axis 'ctx'"):
+        C.context_parallel_attention(q, q, q, SPECS["strided"], C.seq_mesh(1), axis="ctx")
+
+
+def test_strided_sends_fewer_bytes_than_the_dense_ring():
+    n, heads, head_dim = 65_536, 8, 64
+    ring = C.communication_bytes(SPECS["dense"], n, 8, heads, head_dim)["total"]
+    for spec in (PatternSpec("strided", stride=128), PatternSpec("fixed", stride=128, c=32)):
+        sent = C.communication_bytes(spec, n, 8, heads, head_dim)
+        assert 0 < sent["total"] < ring / 2, (spec, sent, ring)
+    # the ring's bytes grow with the devices, the strided all_to_all's do not
+    strided = PatternSpec("strided", stride=128)
+    assert (C.communication_bytes(strided, n, 64, heads, head_dim)["total"]
+            < C.communication_bytes(strided, n, 8, heads, head_dim)["total"])
+    assert C.communication_bytes(SPECS["dense"], n, 1, heads, head_dim)["total"] == 0
