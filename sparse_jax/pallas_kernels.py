@@ -285,11 +285,13 @@ def _gpu_dkv(list_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, k_ref, v_ref, q_r
         put(dv_ref, g, rows, dv.astype(dv_ref.dtype))
 
 
-def _gpu_call(compiler, kernel, lists, block, inputs, out, name, seq_major=False):
+def _gpu_call(compiler, kernel, lists, block, inputs, out, name, seq_major=False,
+              cost_estimate=None):
     """pallas_call over (own tile, batch, head group): ``inputs`` are (array, tiled) pairs, a
     tiled one cut to the program's tile along its length (attributes [N, 1] / [1, N] too),
     others passed whole (along the length; data arrays [B, H, N, d], or [B, N, H, d] if
-    ``seq_major``, always to the program's heads); ``out``: (shape, dtype, tiled) triples."""
+    ``seq_major``, always to the program's heads); ``out``: (shape, dtype, tiled) triples;
+    ``cost_estimate``: the kernel's work (``cost``), for XLA's cost analysis."""
     heads = compiler.heads_per_program
     grid = (lists.shape[0], out[0][0][0], out[0][0][2 if seq_major else 1] // heads)
 
@@ -312,7 +314,7 @@ def _gpu_call(compiler, kernel, lists, block, inputs, out, name, seq_major=False
         params["compiler_params"] = pl_triton.CompilerParams(
             num_warps=compiler.num_warps, num_stages=compiler.num_stages)
     return pl.pallas_call(
-        kernel, grid=grid, interpret=compiler.interpret, name=name,
+        kernel, grid=grid, interpret=compiler.interpret, name=name, cost_estimate=cost_estimate,
         in_specs=[pl.BlockSpec((None, lists.shape[1]), lambda i, b, h: (i, 0)),
                   *(spec(x.shape, tiled) for x, tiled in inputs)],
         out_specs=[spec(shape, tiled) for shape, _, tiled in out],
@@ -394,10 +396,12 @@ def _tpu_dkv(lists_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse
     _tpu_steps(lists_ref, width, start, step, end)
 
 
-def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, name):
+def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, name,
+              cost_estimate=None):
     """pallas_call over (batch, head, own tile, list step) with the lists prefetched: ``own``
     arrays are tiled by the grid, ``listed`` ones by the list entry (tiles of
-    ``listed_block``); ``out``: (shape, tile) pairs; ``scratch``: float32 VMEM shapes."""
+    ``listed_block``); ``out``: (shape, tile) pairs; ``scratch``: float32 VMEM shapes;
+    ``cost_estimate``: as ``_gpu_call``'s."""
     from jax.experimental.pallas import tpu as pltpu
 
     blocks, width = lists.shape
@@ -428,6 +432,7 @@ def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, 
         scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch])
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, interpret=compiler.interpret, name=name,
+        cost_estimate=cost_estimate,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _ in out],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -436,6 +441,41 @@ def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, 
 
 # ---------------------------------------------------------------------------------------------
 # The passes.
+
+
+def cost(pass_: str, table: np.ndarray, block_q: int, block_k: int, heads: int, d: int,
+         dv: int, itemsize: int, out_itemsize: int = 4, extra_bytes: int = 0) -> pl.CostEstimate:
+    """The work of one pass ("forward", "dq" or "dkv") over a term's block list ``table``
+    (``Lists.forward``, or ``Lists.backward`` for dkv), for ``heads`` (batch × heads) of
+    query/key dim ``d`` and value dim ``dv``, as XLA's cost analysis should see it: per visited
+    tile of ``block_q`` × ``block_k`` its matrix products (2 flops a multiply-add) and
+    exponentials; bytes: the program's own tiles read and its outputs written once, the listed
+    tiles read at every visit (inputs ``itemsize`` bytes, outputs ``out_itemsize``, float32
+    statistics, int32 position attributes), plus ``extra_bytes`` (partial results resumed)."""
+    visits = int(table[:, 0].sum() + table[:, 1].sum())
+    programs = table.shape[0]
+    pairs = visits * block_q * block_k
+    if pass_ == "forward":  # s = q k^T, o += p v
+        flops = 2 * pairs * (d + dv)
+        own = block_q * (d * itemsize + 2 * 4) + block_q * (dv * out_itemsize + 4)
+        listed = block_k * ((d + dv) * itemsize + 3 * 4)
+    elif pass_ == "dq":  # s, dp = do v^T, dq += ds k
+        flops = 2 * pairs * (2 * d + dv)
+        own = block_q * ((d + dv) * itemsize + 4 * 4) + block_q * d * out_itemsize
+        listed = block_k * ((d + dv) * itemsize + 3 * 4)
+    elif pass_ == "dkv":  # s, dp, dk += ds^T q, dv += p^T do
+        flops = 4 * pairs * (d + dv)
+        own = block_k * ((d + dv) * itemsize + 3 * 4) + block_k * (d + dv) * out_itemsize
+        listed = block_q * ((d + dv) * itemsize + 4 * 4)
+    else:
+        raise ValueError(f"pass {pass_!r} is not forward, dq or dkv")
+    return pl.CostEstimate(flops=heads * flops, transcendentals=heads * pairs,
+                           bytes_accessed=heads * (programs * own + visits * listed)
+                           + int(extra_bytes))
+
+
+def _nbytes(arrays) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in arrays)
 
 
 def _name(kernel, tag):
@@ -476,6 +516,8 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
     _only_triton(compiler, rows, init, dtype, seq_major)
     (batch, heads, nq), like = _dims(q, seq_major)
     bq, bk = compiler.block_q, compiler.block_k
+    work = cost("forward", lists.forward, bq, bk, batch * heads, q.shape[-1], v.shape[-1],
+                q.dtype.itemsize, jnp.dtype(dtype).itemsize, _nbytes(init))
     if compiler.backend == "triton":
         own, listed = rows or (None, Rows(bk))
         out = [(like(nq, v.shape[3]), dtype, rows is None),
@@ -486,12 +528,12 @@ def forward(compiler: Compiler, keep, lists: Lists, q, k, v, *, rows=None, init=
                                    resume=bool(init), one_loop=compiler.one_loop,
                                    seq_major=seq_major, interpret=compiler.interpret)
         return _gpu_call(compiler, kernel, lists.forward, bq, inputs, out,
-                         _name("sparse_forward", tag), seq_major)
+                         _name("sparse_forward", tag), seq_major, work)
     out = [((batch, heads, nq, v.shape[3]), bq), ((batch, heads, nq, 1), bq)]
     own, listed = [q, *lists.q_attrs], [k, v, *lists.k_attrs]
     kernel = functools.partial(_tpu_forward, keep=keep, width=lists.forward.shape[1])
     return _tpu_call(compiler, kernel, lists.forward, own, listed, bk, out,
-                     [(bq, v.shape[3]), (bq, 1), (bq, 1)], _name("sparse_forward", tag))
+                     [(bq, v.shape[3]), (bq, 1), (bq, 1)], _name("sparse_forward", tag), work)
 
 
 def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *, rows=None,
@@ -503,6 +545,9 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
     (batch, heads, nq), like = _dims(q, seq_major)
     nk = k.shape[1 if seq_major else 2]
     bq, bk = compiler.block_q, compiler.block_k
+    sizes = (batch * heads, q.shape[-1], v.shape[-1], q.dtype.itemsize, jnp.dtype(dtype).itemsize)
+    dq_work = cost("dq", lists.forward, bq, bk, *sizes, _nbytes(init[0]))
+    dkv_work = cost("dkv", lists.backward, bq, bk, *sizes, _nbytes(init[1]))
     if compiler.backend == "triton":
         q_rows, k_rows = rows or (None, None)
         tiled = rows is None
@@ -514,7 +559,7 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
         dq = _gpu_call(compiler, functools.partial(
             _gpu_dq, own=q_rows, listed=k_rows or Rows(bk), resume=bool(init[0]), **common),
             lists.forward, bq, dq_inputs, [(like(nq, q.shape[3]), dtype, tiled)],
-            _name("sparse_dq", tag), seq_major)[0]
+            _name("sparse_dq", tag), seq_major, dq_work)[0]
         dkv_inputs = _gpu_inputs(lists.q_attrs, lists.k_attrs, (False, True), [
             (k, True), (v, True), (q, False), (do, False), (lse, False), (delta, False)],
             rows, init[1])
@@ -522,7 +567,7 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
             _gpu_dkv, own=k_rows, listed=q_rows or Rows(bq), resume=bool(init[1]), **common),
             lists.backward, bk, dkv_inputs, [(like(nk, k.shape[3]), dtype, tiled),
                                             (like(nk, v.shape[3]), dtype, tiled)],
-            _name("sparse_dkv", tag), seq_major)
+            _name("sparse_dkv", tag), seq_major, dkv_work)
         return dq, dk, dv
     dq_out = [((batch, heads, nq, q.shape[3]), bq)]
     dkv_out = [((batch, heads, nk, k.shape[3]), bk), ((batch, heads, nk, v.shape[3]), bk)]
@@ -531,9 +576,9 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
     key_side = [k, v, *lists.k_attrs]
     dq = _tpu_call(compiler, functools.partial(_tpu_dq, keep=keep, width=lists.forward.shape[1]),
                    lists.forward, dq_own, key_side, bk, dq_out, [(bq, q.shape[3])],
-                   _name("sparse_dq", tag))[0]
+                   _name("sparse_dq", tag), dq_work)[0]
     dk, dv = _tpu_call(
         compiler, functools.partial(_tpu_dkv, keep=keep, width=lists.backward.shape[1]),
         lists.backward, key_side, dkv_listed, bq, dkv_out,
-        [(bk, k.shape[3]), (bk, v.shape[3])], _name("sparse_dkv", tag))
+        [(bk, k.shape[3]), (bk, v.shape[3])], _name("sparse_dkv", tag), dkv_work)
     return dq, dk, dv

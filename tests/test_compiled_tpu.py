@@ -111,6 +111,49 @@ def test_missing_tools_are_one_line_with_the_install_command(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "lacks libtpu" in proc.stderr
 
 
+def _pallas_calls(jaxpr, out):
+    """(kernel name, cost estimate) of every pallas_call in ``jaxpr``, nested ones too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append((eqn.params["name"], eqn.params["cost_estimate"]))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                _pallas_calls(inner, out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_every_kernel_tells_xla_its_work_from_the_block_lists(backend):
+    import jax
+    import jax.numpy as jnp
+
+    from sparse_jax import kernel
+    from sparse_jax.patterns import PatternSpec
+
+    spec, n, heads, d = PatternSpec("strided", stride=16), 256, 2, 32
+    sizes = kernel.BlockSizes(16, 16)
+    x = jax.ShapeDtypeStruct((1, heads, n, d), jnp.float32)
+
+    def loss(q, k, v):
+        return kernel.sequence_attention(spec, q, k, v, sizes=sizes, backend=backend,
+                                         interpret=True).sum()
+
+    calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr, [])
+    assert sorted(name for name, _ in calls) == sorted(
+        f"sparse_{p}_{t}" for p in ("forward", "dq", "dkv") for t in ("rows", "columns"))
+    # per scored (query, key) pair of the visited tiles: q·k and p·v forward; q·k, do·v and
+    # ds·k for dq; q·k, do·v, dsᵀ·q and pᵀ·do for dk and dv; one exponential each pass
+    scored = heads * kernel.sparsity(spec, n, sizes)["scored"]
+    for kind, per_pair in (("forward", 4 * d), ("dq", 6 * d), ("dkv", 8 * d)):
+        work = [c for name, c in calls if name.startswith(f"sparse_{kind}_")]
+        assert sum(c.flops for c in work) == per_pair * scored
+        assert sum(c.transcendentals for c in work) == scored
+        # at least each of its inputs read once, outputs written once
+        assert all(c.bytes_accessed > 0 for c in work)
+    assert sum(c.bytes_accessed for _, c in calls) > 12 * heads * n * d * 4
+
+
 def _tools():
     tools = os.environ.get(compiled_tpu.TOOLS_ENV)
     if tools is None:
@@ -141,6 +184,15 @@ def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
         assert all(192 * 1024 <= k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
     assert "| attention 8k strided:128@pallas | sparse_dkv_columns |" in (
         tmp_path / "results.md").read_text()
+    # XLA's cost analysis counts the kernels' work (their pl.CostEstimate): at least their
+    # matrix products over the visited tiles, 2304 flops per scored pair and head at d = 128
+    from sparse_jax import kernel
+    from sparse_jax.bench.attention import parse_pattern
+
+    for row, program in zip(rows, compiled_tpu.select(["ci"])):
+        spec = parse_pattern(program["pattern"], program["seq_len"])[0]
+        scored = kernel.sparsity(spec, program["seq_len"], kernel.BlockSizes(128, 128))["scored"]
+        assert row["flops"] >= 2304 * program["heads"] * scored, row["name"]
 
 
 def _program(options, **extra):
