@@ -46,7 +46,8 @@ from sparse_jax.patterns import BandTerm, ColumnTerm, PatternSpec, SummaryTerm
 
 _NEG = attention._NEG  # a masked score
 _EMPTY = -attention._NEG  # attention's log-sum-exp of a query with no key (its backward's 0)
-_DENSE_QUERIES = 512  # queries per step of a dense block (scores [B, H, 512, keys])
+_HEAD_STEP_BYTES = 1 << 22  # one shard of q (float32) in a step over head groups (4 MiB)
+_DENSE_SCORES = 1 << 20  # scores in a step of a dense block, all batch rows and heads (4 MiB)
 IMPLEMENTATIONS = ("xla", "native", "auto")
 
 
@@ -136,8 +137,10 @@ def _merge(parts):
     return out, jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), _EMPTY)
 
 
-def _dense_chunks(m: int) -> int:
-    return max(c for c in range(1, min(_DENSE_QUERIES, m) + 1) if m % c == 0)
+def _dense_chunks(q, k) -> int:
+    """Queries per step: the most that divides them with at most ``_DENSE_SCORES`` scores."""
+    most = max(1, _DENSE_SCORES // (q.shape[0] * q.shape[2] * k.shape[1]))
+    return max(c for c in range(1, min(most, q.shape[1]) + 1) if q.shape[1] % c == 0)
 
 
 def _by_query_chunks(x, c):  # [B, m, ...] -> [m / c, B, c, ...]
@@ -151,7 +154,7 @@ def _from_query_chunks(x):
 def _dense_forward(q, k, v, keep, scale):
     """q [B, m, H, d] against k, v [B, K, H, d]; ``keep(rows)``: bool [c or 1, K] for the
     queries ``rows`` (their index in q). Chunks of queries in a ``lax.map``."""
-    c = _dense_chunks(q.shape[1])
+    c = _dense_chunks(q, k)
 
     def one(args):
         start, q_c = args
@@ -175,7 +178,7 @@ def _dense_forward(q, k, v, keep, scale):
 def _dense_backward(q, k, v, out, lse, d_out, keep, scale):
     """The backward of ``_dense_forward`` given the merged output and log-sum-exp: (dq, dk, dv)
     in q, k, v's dtypes."""
-    c = _dense_chunks(q.shape[1])
+    c = _dense_chunks(q, k)
     delta = jnp.einsum("bqhd,bqhd->bqh", d_out, out)
 
     def step(carry, args):
@@ -256,18 +259,16 @@ def _sparse_forward(plan, axis, native, q, k, v):
                                                native)
             return _flat(out), _flat(lse)
 
-        if plan.halo:
+        out, lse = own(q, k, v)
+        if plan.halo:  # the first rows again, on a grid of the halo and them
             size = plan.halo * block
             k_h, v_h = (_to_next(x[:, m - size:], axis, devices) for x in (k, v))
-
-            def extended(q, k, v):
-                out, lse = own(_with_halo(q, jnp.zeros_like(q[:, :size])), _with_halo(k, k_h),
-                               _with_halo(v, v_h))
-                return out[:, size:], lse[:, size:]
-
-            parts.append(jax.lax.cond(jax.lax.axis_index(axis) == 0, own, extended, q, k, v))
-        else:
-            parts.append(own(q, k, v))
+            out_h, lse_h = own(_with_halo(q[:, :size], jnp.zeros_like(q[:, :size])),
+                               _with_halo(k[:, :size], k_h), _with_halo(v[:, :size], v_h))
+            first = jax.lax.axis_index(axis) == 0  # shard 0 has no halo
+            out = out.at[:, :size].set(jnp.where(first, out[:, :size], out_h[:, size:]))
+            lse = lse.at[:, :size].set(jnp.where(first, lse[:, :size], lse_h[:, size:]))
+        parts.append((out, lse))
     if plan.columns:
         q_c, k_c, v_c = (_to_columns(_grid(x, block), axis) for x in (q, k, v))
         out, lse = attention._grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
@@ -275,7 +276,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
     if plan.summary is not None:
         k_s, v_s = (_summary_keys(_grid(x, block), plan.summary, axis) for x in (k, v))
         parts.append(_dense_forward(q, k_s, v_s, _earlier_shards(plan, m // block, axis), scale))
-    return _merge(parts)
+    return _merge(parts) if len(parts) > 1 else parts[0]
 
 
 def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
@@ -292,26 +293,23 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
                 _grid(d_out, block))
             return tuple(_flat(g).astype(jnp.float32) for g in grads)
 
-        if plan.halo:
+        if plan.halo:  # the first rows' pairs come from the grid of the halo and them
             size = plan.halo * block
             k_h, v_h = (_to_next(x[:, m - size:], axis, devices) for x in (k, v))
-
-            def first(q, k, v, out, lse, d_out):
-                d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
-                return d_q, d_k, d_v, jnp.zeros_like(d_k[:, :size]), jnp.zeros_like(d_v[:, :size])
-
-            def extended(q, k, v, out, lse, d_out):
-                zeros = lambda x, value=0: jnp.full_like(x[:, :size], value)  # noqa: E731
-                d_q, d_k, d_v = own(
-                    _with_halo(q, zeros(q)), _with_halo(k, k_h), _with_halo(v, v_h),
-                    _with_halo(out, zeros(out)), _with_halo(lse, zeros(lse, _EMPTY)),
-                    _with_halo(d_out, zeros(d_out)))
-                return d_q[:, size:], d_k[:, size:], d_v[:, size:], d_k[:, :size], d_v[:, :size]
-
-            d_q, d_k, d_v, d_k_h, d_v_h = jax.lax.cond(
-                jax.lax.axis_index(axis) == 0, first, extended, q, k, v, out, lse, d_out)
-            d_k = d_k.at[:, m - size:].add(_to_previous(d_k_h, axis, devices))
-            d_v = d_v.at[:, m - size:].add(_to_previous(d_v_h, axis, devices))
+            later = jax.lax.axis_index(axis) > 0
+            zeros = lambda x, value=0: jnp.full_like(x[:, :size], value)  # noqa: E731
+            g_q, g_k, g_v = own(
+                _with_halo(q[:, :size], zeros(q)), _with_halo(k[:, :size], k_h),
+                _with_halo(v[:, :size], v_h), _with_halo(out[:, :size], zeros(out)),
+                _with_halo(lse[:, :size], zeros(lse, _EMPTY)),
+                _with_halo(jnp.where(later, d_out[:, :size], 0), zeros(d_out)))
+            rest = d_out.at[:, :size].set(jnp.where(later, 0, d_out[:, :size]))
+            d_q, d_k, d_v = own(q, k, v, out, lse, rest)
+            d_q = d_q.at[:, :size].add(g_q[:, size:])
+            d_k = d_k.at[:, :size].add(g_k[:, size:])
+            d_v = d_v.at[:, :size].add(g_v[:, size:])
+            d_k = d_k.at[:, m - size:].add(_to_previous(g_k[:, :size], axis, devices))
+            d_v = d_v.at[:, m - size:].add(_to_previous(g_v[:, :size], axis, devices))
         else:
             d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
     if plan.columns:
@@ -339,18 +337,49 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
 
 
+def _heads_per_step(x) -> int:
+    """Heads in a step: the most that divides them with at most ``_HEAD_STEP_BYTES`` of x."""
+    most = max(1, _HEAD_STEP_BYTES // (x.shape[0] * x.shape[1] * x.shape[3] * 4))
+    return max(h for h in range(1, min(most, x.shape[2]) + 1) if x.shape[2] % h == 0)
+
+
+def _over_heads(fn, arrays, like):
+    """``fn(*arrays)`` a group of heads at a time (a ``fori_loop``), its results written into
+    arrays of ``like``'s shapes and dtypes: one group's temporaries (the column layout's copies,
+    the halo grid, the parts' outputs, the gradients) are alive at a time, not every head's.
+    arrays: ``[B, m, H, ...]``; the heads are independent, so this is exact."""
+    heads = arrays[0].shape[2]
+    h = _heads_per_step(arrays[0])
+    if h == heads:
+        return tuple(r.astype(x.dtype) for r, x in zip(fn(*arrays), like))
+
+    def body(i, results):
+        group = (jax.lax.dynamic_slice_in_dim(x, i * h, h, axis=2) for x in arrays)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(z, r.astype(z.dtype), i * h, axis=2)
+                     for z, r in zip(results, fn(*group)))
+
+    return jax.lax.fori_loop(0, heads // h, body, tuple(jnp.zeros_like(x) for x in like))
+
+
+def _stats_like(q, v):  # the merged output and log-sum-exp, float32
+    return (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], jnp.float32),
+            jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _sparse(plan, axis, native, q, k, v):
-    return _sparse_forward(plan, axis, native, q, k, v)[0].astype(q.dtype)
+    return _sparse_fwd(plan, axis, native, q, k, v)[0]
 
 
 def _sparse_fwd(plan, axis, native, q, k, v):
-    out, lse = _sparse_forward(plan, axis, native, q, k, v)
+    out, lse = _over_heads(functools.partial(_sparse_forward, plan, axis, native), (q, k, v),
+                           _stats_like(q, v))
     return out.astype(q.dtype), (q, k, v, out, lse)
 
 
 def _sparse_bwd(plan, axis, native, residuals, d_out):
-    return _sparse_backward(plan, axis, native, *residuals, d_out)
+    return _over_heads(functools.partial(_sparse_backward, plan, axis, native),
+                       (*residuals, d_out), residuals[:3])
 
 
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)
@@ -405,16 +434,18 @@ def _ring_backward(axis, devices, q, k, v, out, lse, d_out):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _ring(axis, devices, q, k, v):
-    return _ring_forward(axis, devices, q, k, v)[0].astype(q.dtype)
+    return _ring_fwd(axis, devices, q, k, v)[0]
 
 
 def _ring_fwd(axis, devices, q, k, v):
-    out, lse = _ring_forward(axis, devices, q, k, v)
+    out, lse = _over_heads(functools.partial(_ring_forward, axis, devices), (q, k, v),
+                           _stats_like(q, v))
     return out.astype(q.dtype), (q, k, v, out, lse)
 
 
 def _ring_bwd(axis, devices, residuals, d_out):
-    return _ring_backward(axis, devices, *residuals, d_out)
+    return _over_heads(functools.partial(_ring_backward, axis, devices), (*residuals, d_out),
+                       residuals[:3])
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -447,9 +478,10 @@ def context_attention(q, k, v, spec: PatternSpec, *, axis: str = "seq",
                          f"{axis!r}; no such axis is bound here") from None
     n = q.shape[1] * devices
     check_split(spec, n, devices)
+    if devices == 1:  # nothing to exchange: today's path
+        return attention.sparse_attention(q, k, v, spec, implementation)
     if spec.kind == "dense":
-        return _ring(axis, devices, q, k, v) if devices > 1 else attention.sparse_attention(
-            q, k, v, spec, implementation)
+        return _ring(axis, devices, q, k, v)
     return _sparse(_plan(spec, n, devices), axis, native, q, k, v)
 
 
@@ -512,3 +544,30 @@ def communication_bytes(spec: PatternSpec, n: int, devices: int, heads: int, hea
             sent["summary all_gather (k, v)"] = (devices - 1) * 2 * keys * unit * dtype_bytes
     sent["total"] = sum(sent.values())
     return sent
+
+
+def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
+                   batch: int = 1, dtype=jnp.float32, implementation: str = "xla") -> dict:
+    """XLA's plan for one device of a jitted forward + backward of the attention of ``n``
+    positions split over ``devices`` (``context_parallel_attention``; one device:
+    ``sparse_attention``), from ``compiled.memory_analysis()``: compiled only, nothing runs.
+    Bytes of the arguments (q, k, v and the output's cotangent), the outputs (dq, dk, dv), the
+    temporaries, and their sum ("total"), per device."""
+    check_split(spec, n, devices)
+    mesh = seq_mesh(devices)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+    arg = jax.ShapeDtypeStruct((batch, n, heads, head_dim), dtype, sharding=split)
+
+    def attend(q, k, v):
+        if devices == 1:
+            return attention.sparse_attention(q, k, v, spec, implementation)
+        return context_parallel_attention(q, k, v, spec, mesh, implementation=implementation)
+
+    def grads(q, k, v, d_out):
+        return jax.vjp(attend, q, k, v)[1](d_out)
+
+    compiled = jax.jit(grads, out_shardings=(split,) * 3).lower(arg, arg, arg, arg).compile()
+    memory = compiled.memory_analysis()
+    sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+             "temporaries": memory.temp_size_in_bytes}
+    return {**sizes, "total": sum(sizes.values()) - memory.alias_size_in_bytes}
