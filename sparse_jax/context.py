@@ -46,7 +46,7 @@ from sparse_jax.patterns import BandTerm, ColumnTerm, PatternSpec, SummaryTerm
 
 _NEG = attention._NEG  # a masked score
 _EMPTY = -attention._NEG  # attention's log-sum-exp of a query with no key (its backward's 0)
-_HEAD_STEP_BYTES = 1 << 22  # one shard of q (float32) in a step over head groups (4 MiB)
+_HEAD_STEP_BYTES = 1 << 20  # one shard of q (float32) in a step over head groups (1 MiB)
 _DENSE_SCORES = 1 << 20  # scores in a step of a dense block, all batch rows and heads (4 MiB)
 IMPLEMENTATIONS = ("xla", "native", "auto")
 
@@ -571,3 +571,28 @@ def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim
     sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
              "temporaries": memory.temp_size_in_bytes}
     return {**sizes, "total": sum(sizes.values()) - memory.alias_size_in_bytes}
+
+
+def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch: int = 1,
+              dtype=jnp.float32, implementation: str = "xla", compile_memory: bool = True):
+    """One row per (pattern, n, P) that splits: bytes one device sends per layer forward
+    (``communication_bytes``) and, with ``compile_memory`` and P devices visible, XLA's planned
+    per-device memory of a forward + backward (``planned_memory``; compiled, never run)."""
+    rows = []
+    for spec in specs:
+        for n in lengths:
+            for devices in device_counts:
+                try:
+                    check_split(spec, n, devices)
+                except ValueError as error:
+                    rows.append({"pattern": str(spec), "n": n, "devices": devices,
+                                 "skipped": str(error)})
+                    continue
+                sent = communication_bytes(spec, n, devices, heads, head_dim,
+                                           jnp.dtype(dtype).itemsize, batch)
+                row = {"pattern": str(spec), "n": n, "devices": devices, "sent": sent}
+                if compile_memory and devices <= jax.device_count():
+                    row["memory"] = planned_memory(spec, n, devices, heads, head_dim, batch,
+                                                   dtype, implementation)
+                rows.append(row)
+    return rows

@@ -1,0 +1,90 @@
+r"""What context parallelism costs per pattern: the bytes each device sends per layer forward and
+XLA's planned per-device memory of an attention forward + backward, the sequence split over P
+simulated CPU devices (sparse_jax/context.py). Compiles only: nothing runs.
+
+  python scripts/context_parallel.py --n=65536 --devices=1,2,4,8 \
+      --output_dir=docs/benchmarks/context_parallel
+  python scripts/context_parallel.py --n=1048576 --devices=8,16,64,128 --nomemory  # on paper
+
+The process splits its CPU into max(--devices) devices (up to --cpu_devices) before JAX starts;
+a P with more devices than that gets bytes only. Writes results.md and results.json to
+--output_dir (if given).
+"""
+
+import datetime
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from sparse_jax import sharding
+
+_PATTERNS = flags.DEFINE_list("patterns", ["strided", "fixed", "dense"], "Pattern kinds.")
+_STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.")
+_C = flags.DEFINE_integer("c", 32, "Summary width of fixed.")
+_N = flags.DEFINE_list("n", ["65536"], "Sequence lengths.")
+_DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts P.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
+_IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "auto"],
+                                    "Term computations (native: XLA does not see the fused "
+                                    "kernels' own memory).")
+_MEMORY = flags.DEFINE_bool("memory", True, "Compile for the planned memory.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
+
+
+def _mib(x):
+    return f"{x / 2**20:,.1f}"
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    devices = [int(d) for d in _DEVICES.value]
+    sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
+    from sparse_jax import context
+    from sparse_jax.patterns import PatternSpec
+
+    kinds = {"strided": dict(stride=_STRIDE.value), "dense": {},
+             "fixed": dict(stride=_STRIDE.value, c=_C.value)}
+    try:
+        specs = [PatternSpec(kind, **kinds[kind]) for kind in _PATTERNS.value]
+    except (KeyError, ValueError) as e:
+        raise app.UsageError(f"--patterns: {e}") from None
+    rows = context.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
+                             _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
+                             compile_memory=_MEMORY.value)
+    command = "python scripts/context_parallel.py " + " ".join(sys.argv[1:])
+    date = datetime.date.today().isoformat()
+    lines = [f"`{command.strip()}` on {date}: H={_HEADS.value}, d={_HEAD_DIM.value}, batch 1, "
+             f"float32, implementation {_IMPLEMENTATION.value}; MiB per device.", "",
+             "| pattern | n | P | sent per layer fwd | arguments | outputs | temporaries | "
+             "total | total / P=1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    first = {}
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
+                         f"{row['skipped']} |||||")
+            continue
+        memory = row.get("memory")
+        cells = ["", "", "", "", ""]
+        if memory:
+            base = first.setdefault((row["pattern"], row["n"]), memory["total"])
+            cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
+            cells.append(f"{memory['total'] / base:.3f}")
+        lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
+                     f"{_mib(row['sent']['total'])} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if _OUTPUT_DIR.value:
+        os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
+        with open(os.path.join(_OUTPUT_DIR.value, "results.json"), "w") as f:
+            json.dump({"date": date, "command": command.strip(), "rows": rows}, f, indent=1)
+        with open(os.path.join(_OUTPUT_DIR.value, "results.md"), "w") as f:
+            f.write("# Context parallelism: bytes sent and per-device memory\n\n"
+                    + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
