@@ -1,23 +1,27 @@
-r"""Compiles for an H100 (or an A100) on this CPU, with no GPU, every program the accelerator
-report times, and tabulates what the compiler decided per Triton kernel: grid, threads,
-registers, spills, shared memory, blocks per SM, occupancy and its bound, waves over the SMs,
-key tiles per program, estimated HBM bytes; per program XLA's planned memory against the
-device's and the compile time.
+r"""Compiles for an H100 (or an A100, or a TPU v5e, v5p or v6e) on this CPU, with no accelerator,
+every program the accelerator report times, and tabulates what the compiler decided: per Triton
+kernel its grid, threads, registers, spills, shared memory, blocks per SM, occupancy and its
+bound, waves over the SMs, key tiles per program and estimated HBM bytes (per Mosaic kernel its
+VMEM); per program XLA's planned memory against the device's and the compile time.
 
   pip install --no-deps --target .gpu_tools -r requirements-gpu-compile.txt
   python scripts/compile_report.py --output_dir=docs/benchmarks/compiled_h100
   python scripts/compile_report.py --target=a100 --programs=attention16k
   python scripts/compile_report.py --programs=ci --check     # the test suite's GPU check
+  pip install --no-deps --target .tpu_tools -r requirements-tpu-compile.txt
+  python scripts/compile_report.py --target=v5e --programs=ci --check   # its TPU check
 
---programs takes groups (attention16k, attention64k, tiles16k, steps, study, ci, all) or
-program names (--list prints them). The dense rows need cuDNN in the tools folder too
-(`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without
-it they compile XLA's unfused attention and say so. --check exits 1 when a program does not
-compile or a Triton kernel spills registers, naming each. Each program compiles in its own
-process with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools) on its
-path. Writes results.md and results.json to --output_dir (a folder that holds results is
-refused without --overwrite). These are the compiler's figures; no time is measured
-(sparse_jax/bench/compiled.py says how they are read).
+--programs takes groups (GPU: attention16k, attention64k, tiles16k, steps, study, ci, all;
+TPU: ci, attention16k, attention64k, all) or program names (--list prints them). The dense rows
+need cuDNN in the tools folder too (`pip install --no-deps --target .gpu_tools
+nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without it they compile XLA's unfused attention and say
+so. --check exits 1 when a program does not compile or a Triton kernel spills registers (on a
+TPU: has no Mosaic kernel or does not fit), naming each. Each program compiles in its own
+process with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
+$SPARSE_JAX_TPU_TOOLS or .tpu_tools) on its path. Writes results.md and results.json to
+--output_dir (a folder that holds results is refused without --overwrite). These are the
+compiler's figures; no time is measured (sparse_jax/bench/compiled.py and compiled_tpu.py say
+how they are read).
 """
 
 import datetime
@@ -28,12 +32,15 @@ import sys
 from absl import app, flags
 
 from sparse_jax import cli
-from sparse_jax.bench import compiled
+from sparse_jax.bench import compiled, compiled_tpu
 
-_TARGET = flags.DEFINE_enum("target", "h100", sorted(compiled.TARGETS), "The GPU compiled for.")
+_TARGET = flags.DEFINE_enum("target", "h100", [*compiled.TARGETS, *compiled_tpu.TARGETS],
+                            "The GPU or TPU (one chip) compiled for.")
 _PROGRAMS = flags.DEFINE_list("programs", ["all"], "Groups or program names (--list).")
-_TOOLS = flags.DEFINE_string("tools", None, "Folder of requirements-gpu-compile.txt's packages "
-                             "(default: $SPARSE_JAX_GPU_TOOLS, else .gpu_tools).")
+_TOOLS = flags.DEFINE_string("tools", None, "Folder of requirements-gpu-compile.txt's packages, "
+                             "or requirements-tpu-compile.txt's for a TPU (default: "
+                             "$SPARSE_JAX_GPU_TOOLS or .gpu_tools; $SPARSE_JAX_TPU_TOOLS or "
+                             ".tpu_tools).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go "
                                   "(default: print the table only).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results in --output_dir.")
@@ -45,14 +52,17 @@ _TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile m
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # The module that knows the target's compiler: a GPU's (Triton, ptxas) or a TPU's (Mosaic).
+    compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
     if _LIST.value:
-        for p in compiled.programs():
+        for p in compiled_for.programs():
             print(f"{p['group']:13} {p['name']}")
         return
     try:
-        chosen = compiled.select(_PROGRAMS.value)
-        tools = _TOOLS.value or os.environ.get(compiled.TOOLS_ENV) or compiled.DEFAULT_TOOLS
-        compiled.check_tools(tools)
+        chosen = compiled_for.select(_PROGRAMS.value)
+        tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
+                 or compiled_for.DEFAULT_TOOLS)
+        compiled_for.check_tools(tools)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     out = _OUTPUT_DIR.value
@@ -62,18 +72,15 @@ def main(argv):
                              "replace them, or another folder")
     rows = []
     for i, program in enumerate(chosen, 1):
-        row = compiled.compile_program(program, _TARGET.value, tools, _TIMEOUT.value)
+        row = compiled_for.compile_program(program, _TARGET.value, tools, _TIMEOUT.value)
         rows.append(row)
-        print(f"[{i}/{len(chosen)}] {row['name']}: " + (row["error"] if "error" in row else (
-            f"{row['compile_s']:.1f} s, {row['planned_gb']:.2f} GB planned, "
-            f"{len(row['kernels'])} Triton kernels, max spill {row['max_spill_bytes']} B")),
-            flush=True)
+        print(f"[{i}/{len(chosen)}] {row['name']}: {compiled_for.progress(row)}", flush=True)
     date = datetime.date.today().isoformat()
     command = "python scripts/compile_report.py " + " ".join(argv[0:0] + sys.argv[1:])
-    header = [f"# Deviceless compile for {compiled.TARGETS[_TARGET.value].name}", "",
-              f"`{command.strip()}` on {date}, {compiled.versions(tools)}: compiler figures, "
-              "not measurements."]
-    text = compiled.markdown(rows, _TARGET.value, header)
+    header = [f"# Deviceless compile for {compiled_for.TARGETS[_TARGET.value].name}", "",
+              f"`{command.strip()}` on {date}, {compiled_for.versions(tools)}: compiler "
+              "figures, not measurements."]
+    text = compiled_for.markdown(rows, _TARGET.value, header)
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
@@ -84,9 +91,9 @@ def main(argv):
         print(f"Wrote {out}/results.md and results.json")
     else:
         print(text)
-    bad = compiled.problems(rows)
+    bad = compiled_for.problems(rows)
     if _CHECK.value and bad:
-        print("GPU compile check failed: " + "; ".join(bad))
+        print("compile check failed: " + "; ".join(bad))
         sys.exit(1)
 
 

@@ -15,8 +15,9 @@ key/value cache: each new byte costs O(|S_i| d) per layer, not a forward pass ov
 Text samples are of any --length that fits in memory (one that cannot is refused before the
 checkpoint loads): past the context n the window slides (a full window is followed by one that
 re-reads its last n/2 bytes from position 0; each byte sees n/2 to n bytes, and costs about two
-cached steps past the first window), and a sample of more than 4 windows shows its progress. A prompt longer than n is cut to its
-last n bytes, with one warning line. An image sample is always one whole image (a picture model's window never slides).
+cached steps past the first window), and a sample of more than 4 windows shows its progress. A
+prompt longer than n is cut to its last n bytes, with one warning line. An image sample is
+always one whole image (a picture model's window never slides).
 --attention reads the run with another attention implementation (default: the run's, or XLA
 where its CPU kernels cannot run here).
 """

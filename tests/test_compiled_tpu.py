@@ -1,7 +1,7 @@
-"""The deviceless TPU compile (sparse_jax.bench.compiled_tpu, scripts/compile_tpu.py): reading
-the compiler's figures from compiled HLO, and the check itself, which compiles the default strided
-and fixed kernels (fwd+bwd, bfloat16) for one TPU v5e on this CPU and fails for a kernel that
-Mosaic refuses.
+"""The deviceless TPU compile (sparse_jax.bench.compiled_tpu, scripts/compile_report.py
+--target=v5e): reading the compiler's figures from compiled HLO, and the check itself, which
+compiles the default strided and fixed kernels (fwd+bwd, bfloat16) for one TPU v5e on this CPU
+and fails for a kernel that Mosaic refuses.
 
 The check needs requirements-tpu-compile.txt's libtpu in a folder of its own: .ci/run installs it
 and sets SPARSE_JAX_TPU_TOOLS; elsewhere the check runs if .tpu_tools holds it and is skipped
@@ -105,7 +105,8 @@ def test_missing_tools_are_one_line_with_the_install_command(tmp_path):
     with pytest.raises(ValueError, match=r"lacks libtpu: install it with `pip install --no-deps "
                                          r"--target .* -r requirements-tpu-compile.txt`"):
         compiled_tpu.check_tools(str(tmp_path))
-    proc = subprocess.run([sys.executable, "scripts/compile_tpu.py", f"--tools={tmp_path}"],
+    proc = subprocess.run([sys.executable, "scripts/compile_report.py", "--target=v5e",
+                           f"--tools={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "lacks libtpu" in proc.stderr
@@ -168,8 +169,9 @@ def _tools():
 @pytest.mark.slow
 def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
     tools = _tools()
-    proc = subprocess.run([sys.executable, "scripts/compile_tpu.py", f"--tools={tools}",
-                           "--target=v5e", "--check", f"--output_dir={tmp_path}"],
+    proc = subprocess.run([sys.executable, "scripts/compile_report.py", f"--tools={tools}",
+                           "--target=v5e", "--programs=ci", "--check",
+                           f"--output_dir={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "results.json") as f:

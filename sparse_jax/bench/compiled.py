@@ -476,6 +476,14 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     return row
 
 
+def progress(row: dict) -> str:
+    """The console line of a compiled program."""
+    if "error" in row:
+        return row["error"]
+    return (f"{row['compile_s']:.1f} s, {row['planned_gb']:.2f} GB planned, "
+            f"{len(row['kernels'])} Triton kernels, max spill {row['max_spill_bytes']} B")
+
+
 def _dense(program: dict) -> bool:
     """Whether the program runs dense attention (cuDNN's where it is installed)."""
     pattern = (program.get("pattern") or program.get("model", {}).get("pattern")

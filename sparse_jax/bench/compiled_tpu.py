@@ -2,7 +2,7 @@ r"""The attention kernels compiled for a TPU (v5e, v5p, v6e) on a CPU host, with
 the Mosaic kernels as the chip's compiler builds them, and what it decided for each.
 
   pip install --no-deps --target .tpu_tools -r requirements-tpu-compile.txt
-  python scripts/compile_tpu.py --target=v5e --check
+  python scripts/compile_report.py --target=v5e --programs=ci --check
 
 How: libtpu (at the version jax's ``tpu`` extra pins) installed into a folder of its own
 (``--tools``) and put on the path of a child process only, so the project's environment stays a
@@ -257,6 +257,15 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     row["fits"] = row["planned_gib"] <= t.hbm_gib
     row["max_vmem_bytes"] = max((k["vmem_bytes"] for k in row["kernels"]), default=0)
     return row
+
+
+def progress(row: dict) -> str:
+    """The console line of a compiled program."""
+    if "error" in row:
+        return row["error"]
+    return (f"{row['compile_s']:.1f} s, {row['planned_gib']:.3f} GiB planned, "
+            f"{len(row['kernels'])} Mosaic kernels, max VMEM "
+            f"{row['max_vmem_bytes'] / 1024:.0f} KiB")
 
 
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:
