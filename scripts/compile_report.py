@@ -11,7 +11,7 @@ VMEM); per program XLA's planned memory against the device's and the compile tim
   pip install --no-deps --target .tpu_tools -r requirements-tpu-compile.txt
   python scripts/compile_report.py --target=v5e --programs=ci --check   # its TPU check
 
---programs takes groups (GPU: attention16k, attention64k, tiles16k, steps, study, ci, all;
+--programs takes groups (GPU: attention16k, attention64k, reference16k, steps, study, ci, all;
 TPU: ci, attention16k, attention64k, all) or program names (--list prints them). The dense rows
 need cuDNN in the tools folder too (`pip install --no-deps --target .gpu_tools
 nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without it they compile XLA's unfused attention and say
