@@ -9,6 +9,8 @@ no devices.
 
 import functools
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -53,6 +55,25 @@ def _differences(name, devices, implementation):
                                                        run(q, k, v, False))]
 
 
+_COLLECTIVE = re.compile(r"= (.*?) (all-to-all|collective-permute|all-gather)\(")
+_ARRAY = re.compile(r"(f32|bf16)\[([\d,]*)\]")
+
+
+def _bytes_in_hlo(spec, devices):
+    """What one device sends in the compiled forward, read from its collectives' result types:
+    a collective-permute sends its result, an all-to-all and an all-gather (P-1)/P of theirs."""
+    mesh = C.seq_mesh(devices)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+    arg = jax.ShapeDtypeStruct((BATCH, N, HEADS, HEAD_DIM), jnp.float32, sharding=split)
+    attend = jax.jit(lambda q, k, v: C.context_parallel_attention(q, k, v, spec, mesh))
+    sent = 0
+    for result, op in _COLLECTIVE.findall(attend.lower(arg, arg, arg).compile().as_text()):
+        size = sum(math.prod(int(x) for x in dims.split(",") if x) * (4 if t == "f32" else 2)
+                   for t, dims in _ARRAY.findall(result))
+        sent += size if op == "collective-permute" else size * (devices - 1) // devices
+    return sent
+
+
 def _child():
     """Runs in a subprocess with 8 devices: one line of JSON per case."""
     assert jax.device_count() == 8
@@ -60,6 +81,9 @@ def _child():
         C._HEAD_STEP_BYTES = 1 if case[1] == 8 else 1 << 22
         print("CASE", json.dumps([*case, _differences(*case)]), flush=True)
     C._HEAD_STEP_BYTES = 1 << 20
+    for name in ("strided", "fixed", "dense", "strided_wide"):
+        counted = C.communication_bytes(SPECS[name], N, 8, HEADS, HEAD_DIM, 4, BATCH)["total"]
+        print("SENT", json.dumps([name, counted, _bytes_in_hlo(SPECS[name], 8)]), flush=True)
     strided = PatternSpec("strided", stride=128)
     memory = [C.planned_memory(strided, 65_536, p, 8, 64)["total"] for p in (1, 8)]
     print("MEMORY", json.dumps(memory), flush=True)
@@ -77,6 +101,9 @@ def differences():
         if line.startswith("CASE "):
             name, devices, implementation, diffs = json.loads(line[5:])
             found[name, devices, implementation] = diffs
+        if line.startswith("SENT "):
+            name, counted, compiled = json.loads(line[5:])
+            found["sent", name] = counted, compiled
         if line.startswith("MEMORY "):
             found["memory"] = json.loads(line[7:])
     return found
@@ -87,6 +114,13 @@ def differences():
 def test_split_sequence_equals_unsplit_output_and_gradients(differences, case):
     out, d_q, d_k, d_v = differences[case]
     assert out < 1e-5 and max(d_q, d_k, d_v) < 1e-5, (case, differences[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["strided", "fixed", "dense", "strided_wide"])
+def test_bytes_counted_are_the_bytes_the_compiled_collectives_send(differences, name):
+    counted, compiled = differences["sent", name]
+    assert counted == compiled > 0
 
 
 @pytest.mark.slow
