@@ -518,30 +518,55 @@ def context_parallel_attention(q, k, v, spec: PatternSpec, mesh: jax.sharding.Me
 
 
 def communication_bytes(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
-                        dtype_bytes: int = 4, batch: int = 1) -> dict[str, int]:
-    """Bytes one device sends per layer forward with the sequence of ``n`` split over
-    ``devices``, by collective (and ``"total"``), as this module runs them: a ``ppermute`` sends
-    its block, an ``all_to_all`` the ``(P - 1)/P`` of its shard that leaves, an ``all_gather``
-    its shard to each of the ``P - 1`` others (as a ring passes it on). The column part's output
-    and log-sum-exp travel in float32. The most any device sends (the halo: all but the last
-    shard; the ring: all but the first shard's blocks are computed, all are sent)."""
+                        dtype_bytes: int = 4, batch: int = 1, *,
+                        backward: bool = False) -> dict[str, int]:
+    """Bytes one device sends per layer with the sequence of ``n`` split over ``devices``, in
+    the forward pass (or with ``backward`` what the backward adds), by collective (and
+    ``"total"``), as this module runs them: a ``ppermute`` sends its block, an ``all_to_all``
+    the ``(P - 1)/P`` of its shard that leaves, an ``all_gather`` its shard to each of the
+    ``P - 1`` others and a ``psum_scatter`` ``P - 1`` shards of its sums (as a ring does). The
+    column part's output and log-sum-exp, the halo's and the summary keys' gradients and the
+    ring's key gradients travel in float32. The most any device sends (the halo: all but the
+    last shard; the ring: every shard passes every block on).
+
+    The backward sends again what the forward sent (the ring's K/V, the halo, q, k, v to the
+    columns, the summary keys), but where both passes are one program (a jitted training step)
+    XLA sends each once (common subexpressions); ``backward`` counts only the rest: the
+    gradients, and d_out, out and lse to the columns. The tests hold both counts to the
+    compiled programs' collectives."""
     check_split(spec, n, devices)
     unit = batch * heads * head_dim  # one position of one of q, k, v
-    m = n // devices
+    m, b = n // devices, dtype_bytes
     sent = {}
     if devices > 1 and spec.kind == "dense":
-        sent["ring ppermute (k, v)"] = (devices - 1) * 2 * m * unit * dtype_bytes
+        if backward:
+            sent["ring ppermute (dk, dv)"] = devices * 2 * m * unit * 4
+        else:
+            sent["ring ppermute (k, v)"] = (devices - 1) * 2 * m * unit * b
     elif devices > 1:
         plan = _plan(spec, n, devices)
         if plan.halo:
-            sent["halo ppermute (k, v)"] = 2 * plan.halo * plan.block * unit * dtype_bytes
+            size = plan.halo * plan.block
+            if backward:
+                sent["halo ppermute back (dk, dv)"] = 2 * size * unit * 4
+            else:
+                sent["halo ppermute (k, v)"] = 2 * size * unit * b
         if plan.columns:
             leaving = m * (devices - 1) // devices
-            sent["columns all_to_all (q, k, v)"] = 3 * leaving * unit * dtype_bytes
-            sent["columns all_to_all back (out, lse)"] = leaving * (unit + batch * heads) * 4
+            lse = leaving * batch * heads * 4
+            if backward:
+                sent["columns all_to_all (d_out)"] = leaving * unit * b
+                sent["columns all_to_all (out, lse)"] = leaving * unit * 4 + lse
+                sent["columns all_to_all back (dq, dk, dv)"] = 3 * leaving * unit * b
+            else:
+                sent["columns all_to_all (q, k, v)"] = 3 * leaving * unit * b
+                sent["columns all_to_all back (out, lse)"] = leaving * unit * 4 + lse
         if plan.summary is not None:
             keys = m // plan.block * len(plan.summary)
-            sent["summary all_gather (k, v)"] = (devices - 1) * 2 * keys * unit * dtype_bytes
+            if backward:
+                sent["summary psum_scatter (dk, dv)"] = (devices - 1) * 2 * keys * unit * 4
+            else:
+                sent["summary all_gather (k, v)"] = (devices - 1) * 2 * keys * unit * b
     sent["total"] = sum(sent.values())
     return sent
 

@@ -55,22 +55,28 @@ def _differences(name, devices, implementation):
                                                        run(q, k, v, False))]
 
 
-_COLLECTIVE = re.compile(r"= (.*?) (all-to-all|collective-permute|all-gather)\(")
+_COLLECTIVE = re.compile(r"= (.*?) (all-to-all|collective-permute|all-gather|reduce-scatter)\(")
 _ARRAY = re.compile(r"(f32|bf16)\[([\d,]*)\]")
 
 
-def _bytes_in_hlo(spec, devices):
-    """What one device sends in the compiled forward, read from its collectives' result types:
-    a collective-permute sends its result, an all-to-all and an all-gather (P-1)/P of theirs."""
+def _bytes_in_hlo(spec, devices, backward):
+    """What one device sends in the compiled forward (or forward and backward), read from its
+    collectives' result types: a collective-permute sends its result, an all-to-all and an
+    all-gather (P-1)/P of theirs, a reduce-scatter P-1 times its result."""
     mesh = C.seq_mesh(devices)
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
     arg = jax.ShapeDtypeStruct((BATCH, N, HEADS, HEAD_DIM), jnp.float32, sharding=split)
-    attend = jax.jit(lambda q, k, v: C.context_parallel_attention(q, k, v, spec, mesh))
+    attend = lambda q, k, v: C.context_parallel_attention(q, k, v, spec, mesh)  # noqa: E731
+    if backward:
+        program = jax.jit(lambda q, k, v, d_out: jax.vjp(attend, q, k, v)[1](d_out))
+    else:
+        program = jax.jit(lambda q, k, v, d_out: attend(q, k, v))
     sent = 0
-    for result, op in _COLLECTIVE.findall(attend.lower(arg, arg, arg).compile().as_text()):
+    for result, op in _COLLECTIVE.findall(program.lower(arg, arg, arg, arg).compile().as_text()):
         size = sum(math.prod(int(x) for x in dims.split(",") if x) * (4 if t == "f32" else 2)
                    for t, dims in _ARRAY.findall(result))
-        sent += size if op == "collective-permute" else size * (devices - 1) // devices
+        sent += {"collective-permute": size, "reduce-scatter": size * (devices - 1)}.get(
+            op, size * (devices - 1) // devices)
     return sent
 
 
@@ -82,8 +88,11 @@ def _child():
         print("CASE", json.dumps([*case, _differences(*case)]), flush=True)
     C._HEAD_STEP_BYTES = 1 << 20
     for name in ("strided", "fixed", "dense", "strided_wide"):
-        counted = C.communication_bytes(SPECS[name], N, 8, HEADS, HEAD_DIM, 4, BATCH)["total"]
-        print("SENT", json.dumps([name, counted, _bytes_in_hlo(SPECS[name], 8)]), flush=True)
+        count = [C.communication_bytes(SPECS[name], N, 8, HEADS, HEAD_DIM, 4, BATCH,
+                                       backward=backward)["total"] for backward in (False, True)]
+        print("SENT", json.dumps([name, [count[0], sum(count)],
+                                  [_bytes_in_hlo(SPECS[name], 8, b) for b in (False, True)]]),
+              flush=True)
     strided = PatternSpec("strided", stride=128)
     memory = [C.planned_memory(strided, 65_536, p, 8, 64)["total"] for p in (1, 8)]
     print("MEMORY", json.dumps(memory), flush=True)
@@ -119,8 +128,9 @@ def test_split_sequence_equals_unsplit_output_and_gradients(differences, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["strided", "fixed", "dense", "strided_wide"])
 def test_bytes_counted_are_the_bytes_the_compiled_collectives_send(differences, name):
+    """Forward, and forward with backward."""
     counted, compiled = differences["sent", name]
-    assert counted == compiled > 0
+    assert counted == compiled and min(compiled) > 0
 
 
 @pytest.mark.slow
