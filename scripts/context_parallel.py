@@ -1,6 +1,7 @@
-r"""What context parallelism costs per pattern: the bytes each device sends per layer forward and
-XLA's planned per-device memory of an attention forward + backward, the sequence split over P
-simulated CPU devices (sparse_jax/context.py). Compiles only: nothing runs.
+r"""What context parallelism costs per pattern: the bytes each device sends per layer (forward,
+and what the backward adds) and XLA's planned per-device memory of an attention forward +
+backward, the sequence split over P simulated CPU devices (sparse_jax/context.py). Compiles
+only: nothing runs.
 
   python scripts/context_parallel.py --n=65536 --devices=1,2,4,8 \
       --output_dir=docs/benchmarks/context_parallel
@@ -60,13 +61,14 @@ def main(argv):
     date = datetime.date.today().isoformat()
     lines = [f"`{command.strip()}` on {date}: H={_HEADS.value}, d={_HEAD_DIM.value}, batch 1, "
              f"float32, implementation {_IMPLEMENTATION.value}; MiB per device.", "",
-             "| pattern | n | P | sent per layer fwd | arguments | outputs | temporaries | "
-             "total | total / P=1 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pattern | n | P | sent: forward | + backward | arguments | outputs | "
+             "temporaries | total | total / P=1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     first = {}
     for row in rows:
         if "skipped" in row:
             lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
-                         f"{row['skipped']} |||||")
+                         f"{row['skipped']} ||||||")
             continue
         memory = row.get("memory")
         cells = ["", "", "", "", ""]
@@ -75,7 +77,8 @@ def main(argv):
             cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
             cells.append(f"{memory['total'] / base:.3f}")
         lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
-                     f"{_mib(row['sent']['total'])} | " + " | ".join(cells) + " |")
+                     f"{_mib(row['sent']['forward']['total'])} | "
+                     f"{_mib(row['sent']['backward']['total'])} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if _OUTPUT_DIR.value:
         os.makedirs(_OUTPUT_DIR.value, exist_ok=True)

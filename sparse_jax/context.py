@@ -600,9 +600,10 @@ def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim
 
 def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch: int = 1,
               dtype=jnp.float32, implementation: str = "xla", compile_memory: bool = True):
-    """One row per (pattern, n, P) that splits: bytes one device sends per layer forward
-    (``communication_bytes``) and, with ``compile_memory`` and P devices visible, XLA's planned
-    per-device memory of a forward + backward (``planned_memory``; compiled, never run)."""
+    """One row per (pattern, n, P) that splits: bytes one device sends per layer forward and
+    what the backward adds (``communication_bytes``) and, with ``compile_memory`` and P devices
+    visible, XLA's planned per-device memory of a forward + backward (``planned_memory``;
+    compiled, never run)."""
     rows = []
     for spec in specs:
         for n in lengths:
@@ -613,8 +614,10 @@ def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch
                     rows.append({"pattern": str(spec), "n": n, "devices": devices,
                                  "skipped": str(error)})
                     continue
-                sent = communication_bytes(spec, n, devices, heads, head_dim,
-                                           jnp.dtype(dtype).itemsize, batch)
+                sent = {name: communication_bytes(spec, n, devices, heads, head_dim,
+                                                  jnp.dtype(dtype).itemsize, batch,
+                                                  backward=name == "backward")
+                        for name in ("forward", "backward")}
                 row = {"pattern": str(spec), "n": n, "devices": devices, "sent": sent}
                 if compile_memory and devices <= jax.device_count():
                     row["memory"] = planned_memory(spec, n, devices, heads, head_dim, batch,
