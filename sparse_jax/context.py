@@ -460,16 +460,35 @@ def _native(implementation: str) -> bool:
     return attention.resolve_implementation(implementation) == "native"
 
 
-def context_attention(q, k, v, spec: PatternSpec, *, axis: str = "seq",
-                      implementation: str = "xla"):
+def _specs(spec, heads: int) -> tuple[PatternSpec, ...]:
+    """``spec`` as a tuple of head groups' patterns (one PatternSpec: one group); a ValueError
+    unless each is a PatternSpec and they split the heads evenly."""
+    specs = tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
+    if not specs or not all(isinstance(s, PatternSpec) for s in specs):
+        raise ValueError(f"spec must be a PatternSpec or a sequence of them (head groups), got "
+                         f"{spec!r}")
+    if heads % len(specs):
+        raise ValueError(f"{heads} heads cannot be split evenly into {len(specs)} groups "
+                         f"({', '.join(map(str, specs))})")
+    return specs
+
+
+def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
+                      axis: str = "seq", implementation: str = "xla"):
     """This shard's rows of ``sparse_attention`` over the whole sequence; call inside
     ``jax.shard_map`` (``check_vma=False``) with q, k, v ``[B, n/P, H, d]`` the shard
-    ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis``. ``implementation``:
-    "xla" or "native" (the fused CPU kernels for the sparse terms; "auto" picks them on a CPU
-    where they build). Differentiable (a custom backward, exact)."""
+    ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis``. ``spec``: a
+    pattern, or one per head group (heads split evenly, as ``multi_spec_attention``).
+    ``implementation``: "xla" or "native" (the fused CPU kernels for the sparse terms; "auto"
+    picks them on a CPU where they build). Differentiable (a custom backward, exact)."""
     attention._check_qkv(q, k, v)
-    if not isinstance(spec, PatternSpec):
-        raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
+    specs = _specs(spec, q.shape[2])
+    if len(specs) > 1:
+        g = q.shape[2] // len(specs)
+        return jnp.concatenate([context_attention(
+            q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g], v[:, :, i * g:(i + 1) * g],
+            s, axis=axis, implementation=implementation) for i, s in enumerate(specs)], axis=2)
+    spec = specs[0]
     native = _native(implementation)
     try:
         devices = jax.lax.axis_size(axis)
@@ -495,16 +514,18 @@ def seq_mesh(devices: int, axis: str = "seq") -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def context_parallel_attention(q, k, v, spec: PatternSpec, mesh: jax.sharding.Mesh, *,
-                               axis: str = "seq", implementation: str = "xla"):
-    """``sparse_attention(q, k, v, spec)`` with the sequence split over mesh axis ``axis``:
-    q, k, v ``[B, n, H, d]`` (global arrays), each device attending its contiguous ``n/P``
-    positions with ``context_attention``. Refuses (ValueError, one line) a split that does not
-    fit the pattern before any work."""
+def context_parallel_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...],
+                               mesh: jax.sharding.Mesh, *, axis: str = "seq",
+                               implementation: str = "xla"):
+    """``sparse_attention(q, k, v, spec)`` (or ``multi_spec_attention`` for a tuple of specs)
+    with the sequence split over mesh axis ``axis``: q, k, v ``[B, n, H, d]`` (global arrays),
+    each device attending its contiguous ``n/P`` positions with ``context_attention``. Refuses
+    (ValueError, one line) a split that does not fit the pattern before any work."""
     attention._check_qkv(q, k, v)
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r} (axes: {', '.join(mesh.axis_names)})")
-    check_split(spec, q.shape[1], mesh.shape[axis])
+    for one in _specs(spec, q.shape[2]):
+        check_split(one, q.shape[1], mesh.shape[axis])
     _native(implementation)
     split = jax.sharding.PartitionSpec(None, axis)
     attend = functools.partial(context_attention, spec=spec, axis=axis,

@@ -20,7 +20,7 @@ import pytest
 
 from sparse_jax import attention
 from sparse_jax import context as C
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.patterns import PatternSpec, layer_specs
 from test_sharding import TESTS, child_env
 
 SPECS = {"strided": PatternSpec("strided", stride=16),
@@ -28,7 +28,8 @@ SPECS = {"strided": PatternSpec("strided", stride=16),
          "strided_part": PatternSpec("strided", stride=16, part="strided"),
          "fixed_summary": PatternSpec("fixed", stride=16, c=4, part="summary"),
          "local": PatternSpec("local", stride=16),
-         "strided_wide": PatternSpec("strided", stride=16, local_width=40)}
+         "strided_wide": PatternSpec("strided", stride=16, local_width=40),
+         "strided_multihead": layer_specs(PatternSpec("strided", stride=16), "multihead")}
 # (pattern, devices, implementation): every pattern at seq=8, the three at seq=2 and 4, the
 # fused CPU kernels inside the shard_map at seq=8.
 CASES = ([(name, 8, "xla") for name in SPECS]
@@ -47,7 +48,8 @@ def _differences(name, devices, implementation):
     def run(q, k, v, split):
         attend = (lambda q, k, v: C.context_parallel_attention(  # noqa: E731
             q, k, v, spec, mesh, implementation=implementation)) if split else (
-            lambda q, k, v: attention.sparse_attention(q, k, v, spec))  # noqa: E731
+            lambda q, k, v: attention.multi_spec_attention(  # noqa: E731
+                q, k, v, spec if isinstance(spec, tuple) else (spec,)))
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(d_out))
 
@@ -166,6 +168,8 @@ def test_a_seq_axis_without_devices_or_without_a_shard_map_is_refused():
         C.context_attention(q, q, q, SPECS["strided"])
     with pytest.raises(ValueError, match="mesh has no axis 'ctx'"):
         C.context_parallel_attention(q, q, q, SPECS["strided"], C.seq_mesh(1), axis="ctx")
+    with pytest.raises(ValueError, match="cannot be split evenly into 2 groups"):
+        C.context_parallel_attention(q, q, q, SPECS["strided_multihead"], C.seq_mesh(1))
 
 
 def test_strided_sends_fewer_bytes_than_the_dense_ring():
