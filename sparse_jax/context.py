@@ -361,9 +361,9 @@ def _over_heads(fn, arrays, like):
     return jax.lax.fori_loop(0, heads // h, body, tuple(jnp.zeros_like(x) for x in like))
 
 
-def _stats_like(q, v):  # the merged output and log-sum-exp, float32
-    return (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], jnp.float32),
-            jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+def _stats_like(q, v):  # the merged output and log-sum-exp's shapes, float32 (*_like: under
+    # shard_map typed as varying along the axis, as the results written into them)
+    return jnp.zeros_like(v, jnp.float32), jnp.zeros_like(q[..., 0], jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -405,8 +405,8 @@ def _ring_forward(axis, devices, q, k, v):
     scale = 1.0 / math.sqrt(q.shape[-1])
     me = jax.lax.axis_index(axis)
     merged = _dense_forward(q, k, v, _diagonal(q.shape[1]), scale)
-    nothing = lambda q, k, v: (jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),  # noqa: E731
-                               jnp.full(q.shape[:3], _EMPTY, jnp.float32))
+    nothing = lambda q, k, v: (jnp.zeros_like(v, jnp.float32),  # noqa: E731  (*_like: typed
+                               jnp.full_like(q[..., 0], _EMPTY, jnp.float32))  # as varying)
     earlier = lambda q, k, v: _dense_forward(q, k, v, _everything, scale)  # noqa: E731
     for step in range(1, devices):
         k, v = _ring_shift(k, axis, devices), _ring_shift(v, axis, devices)
@@ -420,7 +420,7 @@ def _ring_backward(axis, devices, q, k, v, out, lse, d_out):
     me = jax.lax.axis_index(axis)
     d_q, d_k, d_v = _dense_backward(q, k, v, out, lse, d_out, _diagonal(q.shape[1]), scale)
     d_q, d_k, d_v = (g.astype(jnp.float32) for g in (d_q, d_k, d_v))
-    nothing = lambda q, k, v: tuple(jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    nothing = lambda q, k, v: tuple(jnp.zeros_like(x, jnp.float32)  # noqa: E731
                                     for x in (q, k, v))
     earlier = lambda q, k, v: tuple(g.astype(jnp.float32) for g in _dense_backward(  # noqa: E731
         q, k, v, out, lse, d_out, _everything, scale))
@@ -476,7 +476,7 @@ def _specs(spec, heads: int) -> tuple[PatternSpec, ...]:
 def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
                       axis: str = "seq", implementation: str = "xla"):
     """This shard's rows of ``sparse_attention`` over the whole sequence; call inside
-    ``jax.shard_map`` (``check_vma=False``) with q, k, v ``[B, n/P, H, d]`` the shard
+    ``jax.shard_map`` (``check_vma`` either way) with q, k, v ``[B, n/P, H, d]`` the shard
     ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis``. ``spec``: a
     pattern, or one per head group (heads split evenly, as ``multi_spec_attention``).
     ``implementation``: "xla" or "native" (the fused CPU kernels for the sparse terms; "auto"

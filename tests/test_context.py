@@ -31,10 +31,12 @@ SPECS = {"strided": PatternSpec("strided", stride=16),
          "strided_wide": PatternSpec("strided", stride=16, local_width=40),
          "strided_multihead": layer_specs(PatternSpec("strided", stride=16), "multihead")}
 # (pattern, devices, implementation): every pattern at seq=8, the three at seq=2 and 4, the
-# fused CPU kernels inside the shard_map at seq=8.
+# fused CPU kernels inside the shard_map at seq=8, and context_attention in a shard_map that
+# checks the varying-axis types (check_vma=True; context_parallel_attention's does not).
 CASES = ([(name, 8, "xla") for name in SPECS]
          + [(name, p, "xla") for name in ("strided", "fixed", "dense") for p in (2, 4)]
-         + [(name, 8, "native") for name in ("strided", "fixed")])
+         + [(name, 8, "native") for name in ("strided", "fixed")]
+         + [(name, 8, "xla-check_vma") for name in ("strided", "fixed", "dense")])
 BATCH, N, HEADS, HEAD_DIM = 2, 512, 2, 16
 
 
@@ -46,10 +48,16 @@ def _differences(name, devices, implementation):
 
     @functools.partial(jax.jit, static_argnums=3)
     def run(q, k, v, split):
-        attend = (lambda q, k, v: C.context_parallel_attention(  # noqa: E731
-            q, k, v, spec, mesh, implementation=implementation)) if split else (
-            lambda q, k, v: attention.multi_spec_attention(  # noqa: E731
-                q, k, v, spec if isinstance(spec, tuple) else (spec,)))
+        if not split:
+            attend = lambda q, k, v: attention.multi_spec_attention(  # noqa: E731
+                q, k, v, spec if isinstance(spec, tuple) else (spec,))
+        elif implementation == "xla-check_vma":  # the caller's own shard_map, types checked
+            seq = jax.sharding.PartitionSpec(None, "seq")
+            attend = jax.shard_map(functools.partial(C.context_attention, spec=spec), mesh=mesh,
+                                   in_specs=(seq,) * 3, out_specs=seq, check_vma=True)
+        else:
+            attend = lambda q, k, v: C.context_parallel_attention(  # noqa: E731
+                q, k, v, spec, mesh, implementation=implementation)
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(d_out))
 
