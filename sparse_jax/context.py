@@ -247,7 +247,8 @@ def _with_halo(x, halo):  # [B, m, ...] with `halo` positions before it
 
 
 def _sparse_forward(plan, axis, native, q, k, v):
-    batch, m, heads, _ = q.shape
+    """(out float32, lse) of this shard's queries: the parts of ``plan`` merged."""
+    m = q.shape[1]
     block, devices = plan.block, plan.devices
     scale = 1.0 / math.sqrt(q.shape[-1])
     parts = []
@@ -280,6 +281,8 @@ def _sparse_forward(plan, axis, native, q, k, v):
 
 
 def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
+    """(dq, dk, dv) of this shard given the merged out and lse: each part's backward on its
+    local data, the key gradients sent back the way the keys came."""
     m = q.shape[1]
     block, devices = plan.block, plan.devices
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -326,14 +329,14 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
                                         _earlier_shards(plan, rows, axis), scale)
         d_q = d_q + g_q.astype(jnp.float32)
         at = np.asarray(plan.summary)
-        for g, name in ((g_k, "k"), (g_v, "v")):
+
+        def scatter(g, d):  # the summary keys' gradients summed back to their shard's grid
             g = g.reshape(g.shape[0], devices * rows, len(at), *g.shape[2:])
             g = jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1,
                                      tiled=True)
-            if name == "k":
-                d_k = _flat(_grid(d_k, block).at[:, :, at].add(g))
-            else:
-                d_v = _flat(_grid(d_v, block).at[:, :, at].add(g))
+            return _flat(_grid(d, block).at[:, :, at].add(g))
+
+        d_k, d_v = scatter(g_k, d_k), scatter(g_v, d_v)
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
 
 
