@@ -27,8 +27,12 @@ the same local data) and sends the key gradients back the way the keys came (the
 the collectives: halo gradients to the previous shard, ``all_to_all`` back, a ``psum_scatter``
 of the summary keys' gradients, the ring's key gradients travelling with their keys).
 
-``communication_bytes`` counts what each device sends per layer forward, for each pattern and
-for the dense ring.
+Heads go a group at a time (``_over_heads``), so one group's column layout and gradients are
+alive at once. ``communication_bytes`` counts what each device sends per layer (forward, and
+what the backward adds), ``planned_memory`` reads XLA's per-device plan of a compiled forward +
+backward, ``cost_rows`` tabulates both (``scripts/context_parallel.py``). The term computations
+are ``attention``'s own (``_grid_forward``, ``_grid_attention_bwd``): a change there changes
+both paths, and the tests compare them.
 """
 
 from __future__ import annotations
