@@ -155,6 +155,20 @@ def _from_query_chunks(x):
     return _flat(jnp.moveaxis(x, 0, 1))
 
 
+def _diagonal(m):  # keep(rows) of a causal block: key j <= query i
+    return lambda rows: rows[:, None] >= jnp.arange(m)[None, :]
+
+
+def _everything(rows):  # keep(rows) of a block of earlier keys
+    return jnp.ones((1, 1), bool)
+
+
+def _no_keys(q, v):
+    """The (out, lse) of a part with no key for q, typed like q (under shard_map: varying)."""
+    out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros(v.shape[-1:], jnp.float32)
+    return out, jnp.full_like(q[..., 0], _EMPTY, jnp.float32)
+
+
 def _dense_forward(q, k, v, keep, scale):
     """q [B, m, H, d] against k, v [B, K, H, d]; ``keep(rows)``: bool [c or 1, K] for the
     queries ``rows`` (their index in q). Chunks of queries in a ``lax.map``."""
@@ -238,14 +252,6 @@ def _summary_keys(x_g, residues, axis):
     return s.reshape(s.shape[0], -1, *s.shape[3:])
 
 
-def _earlier_shards(plan, rows, axis):
-    """keep(query rows) of the gathered summary keys: the keys of earlier shards."""
-    per_shard = rows * len(plan.summary)
-    shard = jnp.arange(plan.devices * per_shard) // per_shard
-    before = shard < jax.lax.axis_index(axis)
-    return lambda query_rows: before[None, :]
-
-
 def _with_halo(x, halo):  # [B, m, ...] with `halo` positions before it
     return jnp.concatenate([halo, x], axis=1)
 
@@ -278,9 +284,15 @@ def _sparse_forward(plan, axis, native, q, k, v):
         q_c, k_c, v_c = (_to_columns(_grid(x, block), axis) for x in (q, k, v))
         out, lse = attention._grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
         parts.append((_flat(_from_columns(out, axis)), _flat(_from_columns(lse, axis))))
-    if plan.summary is not None:
+    if plan.summary is not None:  # shard j's summary keys, for each earlier shard j
+        per_shard = m // block * len(plan.summary)
         k_s, v_s = (_summary_keys(_grid(x, block), plan.summary, axis) for x in (k, v))
-        parts.append(_dense_forward(q, k_s, v_s, _earlier_shards(plan, m // block, axis), scale))
+        me = jax.lax.axis_index(axis)
+        nothing = lambda q, k, v: _no_keys(q, v)  # noqa: E731
+        earlier = lambda q, k, v: _dense_forward(q, k, v, _everything, scale)  # noqa: E731
+        for j in range(devices - 1):  # the last shard's are no shard's earlier keys
+            keys = (x[:, j * per_shard:(j + 1) * per_shard] for x in (k_s, v_s))
+            parts.append(jax.lax.cond(j < me, earlier, nothing, q, *keys))
     return _merge(parts) if len(parts) > 1 else parts[0]
 
 
@@ -326,12 +338,24 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
             to_c(d_out))
         d_q, d_k, d_v = (a + _flat(_from_columns(g, axis)).astype(jnp.float32)
                          for a, g in zip((d_q, d_k, d_v), grads))
-    if plan.summary is not None:
+    if plan.summary is not None:  # as the forward: shard j's summary keys, j < this shard
         rows = m // block
+        per_shard = rows * len(plan.summary)
         k_s, v_s = (_summary_keys(_grid(x, block), plan.summary, axis) for x in (k, v))
-        g_q, g_k, g_v = _dense_backward(q, k_s, v_s, out, lse, d_out,
-                                        _earlier_shards(plan, rows, axis), scale)
-        d_q = d_q + g_q.astype(jnp.float32)
+        me = jax.lax.axis_index(axis)
+        nothing = lambda q, k, v: tuple(jnp.zeros_like(x, jnp.float32)  # noqa: E731
+                                        for x in (q, k, v))
+        earlier = lambda q, k, v: tuple(g.astype(jnp.float32) for g in  # noqa: E731
+                                        _dense_backward(q, k, v, out, lse, d_out, _everything,
+                                                        scale))
+        g_k, g_v = [], []
+        for j in range(devices - 1):
+            keys = (x[:, j * per_shard:(j + 1) * per_shard] for x in (k_s, v_s))
+            g = jax.lax.cond(j < me, earlier, nothing, q, *keys)
+            d_q = d_q + g[0]
+            g_k.append(g[1])
+            g_v.append(g[2])
+        g_k, g_v = (jnp.concatenate(g + [jnp.zeros_like(g[0])], axis=1) for g in (g_k, g_v))
         at = np.asarray(plan.summary)
 
         def scatter(g, d):  # the summary keys' gradients summed back to their shard's grid
@@ -400,20 +424,11 @@ def _ring_shift(x, axis, devices):  # shard s gets shard s - 1's x, shard 0 gets
     return jax.lax.ppermute(x, axis, [(i, (i + 1) % devices) for i in range(devices)])
 
 
-def _diagonal(m):
-    return lambda rows: rows[:, None] >= jnp.arange(m)[None, :]
-
-
-def _everything(rows):
-    return jnp.ones((1, 1), bool)
-
-
 def _ring_forward(axis, devices, q, k, v):
     scale = 1.0 / math.sqrt(q.shape[-1])
     me = jax.lax.axis_index(axis)
     merged = _dense_forward(q, k, v, _diagonal(q.shape[1]), scale)
-    nothing = lambda q, k, v: (jnp.zeros_like(v, jnp.float32),  # noqa: E731  (*_like: typed
-                               jnp.full_like(q[..., 0], _EMPTY, jnp.float32))  # as varying)
+    nothing = lambda q, k, v: _no_keys(q, v)  # noqa: E731
     earlier = lambda q, k, v: _dense_forward(q, k, v, _everything, scale)  # noqa: E731
     for step in range(1, devices):
         k, v = _ring_shift(k, axis, devices), _ring_shift(v, axis, devices)
