@@ -1,11 +1,12 @@
 r"""What context parallelism costs per pattern: the bytes each device sends per layer (forward,
 and what the backward adds) and XLA's planned per-device memory of an attention forward +
 backward, the sequence split over P simulated CPU devices (sparse_jax/context.py). Compiles
-only: nothing runs.
+only, unless --time runs and times the forward + backward.
 
   python scripts/context_parallel.py --n=65536 --devices=1,2,4,8 \
       --output_dir=docs/benchmarks/context_parallel
   python scripts/context_parallel.py --n=1048576 --devices=8,16,64,128 --nomemory  # on paper
+  python scripts/context_parallel.py --n=16384 --devices=1,8 --time  # and run: CPU cost
 
 The process splits its CPU into max(--devices) devices (up to --cpu_devices) before JAX starts;
 a P with more devices than that gets bytes only. Writes results.md and results.json to
@@ -32,6 +33,8 @@ _IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "
                                     "Term computations (native: XLA does not see the fused "
                                     "kernels' own memory).")
 _MEMORY = flags.DEFINE_bool("memory", True, "Compile for the planned memory.")
+_TIME = flags.DEFINE_bool("time", False, "Also run the forward + backward and time it (the "
+                          "simulated devices share the CPU's cores).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
 
@@ -56,26 +59,27 @@ def main(argv):
         raise app.UsageError(f"--patterns: {e}") from None
     rows = context.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
                              _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
-                             compile_memory=_MEMORY.value)
+                             compile_memory=_MEMORY.value, measure_time=_TIME.value)
     command = "python scripts/context_parallel.py " + " ".join(sys.argv[1:])
     date = datetime.date.today().isoformat()
     lines = [f"`{command.strip()}` on {date}: H={_HEADS.value}, d={_HEAD_DIM.value}, batch 1, "
              f"float32, implementation {_IMPLEMENTATION.value}; MiB per device.", "",
              "| pattern | n | P | sent: forward | + backward | arguments | outputs | "
-             "temporaries | total | total / P=1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "temporaries | total | total / P=1 | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     first = {}
     for row in rows:
         if "skipped" in row:
             lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
-                         f"{row['skipped']} ||||||")
+                         f"{row['skipped']} |||||||")
             continue
         memory = row.get("memory")
-        cells = ["", "", "", "", ""]
+        cells = [""] * 5
         if memory:
             base = first.setdefault((row["pattern"], row["n"]), memory["total"])
             cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
             cells.append(f"{memory['total'] / base:.3f}")
+        cells.append(f"{row['seconds']:.3f}" if "seconds" in row else "")
         lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
                      f"{_mib(row['sent']['forward']['total'])} | "
                      f"{_mib(row['sent']['backward']['total'])} | " + " | ".join(cells) + " |")

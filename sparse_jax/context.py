@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -614,13 +615,10 @@ def communication_bytes(spec: PatternSpec, n: int, devices: int, heads: int, hea
     return sent
 
 
-def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
-                   batch: int = 1, dtype=jnp.float32, implementation: str = "xla") -> dict:
-    """XLA's plan for one device of a jitted forward + backward of the attention of ``n``
-    positions split over ``devices`` (``context_parallel_attention``; one device:
-    ``sparse_attention``), from ``compiled.memory_analysis()``: compiled only, nothing runs.
-    Bytes of the arguments (q, k, v and the output's cotangent), the outputs (dq, dk, dv), the
-    temporaries, and their sum ("total"), per device."""
+def _step(spec, n, devices, heads, head_dim, batch, dtype, implementation):
+    """A jitted forward + backward of the attention of ``n`` positions split over ``devices``
+    (``context_parallel_attention``; one device: ``sparse_attention``): (program, the abstract
+    arguments q, k, v, d_out)."""
     check_split(spec, n, devices)
     mesh = seq_mesh(devices)
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
@@ -634,19 +632,49 @@ def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim
     def grads(q, k, v, d_out):
         return jax.vjp(attend, q, k, v)[1](d_out)
 
-    compiled = jax.jit(grads, out_shardings=(split,) * 3).lower(arg, arg, arg, arg).compile()
-    memory = compiled.memory_analysis()
+    return jax.jit(grads, out_shardings=(split,) * 3), (arg,) * 4
+
+
+def planned_memory(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
+                   batch: int = 1, dtype=jnp.float32, implementation: str = "xla") -> dict:
+    """XLA's plan for one device of a jitted forward + backward of the attention of ``n``
+    positions split over ``devices`` (``context_parallel_attention``; one device:
+    ``sparse_attention``), from ``compiled.memory_analysis()``: compiled only, nothing runs.
+    Bytes of the arguments (q, k, v and the output's cotangent), the outputs (dq, dk, dv), the
+    temporaries, and their sum ("total"), per device."""
+    program, args = _step(spec, n, devices, heads, head_dim, batch, dtype, implementation)
+    memory = program.lower(*args).compile().memory_analysis()
     sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
              "temporaries": memory.temp_size_in_bytes}
     return {**sizes, "total": sum(sizes.values()) - memory.alias_size_in_bytes}
 
 
+def step_seconds(spec: PatternSpec, n: int, devices: int, heads: int, head_dim: int,
+                 batch: int = 1, dtype=jnp.float32, implementation: str = "xla",
+                 repeats: int = 3) -> float:
+    """Wall seconds of that forward + backward, run (random inputs), the least of ``repeats``
+    after one warm-up. Simulated CPU devices share the host's cores: this is the split's
+    total CPU cost beside one device's, not a speed-up."""
+    program, args = _step(spec, n, devices, heads, head_dim, batch, dtype, implementation)
+    keys = jax.random.split(jax.random.key(0), len(args))
+    values = [jax.device_put(jax.random.normal(key, a.shape, a.dtype), a.sharding)
+              for key, a in zip(keys, args)]
+    jax.block_until_ready(program(*values))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*values))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch: int = 1,
-              dtype=jnp.float32, implementation: str = "xla", compile_memory: bool = True):
+              dtype=jnp.float32, implementation: str = "xla", compile_memory: bool = True,
+              measure_time: bool = False):
     """One row per (pattern, n, P) that splits: bytes one device sends per layer forward and
     what the backward adds (``communication_bytes``) and, with ``compile_memory`` and P devices
     visible, XLA's planned per-device memory of a forward + backward (``planned_memory``;
-    compiled, never run)."""
+    compiled, never run), and with ``measure_time`` its wall time (``step_seconds``)."""
     rows = []
     for spec in specs:
         for n in lengths:
@@ -665,5 +693,8 @@ def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch
                 if compile_memory and devices <= jax.device_count():
                     row["memory"] = planned_memory(spec, n, devices, heads, head_dim, batch,
                                                    dtype, implementation)
+                if measure_time and devices <= jax.device_count():
+                    row["seconds"] = step_seconds(spec, n, devices, heads, head_dim, batch,
+                                                  dtype, implementation)
                 rows.append(row)
     return rows
