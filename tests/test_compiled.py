@@ -178,6 +178,6 @@ def test_the_check_fails_for_a_kernel_that_spills_or_cannot_compile():
     spills = compiled.compile_program(_program("chained:h2"), "h100", tools)
     assert "error" not in spills
     assert any("sparse_dkv" in p and "spills" in p for p in compiled.problems([spills]))
-    too_big = compiled.compile_program(_program("256x256"), "h100", tools)
+    too_big = compiled.compile_program(_program("128x256"), "h100", tools)  # 263,680 B
     assert "Shared memory size limit exceeded" in too_big["error"]
     assert compiled.problems([too_big])
