@@ -35,11 +35,12 @@ FAR_CAPS = "--caps=" + ",".join(f"{name}={NO_CAP}" for name in accelerator.MODUL
 
 def _report(tmp_path, *args, env=None):
     """Runs the script with its temporary folder under tmp_path/tmp; (process, output dir).
-    No timeout: the report's caps bound it."""
+    Every stage runs under FAR_CAPS, which no loaded machine reaches, unless ``args`` give
+    --caps themselves (the flag given last wins). No timeout: the caps bound it."""
     out, tmp = tmp_path / "report", tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
     proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
-                           f"--output_dir={out}", *args], cwd=ROOT, capture_output=True,
+                           f"--output_dir={out}", FAR_CAPS, *args], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
     return proc, out
 
@@ -68,7 +69,7 @@ def _left_in(tmp):
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     # Under caps no loaded machine reaches: the stages' own dry caps (the attention stage's
     # 40 s) cut a row on a busy machine ("not run: stage time up") and turned this red.
-    proc, out = _report(tmp_path, "--profile", FAR_CAPS)
+    proc, out = _report(tmp_path, "--profile")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
     ok, verdict = accelerator.verdict(report)  # "every stage ok", or flex skipped, named
@@ -377,7 +378,7 @@ def test_a_skipped_stage_is_named_and_a_report_that_measured_nothing_is_not_ok()
 @pytest.mark.slow
 def test_the_script_says_a_stage_was_skipped_and_exits_1_when_nothing_was_measured(tmp_path):
     # --dry_run --stages=flex without torch said "Every stage ok." and exited 0
-    proc, out = _report(tmp_path, "--stages=flex", FAR_CAPS,
+    proc, out = _report(tmp_path, "--stages=flex",
                         env={"PYTHONPATH": _no_torch(tmp_path)})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
@@ -437,13 +438,13 @@ def test_the_script_refuses_a_report_folder_and_overwrite_replaces_it_wholly(tmp
     out.mkdir()
     before = _old_report(out)
     no_torch = {"PYTHONPATH": _no_torch(tmp_path)}
-    proc, _ = _report(tmp_path, "--stages=flex", FAR_CAPS, env=no_torch)
+    proc, _ = _report(tmp_path, "--stages=flex", env=no_torch)
     _refused(proc, f"--output_dir={out} holds a report", "pass --overwrite")
     assert files_in(out) == before and sorted(os.listdir(out)) == sorted(
         [*accelerator.REPORT_FILES, "notes.txt"])  # the old log not even truncated
     assert _left_in(tmp_path / "tmp") == []
     # --overwrite: the old report's files all go (its sample and traces too), the user's stay
-    proc, _ = _report(tmp_path, "--stages=flex", FAR_CAPS, "--overwrite", env=no_torch)
+    proc, _ = _report(tmp_path, "--stages=flex", "--overwrite", env=no_torch)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr  # measured nothing
     assert sorted(os.listdir(out)) == ["log.txt", "notes.txt", "results.json", "results.md"]
     assert (out / "notes.txt").read_text() == "mine\n"
