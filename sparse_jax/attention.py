@@ -80,7 +80,7 @@ def _check_array(name: str, x, axes: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be floating point, got {x.dtype}")
 
 
-def _check_qkv(q, k, v):
+def check_qkv(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if hasattr(x, "ndim") and x.ndim != 4:
             raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
@@ -116,7 +116,7 @@ def dense_attention(q, k, v, mask):
     q, k: [B, n, H, d]; v: [B, n, H, dv]; mask: bool, broadcastable to [B, H, n, n]
     (``mask[..., i, j]``: query i may attend key j). Rows with no key give zeros.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     mask = jnp.asarray(mask, dtype=bool)
     batch, n, heads, _ = q.shape
     try:
@@ -134,7 +134,7 @@ def dense_attention(q, k, v, mask):
 def gather_attention(q, k, v, indices):
     """Second reference: gathers each query's keys (``k[idx]``, [B, n, K, H, d]). Slow, O(n·K·d)
     memory; never the default."""
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     idx = jnp.asarray(indices)
     valid = idx >= 0
     safe = jnp.where(valid, idx, 0)
@@ -467,11 +467,12 @@ def _native_args(kind, term):
     return {"column": term.min_rows, "band": term.band, "summary": term.residues}[kind]
 
 
-def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
+def grid_forward(spec, scale, q_g, k_g, v_g, native=False):
     """Joint softmax over all terms: each chunk merges its row maximum, sum of exponentials and
     weighted values into the running ones (log-sum-exp). All ``[B, R, block, H, d]``; q is
     scaled by ``scale`` chunk by chunk. Returns the output ``[B, R, block, H, dv]`` and the
-    log-sum-exp ``[B, R, block, H]``, float32."""
+    log-sum-exp ``[B, R, block, H]``, float32. ``spec``: anything with ``.terms()`` (the
+    context-parallel path, ``sparse_jax.context``, passes a shard's share of the terms)."""
     row_max = jnp.full_like(q_g[..., 0], _FLOOR, jnp.float32)  # *_like: also in shard_map
     total = jnp.zeros_like(q_g[..., 0], jnp.float32)
     acc = jnp.zeros_like(v_g, jnp.float32)
@@ -511,18 +512,19 @@ def _grid_forward(spec, scale, q_g, k_g, v_g, native=False):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _grid_attention(spec, scale, native, q_g, k_g, v_g):
-    return _grid_forward(spec, scale, q_g, k_g, v_g, native)[0]
+    return grid_forward(spec, scale, q_g, k_g, v_g, native)[0]
 
 
 def _grid_attention_fwd(spec, scale, native, q_g, k_g, v_g):
-    out, lse = _grid_forward(spec, scale, q_g, k_g, v_g, native)
+    out, lse = grid_forward(spec, scale, q_g, k_g, v_g, native)
     return out, (q_g, k_g, v_g, out, lse)
 
 
-def _grid_attention_bwd(spec, scale, native, residuals, d_out):
+def grid_backward(spec, scale, native, residuals, d_out):
     """Flash-style backward: recompute each chunk's probabilities from the saved log-sum-exp,
     so memory stays at one chunk's score tiles; dq, dk and dv accumulate in place in the grid
-    layout (a summary term's dk and dv first over its summary keys)."""
+    layout (a summary term's dk and dv first over its summary keys). Also the backward of each
+    shard's share of the terms in ``sparse_jax.context``."""
     q_g, k_g, v_g, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
     delta = _dot("...d,...d->...", d_out, out)  # D_i = sum_j P_ij dP_ij = dO_i · O_i (as a
@@ -580,7 +582,7 @@ def _grid_attention_bwd(spec, scale, native, residuals, d_out):
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q_g, k_g, v_g)))
 
 
-_grid_attention.defvjp(_grid_attention_fwd, _grid_attention_bwd)
+_grid_attention.defvjp(_grid_attention_fwd, grid_backward)
 
 
 # Dense causal attention (pattern "dense"): query rows in static chunks, chunk [q0, q1) against
@@ -726,7 +728,7 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     the XLA path (docs/attention.md). ``block_sizes``: the kernel's tiles (default
     ``kernel.BlockSizes.for_backend``).
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):
         raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
     if block_sizes is not None and not isinstance(block_sizes, kernel.BlockSizes):
@@ -774,7 +776,7 @@ def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: 
                          block_sizes: kernel.BlockSizes | None = None):
     """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``
     (``block_sizes``: the Pallas kernel's tiles and variant, ``sparse_attention``'s)."""
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if not specs:
         raise ValueError("specs must hold at least one PatternSpec, got none")
     heads = q.shape[2]

@@ -31,7 +31,7 @@ Heads go a group at a time (``_over_heads``), so one group's column layout and g
 alive at once. ``communication_bytes`` counts what each device sends per layer (forward, and
 what the backward adds), ``planned_memory`` reads XLA's per-device plan of a compiled forward +
 backward, ``cost_rows`` tabulates both (``scripts/context_parallel.py``). The term computations
-are ``attention``'s own (``_grid_forward``, ``_grid_attention_bwd``): a change there changes
+are ``attention``'s own (``grid_forward``, ``grid_backward``): a change there changes
 both paths, and the tests compare them.
 """
 
@@ -267,7 +267,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
         local = _Terms(plan.local)
 
         def own(q, k, v):
-            out, lse = attention._grid_forward(local, scale, *(_grid(x, block) for x in (q, k, v)),
+            out, lse = attention.grid_forward(local, scale, *(_grid(x, block) for x in (q, k, v)),
                                                native)
             return _flat(out), _flat(lse)
 
@@ -283,7 +283,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
         parts.append((out, lse))
     if plan.columns:
         q_c, k_c, v_c = (_to_columns(_grid(x, block), axis) for x in (q, k, v))
-        out, lse = attention._grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
+        out, lse = attention.grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
         parts.append((_flat(_from_columns(out, axis)), _flat(_from_columns(lse, axis))))
     if plan.summary is not None:  # shard j's summary keys, for each earlier shard j
         per_shard = m // block * len(plan.summary)
@@ -308,7 +308,7 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
         local = _Terms(plan.local)
 
         def own(q, k, v, out, lse, d_out):
-            grads = attention._grid_attention_bwd(
+            grads = attention.grid_backward(
                 local, scale, native, tuple(_grid(x, block) for x in (q, k, v, out, lse)),
                 _grid(d_out, block))
             return tuple(_flat(g).astype(jnp.float32) for g in grads)
@@ -334,7 +334,7 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
             d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
     if plan.columns:
         to_c = lambda x: _to_columns(_grid(x, block), axis)  # noqa: E731
-        grads = attention._grid_attention_bwd(
+        grads = attention.grid_backward(
             _Terms(plan.columns), scale, native, tuple(to_c(x) for x in (q, k, v, out, lse)),
             to_c(d_out))
         d_q, d_k, d_v = (a + _flat(_from_columns(g, axis)).astype(jnp.float32)
@@ -504,7 +504,7 @@ def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
     pattern, or one per head group (heads split evenly, as ``multi_spec_attention``).
     ``implementation``: "xla" or "native" (the fused CPU kernels for the sparse terms; "auto"
     picks them on a CPU where they build). Differentiable (a custom backward, exact)."""
-    attention._check_qkv(q, k, v)
+    attention.check_qkv(q, k, v)
     specs = _specs(spec, q.shape[2])
     if len(specs) > 1:
         g = q.shape[2] // len(specs)
@@ -544,7 +544,7 @@ def context_parallel_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, .
     with the sequence split over mesh axis ``axis``: q, k, v ``[B, n, H, d]`` (global arrays),
     each device attending its contiguous ``n/P`` positions with ``context_attention``. Refuses
     (ValueError, one line) a split that does not fit the pattern before any work."""
-    attention._check_qkv(q, k, v)
+    attention.check_qkv(q, k, v)
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r} (axes: {', '.join(mesh.axis_names)})")
     for one in _specs(spec, q.shape[2]):

@@ -4,8 +4,8 @@ compiles the default strided and fixed kernels (fwd+bwd, bfloat16) for one TPU v
 and fails for a kernel that Mosaic refuses.
 
 The check needs requirements-tpu-compile.txt's libtpu in a folder of its own: .ci/run installs it
-and sets SPARSE_JAX_TPU_TOOLS; elsewhere the check runs if .tpu_tools holds it and is skipped
-otherwise (the reason says how to install it).
+and sets SPARSE_JAX_TPU_TOOLS; elsewhere the check installs it into .tpu_tools first (pip,
+once). It is never skipped.
 """
 
 import json
@@ -156,13 +156,12 @@ def test_every_kernel_tells_xla_its_work_from_the_block_lists(backend):
 
 
 def _tools():
-    tools = os.environ.get(compiled_tpu.TOOLS_ENV)
-    if tools is None:
-        tools = os.path.join(REPO, compiled_tpu.DEFAULT_TOOLS)
-        if not os.path.isdir(tools):
-            pytest.skip(f"no TPU compile tools: pip install --no-deps --target "
-                        f"{compiled_tpu.DEFAULT_TOOLS} -r {compiled_tpu.REQUIREMENTS}")
-    compiled_tpu.check_tools(tools)  # set but incomplete (CI): fails, never skips
+    """The tools folder ($SPARSE_JAX_TPU_TOOLS, else the repository's default), installed
+    there first if absent, as .ci/run does: the check always runs; an incomplete folder fails
+    it."""
+    tools = os.environ.get(compiled_tpu.TOOLS_ENV) or os.path.join(REPO, compiled_tpu.DEFAULT_TOOLS)
+    compiled_tpu.install_tools(tools, compiled_tpu.REQUIREMENTS)
+    compiled_tpu.check_tools(tools)
     return tools
 
 

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,7 +194,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     return out
 
 
-def _build(program: dict, mesh):
+def build_program(program: dict, mesh):
     """(function, abstract arguments, tile work or None) of one program on ``mesh``."""
     import jax
     import jax.numpy as jnp
@@ -258,7 +259,7 @@ def _child(program: dict, target: str) -> None:
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     result = {}
     with pallas_kernels.compiling_for("gpu"):
-        fn, args, work = _build(program, mesh)
+        fn, args, work = build_program(program, mesh)
         start = time.perf_counter()
         lowered = jax.jit(fn).lower(*args)
         compiled = lowered.compile()
@@ -370,17 +371,48 @@ def occupancy(target: Target, registers: int, threads: int, shared_memory: int) 
 # The parent: a child per program, its figures gathered.
 
 
-def tools_env(tools: str) -> dict:
-    """The child's environment: the tools folder first on the path, the CUDA plugin's checks
-    for a local driver off, XLA's ptxas log on."""
+def child_env(tools: str) -> dict:
+    """A compiling child's environment, for any target: the tools folder first on the path, no
+    platform forced (the accelerator's plugin must load; it finds no device), no compilation
+    cache (a cached program would not be compiled, so the compiler would report nothing)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tools), _repo(),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("JAX_PLATFORMS", None)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return env
+
+
+def tools_env(tools: str) -> dict:
+    """``child_env``, the CUDA plugin's checks for a local driver off and XLA's ptxas log on."""
+    env = child_env(tools)
     env.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", TF_CPP_MIN_LOG_LEVEL="0",
                TF_CPP_VMODULE="subprocess_compilation=3")
-    env.pop("JAX_PLATFORMS", None)  # the CUDA plugin must load (it finds no GPU: CPU runs)
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached program runs no ptxas to read
     return env
+
+
+def install_tools(folder: str, requirements: str) -> None:
+    """Installs ``requirements`` (a file of the repository) into ``folder`` as its comment
+    says (pip, no dependencies), unless the folder exists. The packages go to a temporary
+    folder renamed into place, so processes doing the same side by side never see half an
+    install; ValueError (one line) if pip fails (no network: install them elsewhere and copy
+    the folder)."""
+    if os.path.isdir(folder):
+        return
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=".partial_tools_", dir=parent)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                           partial, "-r", os.path.join(_repo(), requirements)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ValueError(f"could not install {requirements} into {folder}: "
+                         f"{last_error(proc.stderr) or f'pip exit status {proc.returncode}'}")
+    try:
+        os.rename(partial, folder)
+    except OSError:  # another process put its install there first
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _repo() -> str:
@@ -398,11 +430,12 @@ def check_tools(tools: str) -> None:
 
 
 def versions(tools: str) -> str:
-    """jax's version and the tools folder's packages', as the report's header names them."""
+    """jax's version and the tools folder's packages' (from their .dist-info folders), as a
+    report's header names them."""
     import jax
 
-    found = sorted(name[:-len(".dist-info")].replace("_", "-").replace("-0", " 0", 1).replace(
-        "-1", " 1", 1) for name in os.listdir(tools) if name.endswith(".dist-info"))
+    found = sorted(" ".join(name[:-len(".dist-info")].rsplit("-", 1))
+                   for name in os.listdir(tools) if name.endswith(".dist-info"))
     return f"jax {jax.__version__}, " + ", ".join(found)
 
 
@@ -426,7 +459,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
         row["wall_s"] = time.perf_counter() - start
         results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not results:
-            row["error"] = _last_error(proc.stderr) or f"exit status {proc.returncode}"
+            row["error"] = last_error(proc.stderr) or f"exit status {proc.returncode}"
             return row
         row.update(json.loads(results[-1]))
         thunks = []
@@ -496,7 +529,7 @@ def _dense(program: dict) -> bool:
     return pattern.startswith("dense")
 
 
-def _last_error(stderr: str) -> str:
+def last_error(stderr: str) -> str:
     """The line of a child's stderr that says why it failed."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     for line in reversed(lines):

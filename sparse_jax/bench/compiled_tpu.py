@@ -126,7 +126,7 @@ def _child(program: dict, target: str) -> None:
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     result = {"libtpu": library}
     with pallas_kernels.compiling_for("tpu"):
-        fn, args, _ = compiled._build(program, mesh)  # the GPU's tile work does not apply
+        fn, args, _ = compiled.build_program(program, mesh)  # the GPU's tile work does not apply
         start = time.perf_counter()
         lowered = jax.jit(fn).lower(*args)
         executable = lowered.compile()
@@ -192,18 +192,11 @@ def parse_mosaic_kernels(hlo: str) -> list[dict]:
 
 
 def tools_env(tools: str) -> dict:
-    """The child's environment: the tools folder first on the path, its libtpu named in
-    TPU_LIBRARY_PATH, no platform forced (the TPU plugin must load; it finds no chip), no
-    compilation cache (a cached program would not be compiled), several libtpu processes at
-    once."""
-    env = dict(os.environ)
-    tools = os.path.abspath(tools)
-    env["PYTHONPATH"] = os.pathsep.join([tools, compiled._repo(),
-                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["TPU_LIBRARY_PATH"] = os.path.join(tools, "libtpu", "libtpu.so")
-    env.pop("JAX_PLATFORMS", None)
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    # No chip to guard: compiles side by side (pytest's workers) skip libtpu's lockfile.
+    """``compiled.child_env`` with the folder's libtpu named in TPU_LIBRARY_PATH and several
+    libtpu processes allowed at once (no chip to guard: pytest's workers compile side by
+    side)."""
+    env = compiled.child_env(tools)
+    env["TPU_LIBRARY_PATH"] = os.path.join(os.path.abspath(tools), "libtpu", "libtpu.so")
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     return env
@@ -217,13 +210,8 @@ def check_tools(tools: str) -> None:
                          f"--target {tools} -r {REQUIREMENTS}`")
 
 
-def versions(tools: str) -> str:
-    """jax's version and libtpu's, as the report's header names them."""
-    import jax
-
-    found = sorted(name[:-len(".dist-info")].replace("-", " ") for name in os.listdir(tools)
-                   if name.endswith(".dist-info"))
-    return f"jax {jax.__version__}, " + ", ".join(found)
+versions = compiled.versions
+install_tools = compiled.install_tools
 
 
 def compile_program(program: dict, target: str, tools: str, timeout: float = 600) -> dict:
@@ -245,7 +233,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     row["wall_s"] = time.perf_counter() - start
     results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not results:
-        row["error"] = compiled._last_error(proc.stderr) or f"exit status {proc.returncode}"
+        row["error"] = compiled.last_error(proc.stderr) or f"exit status {proc.returncode}"
         return row
     row.update(json.loads(results[-1]))
     if os.path.realpath(row["libtpu"]) != os.path.realpath(env["TPU_LIBRARY_PATH"]):
