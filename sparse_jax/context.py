@@ -21,8 +21,11 @@ each pattern's keys cross shard boundaries:
 
 Each part gives an output and its log-sum-exp, merged as ``attention`` merges its terms (one
 joint softmax). The parts run the XLA path's (or the fused CPU kernels') term computations of
-``attention`` on local data. Forward and backward are a ``custom_vjp``: the backward recomputes
-each part's probabilities from the merged log-sum-exp (``attention``'s flash-style backward on
+``attention`` on local data, or with ``implementation="pallas"`` the Pallas kernels of
+``kernel`` (its "terms" variant) for the band, own-shard summary and column terms
+(``_pallas_forward``, ``_pallas_backward``: the grid layout in and out, as ``attention``'s grid
+functions). Forward and backward are a ``custom_vjp``: the backward recomputes each part's
+probabilities from the merged log-sum-exp (``attention``'s flash-style backward on
 the same local data) and sends the key gradients back the way the keys came (the transposes of
 the collectives: halo gradients to the previous shard, ``all_to_all`` back, a ``psum_scatter``
 of the summary keys' gradients, the ring's key gradients travelling with their keys).
@@ -45,22 +48,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config
 
-from sparse_jax import attention, patterns
+from sparse_jax import attention, kernel, pallas_kernels, patterns
 from sparse_jax.patterns import BandTerm, ColumnTerm, PatternSpec, SummaryTerm
 
 _NEG = attention._NEG  # a masked score
 _EMPTY = -attention._NEG  # attention's log-sum-exp of a query with no key (its backward's 0)
 _HEAD_STEP_BYTES = 1 << 20  # one shard of q (float32) in a step over head groups (1 MiB)
 _DENSE_SCORES = 1 << 20  # scores in a step of a dense block, all batch rows and heads (4 MiB)
-IMPLEMENTATIONS = ("xla", "native", "auto")
+IMPLEMENTATIONS = ("xla", "native", "pallas", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Terms:
     """Some terms of a pattern, where ``attention``'s grid functions take a spec (they call only
-    ``terms()``)."""
+    ``terms()``) and the Pallas kernel's ``terms()`` and ``block`` (the grid's width)."""
     items: tuple
+    block: int = 0
 
     def terms(self):
         return self.items
@@ -115,6 +120,21 @@ def check_split(spec: PatternSpec, n: int, devices: int) -> None:
         raise ValueError(f"context parallelism over {devices} devices needs P | n; got n={n}")
     if spec.kind != "dense":
         _plan(spec, n, devices)
+
+
+def check_model_split(specs, seq_len: int, devices: int) -> None:
+    """ValueError (one line, ``check_split``'s) unless a model whose layers attend with
+    ``specs`` (one entry a layer: a tuple of PatternSpecs, one per head group, or a PatternSpec)
+    can split a sequence of ``seq_len`` over ``devices``: every distinct pattern must."""
+    distinct = {}
+    for layer in specs:
+        for spec in (tuple(layer) if isinstance(layer, (tuple, list)) else (layer,)):
+            if not isinstance(spec, PatternSpec):
+                raise ValueError(f"specs must hold tuples of PatternSpecs (one a layer), got "
+                                 f"{spec!r}")
+            distinct.setdefault(spec, None)
+    for spec in distinct:
+        check_split(spec, seq_len, devices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +246,95 @@ def _dense_backward(q, k, v, out, lse, d_out, keep, scale):
 
 
 # ---------------------------------------------------------------------------------------------
+# The term computations of a part on its grid [B, R, w, H, d]: attention's XLA path or fused CPU
+# kernels (``how`` False or True), or the Pallas kernels (``how`` a ``pallas_kernels.Compiler``;
+# the "terms" variant: each term in its own layout, merged by log-sum-exp).
+
+
+def _heads_first(x):  # a grid [B, R, w, H, ...] -> [B, H, R * w, ...], the kernel's layout
+    return jnp.moveaxis(_flat(x), 2, 1)
+
+
+def _from_heads_first(x, width):  # the inverse of _heads_first
+    return _grid(jnp.moveaxis(x, 1, 2), width)
+
+
+def _kernel_inputs(compiler, scale, q_g, k_g, v_g):
+    """q (scaled by 1/sqrt(d), as ``sparse_attention`` scales it for the kernel), k, v in the
+    kernel's layout, head dims padded as ``kernel.sequence_attention`` pads them."""
+    q = q_g * jnp.asarray(scale, q_g.dtype)
+    return tuple(kernel._pad_head(_heads_first(x), compiler.backend) for x in (q, k_g, v_g))
+
+
+def _unchecked(fn, like):
+    """``fn()`` where a ``shard_map`` checks varying-axis types (``check_vma=True``), with that
+    check off (the kernels' ``pallas_call`` gives its outputs none and refuses to run under it:
+    ``layers`` runs them in ``check_vma=False``), each result then typed varying along ``like``'s
+    axes. Elsewhere plain ``fn()``. Uses JAX's internal switch, as ``shard_map`` itself does."""
+    varying = getattr(getattr(jax.typeof(like), "mat", None), "varying", frozenset())
+    if not varying:
+        return fn()
+    switch = getattr(jax_config, "_check_vma", None)
+    if switch is None:  # a JAX without it
+        raise ValueError("implementation='pallas' runs in a shard_map with check_vma=False on "
+                         "this JAX (the kernels' outputs carry no varying-axis types)")
+    with switch(False):
+        results = fn()
+
+    def vary(x):
+        missing = tuple(sorted(varying - jax.typeof(x).mat.varying))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(vary, results)
+
+
+def _pallas_forward(spec, compiler, scale, q_g, k_g, v_g):
+    """``attention.grid_forward`` through the Pallas kernels: (out, lse) float32 on the grid,
+    the lse of a query with no key ``_EMPTY`` (the kernel's is about ``_NEG``)."""
+    width = q_g.shape[2]
+    q, k, v = _kernel_inputs(compiler, scale, q_g, k_g, v_g)
+    out, lse = _unchecked(lambda: kernel._forward(_Terms(tuple(spec.terms()), width), compiler,
+                                                  q, k, v), q_g)
+    lse = jnp.where(lse > _NEG / 2, lse, _EMPTY)
+    return (_from_heads_first(out[..., :v_g.shape[-1]], width),
+            _from_heads_first(lse, width))
+
+
+def _pallas_backward(spec, compiler, scale, residuals, d_out):
+    """``attention.grid_backward`` through the Pallas kernels (the "terms" variant's backward,
+    ``kernel._attention_bwd``, given the merged output and log-sum-exp; its lse of a query with
+    no key is ``_EMPTY``, as the kernel's backward takes it): dq, dk, dv in the inputs' dtypes."""
+    q_g, k_g, v_g, out, lse = residuals
+    width = q_g.shape[2]
+    q, k, v = _kernel_inputs(compiler, scale, q_g, k_g, v_g)
+    out, d_out = (kernel._pad_to(_heads_first(x), v.shape[-1], axis=3) for x in (out, d_out))
+    lse = _heads_first(lse)
+    grads = _unchecked(lambda: kernel._attention_bwd(
+        _Terms(tuple(spec.terms()), width), compiler, "terms", False, (q, k, v, out, lse), d_out),
+        q_g)
+    d_q, d_k, d_v = (_from_heads_first(g[..., :x.shape[-1]].astype(jnp.float32), width)
+                     for g, x in zip(grads, (q_g, k_g, v_g)))
+    d_q = d_q * scale  # the kernel's dq is of the scaled q
+    return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q_g, k_g, v_g)))
+
+
+def _pallas(how) -> bool:
+    return isinstance(how, pallas_kernels.Compiler)
+
+
+def _grid_forward(how, spec, scale, q_g, k_g, v_g):
+    if _pallas(how):
+        return _pallas_forward(spec, how, scale, q_g, k_g, v_g)
+    return attention.grid_forward(spec, scale, q_g, k_g, v_g, how)
+
+
+def _grid_backward(how, spec, scale, residuals, d_out):
+    if _pallas(how):
+        return _pallas_backward(spec, how, scale, residuals, d_out)
+    return attention.grid_backward(spec, scale, how, residuals, d_out)
+
+
+# ---------------------------------------------------------------------------------------------
 # Sparse patterns: band (+ halo), columns (residue-sharded), summary keys (all-gathered).
 
 
@@ -257,7 +366,7 @@ def _with_halo(x, halo):  # [B, m, ...] with `halo` positions before it
     return jnp.concatenate([halo, x], axis=1)
 
 
-def _sparse_forward(plan, axis, native, q, k, v):
+def _sparse_forward(plan, axis, how, q, k, v):
     """(out float32, lse) of this shard's queries: the parts of ``plan`` merged."""
     m = q.shape[1]
     block, devices = plan.block, plan.devices
@@ -267,8 +376,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
         local = _Terms(plan.local)
 
         def own(q, k, v):
-            out, lse = attention.grid_forward(local, scale, *(_grid(x, block) for x in (q, k, v)),
-                                               native)
+            out, lse = _grid_forward(how, local, scale, *(_grid(x, block) for x in (q, k, v)))
             return _flat(out), _flat(lse)
 
         out, lse = own(q, k, v)
@@ -283,7 +391,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
         parts.append((out, lse))
     if plan.columns:
         q_c, k_c, v_c = (_to_columns(_grid(x, block), axis) for x in (q, k, v))
-        out, lse = attention.grid_forward(_Terms(plan.columns), scale, q_c, k_c, v_c, native)
+        out, lse = _grid_forward(how, _Terms(plan.columns), scale, q_c, k_c, v_c)
         parts.append((_flat(_from_columns(out, axis)), _flat(_from_columns(lse, axis))))
     if plan.summary is not None:  # shard j's summary keys, for each earlier shard j
         per_shard = m // block * len(plan.summary)
@@ -297,7 +405,7 @@ def _sparse_forward(plan, axis, native, q, k, v):
     return _merge(parts) if len(parts) > 1 else parts[0]
 
 
-def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
+def _sparse_backward(plan, axis, how, q, k, v, out, lse, d_out):
     """(dq, dk, dv) of this shard given the merged out and lse: each part's backward on its
     local data, the key gradients sent back the way the keys came."""
     m = q.shape[1]
@@ -308,8 +416,8 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
         local = _Terms(plan.local)
 
         def own(q, k, v, out, lse, d_out):
-            grads = attention.grid_backward(
-                local, scale, native, tuple(_grid(x, block) for x in (q, k, v, out, lse)),
+            grads = _grid_backward(
+                how, local, scale, tuple(_grid(x, block) for x in (q, k, v, out, lse)),
                 _grid(d_out, block))
             return tuple(_flat(g).astype(jnp.float32) for g in grads)
 
@@ -334,8 +442,8 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
             d_q, d_k, d_v = own(q, k, v, out, lse, d_out)
     if plan.columns:
         to_c = lambda x: _to_columns(_grid(x, block), axis)  # noqa: E731
-        grads = attention.grid_backward(
-            _Terms(plan.columns), scale, native, tuple(to_c(x) for x in (q, k, v, out, lse)),
+        grads = _grid_backward(
+            how, _Terms(plan.columns), scale, tuple(to_c(x) for x in (q, k, v, out, lse)),
             to_c(d_out))
         d_q, d_k, d_v = (a + _flat(_from_columns(g, axis)).astype(jnp.float32)
                          for a, g in zip((d_q, d_k, d_v), grads))
@@ -369,19 +477,21 @@ def _sparse_backward(plan, axis, native, q, k, v, out, lse, d_out):
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q, k, v)))
 
 
-def _heads_per_step(x) -> int:
-    """Heads in a step: the most that divides them with at most ``_HEAD_STEP_BYTES`` of x."""
-    most = max(1, _HEAD_STEP_BYTES // (x.shape[0] * x.shape[1] * x.shape[3] * 4))
-    return max(h for h in range(1, min(most, x.shape[2]) + 1) if x.shape[2] % h == 0)
+def _heads_per_step(x, multiple: int = 1) -> int:
+    """Heads in a step: the most that divides them with at most ``_HEAD_STEP_BYTES`` of x (a
+    multiple of ``multiple``, which divides them: a Pallas program's heads)."""
+    most = max(multiple, _HEAD_STEP_BYTES // (x.shape[0] * x.shape[1] * x.shape[3] * 4))
+    return max(h for h in range(multiple, min(most, x.shape[2]) + 1, multiple)
+               if x.shape[2] % h == 0)
 
 
-def _over_heads(fn, arrays, like):
+def _over_heads(fn, arrays, like, multiple: int = 1):
     """``fn(*arrays)`` a group of heads at a time (a ``fori_loop``), its results written into
     arrays of ``like``'s shapes and dtypes: one group's temporaries (the column layout's copies,
     the halo grid, the parts' outputs, the gradients) are alive at a time, not every head's.
     arrays: ``[B, m, H, ...]``; the heads are independent, so this is exact."""
     heads = arrays[0].shape[2]
-    h = _heads_per_step(arrays[0])
+    h = _heads_per_step(arrays[0], multiple)
     if h == heads:
         return tuple(r.astype(x.dtype) for r, x in zip(fn(*arrays), like))
 
@@ -399,19 +509,23 @@ def _stats_like(q, v):  # the merged output and log-sum-exp's shapes, float32 (*
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sparse(plan, axis, native, q, k, v):
-    return _sparse_fwd(plan, axis, native, q, k, v)[0]
+def _sparse(plan, axis, how, q, k, v):
+    return _sparse_fwd(plan, axis, how, q, k, v)[0]
 
 
-def _sparse_fwd(plan, axis, native, q, k, v):
-    out, lse = _over_heads(functools.partial(_sparse_forward, plan, axis, native), (q, k, v),
-                           _stats_like(q, v))
+def _sparse_fwd(plan, axis, how, q, k, v):
+    out, lse = _over_heads(functools.partial(_sparse_forward, plan, axis, how), (q, k, v),
+                           _stats_like(q, v), _program_heads(how))
     return out.astype(q.dtype), (q, k, v, out, lse)
 
 
-def _sparse_bwd(plan, axis, native, residuals, d_out):
-    return _over_heads(functools.partial(_sparse_backward, plan, axis, native),
-                       (*residuals, d_out), residuals[:3])
+def _sparse_bwd(plan, axis, how, residuals, d_out):
+    return _over_heads(functools.partial(_sparse_backward, plan, axis, how),
+                       (*residuals, d_out), residuals[:3], _program_heads(how))
+
+
+def _program_heads(how) -> int:  # the heads a Pallas program serves (1 elsewhere)
+    return how.heads_per_program if _pallas(how) else 1
 
 
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)
@@ -478,9 +592,20 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # Entry points.
 
 
-def _native(implementation: str) -> bool:
+def _how(implementation: str, block_sizes=None):
+    """How the sparse parts run, for ``implementation`` ("auto" as
+    ``attention.resolve_implementation``: the Pallas kernels on a GPU or TPU, the fused CPU
+    kernels on a CPU where they build, else XLA): False (XLA), True (the fused CPU kernels) or
+    the Pallas kernels' ``pallas_kernels.Compiler`` for ``block_sizes`` (their "terms" variant
+    whatever ``block_sizes.variant`` says); a ValueError for what cannot run here."""
     patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
-    return attention.resolve_implementation(implementation) == "native"
+    if block_sizes is not None and not isinstance(block_sizes, kernel.BlockSizes):
+        raise ValueError(f"block_sizes must be a kernel.BlockSizes or None, got "
+                         f"{type(block_sizes).__name__}")
+    resolved = attention.resolve_implementation(implementation)
+    if resolved == "pallas":
+        return kernel.compiler_for(block_sizes)
+    return resolved == "native"
 
 
 def _specs(spec, heads: int) -> tuple[PatternSpec, ...]:
@@ -497,22 +622,33 @@ def _specs(spec, heads: int) -> tuple[PatternSpec, ...]:
 
 
 def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
-                      axis: str = "seq", implementation: str = "xla"):
+                      axis: str = "seq", implementation: str = "xla",
+                      block_sizes: kernel.BlockSizes | None = None):
     """This shard's rows of ``sparse_attention`` over the whole sequence; call inside
     ``jax.shard_map`` (``check_vma`` either way) with q, k, v ``[B, n/P, H, d]`` the shard
-    ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis``. ``spec``: a
-    pattern, or one per head group (heads split evenly, as ``multi_spec_attention``).
-    ``implementation``: "xla" or "native" (the fused CPU kernels for the sparse terms; "auto"
-    picks them on a CPU where they build). Differentiable (a custom backward, exact)."""
+    ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis`` (the batch may be
+    split over other axes: each device's rows are its own). ``spec``: a pattern, or one per
+    head group (heads split evenly, as ``multi_spec_attention``). ``implementation``: "xla",
+    "native" (the fused CPU kernels for the sparse terms), "pallas" (the Pallas kernels for
+    the sparse terms: compiled on a GPU or TPU, interpret mode on a CPU) or "auto" (as
+    ``attention.resolve_implementation``: Pallas on a GPU or TPU, the CPU kernels on a CPU
+    where they build). ``block_sizes``: the Pallas kernels' tiles (``kernel.BlockSizes``;
+    ignored by "xla" and "native"); inside the split they run the "terms" variant, also for
+    ``variant="chained"``. The dense ring and the summary keys of earlier shards run XLA's
+    dense blocks whatever the implementation. Differentiable (a custom backward, exact)."""
     attention.check_qkv(q, k, v)
     specs = _specs(spec, q.shape[2])
     if len(specs) > 1:
         g = q.shape[2] // len(specs)
         return jnp.concatenate([context_attention(
             q[:, :, i * g:(i + 1) * g], k[:, :, i * g:(i + 1) * g], v[:, :, i * g:(i + 1) * g],
-            s, axis=axis, implementation=implementation) for i, s in enumerate(specs)], axis=2)
+            s, axis=axis, implementation=implementation, block_sizes=block_sizes)
+            for i, s in enumerate(specs)], axis=2)
     spec = specs[0]
-    native = _native(implementation)
+    how = _how(implementation, block_sizes)
+    if _pallas(how) and q.shape[2] % how.heads_per_program:
+        raise ValueError(f"BlockSizes.heads_per_program={how.heads_per_program} must divide "
+                         f"the {q.shape[2]} heads")
     try:
         devices = jax.lax.axis_size(axis)
     except NameError:
@@ -521,10 +657,10 @@ def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
     n = q.shape[1] * devices
     check_split(spec, n, devices)
     if devices == 1:  # nothing to exchange: today's path
-        return attention.sparse_attention(q, k, v, spec, implementation)
+        return attention.sparse_attention(q, k, v, spec, implementation, block_sizes)
     if spec.kind == "dense":
         return _ring(axis, devices, q, k, v)
-    return _sparse(_plan(spec, n, devices), axis, native, q, k, v)
+    return _sparse(_plan(spec, n, devices), axis, how, q, k, v)
 
 
 def seq_mesh(devices: int, axis: str = "seq") -> jax.sharding.Mesh:
@@ -539,20 +675,22 @@ def seq_mesh(devices: int, axis: str = "seq") -> jax.sharding.Mesh:
 
 def context_parallel_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...],
                                mesh: jax.sharding.Mesh, *, axis: str = "seq",
-                               implementation: str = "xla"):
+                               implementation: str = "xla",
+                               block_sizes: kernel.BlockSizes | None = None):
     """``sparse_attention(q, k, v, spec)`` (or ``multi_spec_attention`` for a tuple of specs)
     with the sequence split over mesh axis ``axis``: q, k, v ``[B, n, H, d]`` (global arrays),
-    each device attending its contiguous ``n/P`` positions with ``context_attention``. Refuses
-    (ValueError, one line) a split that does not fit the pattern before any work."""
+    each device attending its contiguous ``n/P`` positions with ``context_attention``
+    (``implementation``, ``block_sizes``: its). Refuses (ValueError, one line) a split that
+    does not fit the pattern before any work."""
     attention.check_qkv(q, k, v)
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r} (axes: {', '.join(mesh.axis_names)})")
     for one in _specs(spec, q.shape[2]):
         check_split(one, q.shape[1], mesh.shape[axis])
-    _native(implementation)
+    _how(implementation, block_sizes)
     split = jax.sharding.PartitionSpec(None, axis)
     attend = functools.partial(context_attention, spec=spec, axis=axis,
-                               implementation=implementation)
+                               implementation=implementation, block_sizes=block_sizes)
     return jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split,
                          check_vma=False)(q, k, v)
 

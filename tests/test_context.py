@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import attention
+from sparse_jax import attention, kernel, pallas_kernels
 from sparse_jax import context as C
 from sparse_jax.patterns import PatternSpec, layer_specs
 from test_sharding import TESTS, child_env
@@ -32,17 +32,27 @@ SPECS = {"strided": PatternSpec("strided", stride=16),
          "strided_multihead": layer_specs(PatternSpec("strided", stride=16), "multihead")}
 # (pattern, devices, implementation): every pattern at seq=8, the three at seq=2 and 4, the
 # fused CPU kernels inside the shard_map at seq=8, and context_attention in a shard_map that
-# checks the varying-axis types (check_vma=True; context_parallel_attention's does not).
+# checks the varying-axis types (check_vma=True; context_parallel_attention's does not; the
+# kernel tiles it is given are ignored by XLA). The Pallas kernels (interpret mode) at seq=2 and
+# 4: a head at a time ("pallas", the heads' fori_loop), two heads a program ("pallas-h2": the
+# step takes both), and in a check_vma=True shard_map whose batch is split over a "data" axis
+# too ("pallas-data": a mesh data=2 x seq=4, as the model's).
 CASES = ([(name, 8, "xla") for name in SPECS]
          + [(name, p, "xla") for name in ("strided", "fixed", "dense") for p in (2, 4)]
          + [(name, 8, "native") for name in ("strided", "fixed")]
-         + [(name, 8, "xla-check_vma") for name in ("strided", "fixed", "dense")])
+         + [(name, 8, "xla-check_vma") for name in ("strided", "fixed", "dense")]
+         + [("strided", 2, "pallas"), ("strided", 4, "pallas-h2"), ("fixed", 2, "pallas"),
+            ("fixed", 4, "pallas-data")])
 BATCH, N, HEADS, HEAD_DIM = 2, 512, 2, 16
+TILES = kernel.BlockSizes(16, 16)  # small tiles: several blocks a term at these lengths
+SIZES = {"pallas-h2": kernel.BlockSizes(16, 16, heads_per_program=2)}
 
 
 def _differences(name, devices, implementation):
     """Largest |split - unsplit| of the output and of dq, dk, dv (float32)."""
     spec, mesh = SPECS[name], C.seq_mesh(devices)
+    base, _, how = implementation.partition("-")
+    sizes = SIZES.get(implementation, TILES)
     keys = jax.random.split(jax.random.key(devices), 4)
     q, k, v, d_out = (jax.random.normal(key, (BATCH, N, HEADS, HEAD_DIM)) for key in keys)
 
@@ -51,13 +61,17 @@ def _differences(name, devices, implementation):
         if not split:
             attend = lambda q, k, v: attention.multi_spec_attention(  # noqa: E731
                 q, k, v, spec if isinstance(spec, tuple) else (spec,))
-        elif implementation == "xla-check_vma":  # the caller's own shard_map, types checked
-            seq = jax.sharding.PartitionSpec(None, "seq")
-            attend = jax.shard_map(functools.partial(C.context_attention, spec=spec), mesh=mesh,
-                                   in_specs=(seq,) * 3, out_specs=seq, check_vma=True)
+        elif how in ("check_vma", "data"):  # the caller's own shard_map, types checked
+            axes = jax.sharding.AxisType.Auto,
+            data = jax.make_mesh((2, devices), ("data", "seq"), devices=jax.devices()[:2 * devices],
+                                 axis_types=axes * 2) if how == "data" else mesh
+            seq = jax.sharding.PartitionSpec("data" if how == "data" else None, "seq")
+            attend = jax.shard_map(functools.partial(
+                C.context_attention, spec=spec, implementation=base, block_sizes=sizes),
+                mesh=data, in_specs=(seq,) * 3, out_specs=seq, check_vma=True)
         else:
             attend = lambda q, k, v: C.context_parallel_attention(  # noqa: E731
-                q, k, v, spec, mesh, implementation=implementation)
+                q, k, v, spec, mesh, implementation=base, block_sizes=sizes)
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(d_out))
 
@@ -111,7 +125,7 @@ def _child():
     """Runs in a subprocess with 8 devices: one line of JSON per case."""
     assert jax.device_count() == 8
     for case in CASES:  # at seq=8 a head at a time (its fori_loop), else both heads at once
-        C._HEAD_STEP_BYTES = 1 if case[1] == 8 else 1 << 22
+        C._HEAD_STEP_BYTES = 1 if case[1] == 8 or case[2] in ("pallas", "pallas-h2") else 1 << 22
         print("CASE", json.dumps([*case, _differences(*case)]), flush=True)
     C._HEAD_STEP_BYTES = 1 << 20
     for name in ("strided", "fixed"):
@@ -221,3 +235,37 @@ def test_strided_sends_fewer_bytes_than_the_dense_ring():
     assert (C.communication_bytes(strided, n, 64, heads, head_dim)["total"]
             < C.communication_bytes(strided, n, 8, heads, head_dim)["total"])
     assert C.communication_bytes(SPECS["dense"], n, 1, heads, head_dim)["total"] == 0
+
+
+def test_auto_resolves_as_sparse_attention_and_block_sizes_are_checked():
+    """"auto" is the Pallas kernels where a GPU or TPU is traced for, else the CPU kernels where
+    they build (or XLA), as ``attention.resolve_implementation``; "pallas" on a CPU runs the
+    kernels in interpret mode; ``block_sizes`` must be a ``kernel.BlockSizes``."""
+    for platform in ("gpu", "tpu"):
+        with pallas_kernels.compiling_for(platform):
+            how = C._how("auto", TILES if platform == "gpu" else None)
+            assert isinstance(how, pallas_kernels.Compiler) and not how.interpret, how
+    assert C._how("auto") is (attention.resolve_implementation("auto") == "native")
+    assert C._how("xla", TILES) is False
+    assert C._how("pallas", TILES).interpret
+    with pytest.raises(ValueError, match="block_sizes must be a kernel.BlockSizes"):
+        C._how("xla", (16, 16))
+    q = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="heads_per_program=2 must divide the 1 heads"):
+        C.context_attention(q, q, q, SPECS["strided"], implementation="pallas",
+                            block_sizes=kernel.BlockSizes(16, 16, heads_per_program=2))
+
+
+def test_a_model_split_is_checked_for_every_distinct_pattern_of_its_layers():
+    strided, fixed = SPECS["strided"], SPECS["fixed"]
+    model = [layer_specs(strided, "multihead"), (fixed,), (strided,)]
+    C.check_model_split(model, 512, 8)
+    C.check_model_split([(PatternSpec("strided", stride=12),)], 768, 4)
+    for layers, n, devices, match in [
+            ([(fixed,), (PatternSpec("strided", stride=12),)], 768, 8, "must divide the stride"),
+            (model, 480, 8, "multiple of"), (model, 512, 3, "P | n")]:
+        with pytest.raises(ValueError, match=match) as error:
+            C.check_model_split(layers, n, devices)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="tuples of PatternSpecs"):
+        C.check_model_split([("strided",)], 512, 8)
