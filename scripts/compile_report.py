@@ -12,7 +12,10 @@ VMEM); per program XLA's planned memory against the device's and the compile tim
   python scripts/compile_report.py --target=v5e --programs=ci --check   # its TPU check
 
 --programs takes groups (GPU: attention16k, attention64k, reference16k, steps, study, ci, all;
-TPU: ci, attention16k, attention64k, all) or program names (--list prints them). The dense rows
+TPU: ci, attention16k, attention64k, splash8k, splash16k, forward16k, all) or program names
+(--list prints them). On a v5p or v6e each TPU program also gets libtpu's static cycle estimate
+per Mosaic kernel (--nocycles: not; a v5e's profiler aborts, so it has none), and the table
+sets our kernels beside splash attention's on the same mask. The dense rows
 need cuDNN in the tools folder too (`pip install --no-deps --target .gpu_tools
 nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without it they compile XLA's unfused attention and say
 so. --check exits 1 when a program does not compile or a Triton kernel spills registers (on a
@@ -47,6 +50,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results in --out
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a program fails to compile or spills.")
 _LIST = flags.DEFINE_bool("list", False, "Print the programs and their groups, then exit.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take.")
+_CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mosaic kernel "
+                            "(default: on for v5p and v6e; v5e's profiler aborts).")
 
 
 def main(argv):
@@ -54,6 +59,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     # The module that knows the target's compiler: a GPU's (Triton, ptxas) or a TPU's (Mosaic).
     compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
+    if _CYCLES.value is not None and compiled_for is compiled:
+        raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
+                             "or v6e)")
     if _LIST.value:
         for p in compiled_for.programs():
             print(f"{p['group']:13} {p['name']}")
@@ -70,9 +78,11 @@ def main(argv):
             os.path.exists(os.path.join(out, f)) for f in ("results.md", "results.json")):
         raise app.UsageError(f"--output_dir={out} already holds results: give --overwrite to "
                              "replace them, or another folder")
+    options = {} if compiled_for is compiled else {"cycles": _CYCLES.value}
     rows = []
     for i, program in enumerate(chosen, 1):
-        row = compiled_for.compile_program(program, _TARGET.value, tools, _TIMEOUT.value)
+        row = compiled_for.compile_program(program, _TARGET.value, tools, _TIMEOUT.value,
+                                           **options)
         rows.append(row)
         print(f"[{i}/{len(chosen)}] {row['name']}: {compiled_for.progress(row)}", flush=True)
     date = datetime.date.today().isoformat()

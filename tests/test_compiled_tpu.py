@@ -69,17 +69,132 @@ ds":{"lists":[]}}
 def test_compiled_hlo_gives_each_mosaic_kernel_and_its_vmem():
     assert compiled_tpu.parse_mosaic_kernels(HLO) == [
         {"name": "sparse_forward_rows", "vmem_bytes": 786432, "output_in_vmem": False,
-         "calls": 1},
-        {"name": "sparse_dq_rows", "vmem_bytes": 720896, "output_in_vmem": False, "calls": 1},
+         "calls": 1, "instructions": ["jvp_sparse_forward_rows_.1"]},
+        {"name": "sparse_dq_rows", "vmem_bytes": 720896, "output_in_vmem": False, "calls": 1,
+         "instructions": ["transpose_jvp_sparse_dq_rows__.1"]},
         {"name": "sparse_forward_summary", "vmem_bytes": 196608, "output_in_vmem": True,
-         "calls": 1}]
+         "calls": 1, "instructions": ["jvp_sparse_forward_summary_.1"]}]
 
 
 def test_a_kernel_in_several_computations_is_listed_once_with_its_calls():
     line = HLO.splitlines()[1]
     again = line.replace("%jvp_sparse_forward_rows_.1", "%jvp_sparse_forward_rows_.2")
     kernels = compiled_tpu.parse_mosaic_kernels(line + "\n" + again + "\n")
-    assert [(k["name"], k["calls"]) for k in kernels] == [("sparse_forward_rows", 2)]
+    assert [(k["name"], k["calls"], k["instructions"]) for k in kernels] == [
+        ("sparse_forward_rows", 2, ["jvp_sparse_forward_rows_.1", "jvp_sparse_forward_rows_.2"])]
+
+
+# Splash attention's dq kernel (strided:128 mask at 2k, 512-blocks, v5p), its body cut short:
+# its kernel_metadata holds a newline, so the instruction spans three lines of HLO text.
+SPLASH_HLO = """\
+  %splash_mha_dq_no_residuals.1 = (f32[512,128]{1,0:T(8,128)}, bf16[8,2048,128]{2,1,0:T(8,128)(2\
+,1)}) custom-call(%copy-done.9, %copy-done.8, %copy-done.10, %copy-done.3, %copy-done.4, /*index\
+=5*/%copy-done.5, %get-tuple-element.1, %broadcast.1, %broadcast_in_dim.1, %copy-done.6), custom\
+_call_target="tpu_custom_call", operand_layout_constraints={s8[1,4,4]{2,1,0}, s8[1,4,4]{2,1,0}, s\
+8[1,4,4]{2,1,0}, bf16[8,2048,128]{2,1,0}, bf16[8,2048,128]{2,1,0}, bf16[8,2048,128]{2,1,0}, f32[\
+8,1,2048]{2,1,0}, bf16[8,2048,128]{2,1,0}, f32[8,1,2048]{2,1,0}, s32[3,512,512]{2,1,0}}, fronten\
+d_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q_dq\\": 512, \\"block_kv_dq\\": 512, \\"q_layout\\": 1, \\\
+"k_layout\\": 1, \\"v_layout\\": 1}"
+}}, metadata={op_name="jit(loss)/transpose(jvp(static_sparsity_splash))/jit(_splash_attention)/s\
+plash_mha_dq_no_residuals/splash_mha_dq_no_residuals/pallas_call" stack_frame_id=4}, backend_con\
+fig={"flag_configs":[],"scoped_memory_configs":[],"custom_call_config":{"body":"TUzvUgFNTElS...",\
+"needs_layout_passes":true,"allow_input_fusion":[],"serialization_format":"1","output_memory_col\
+ors":[],"output_memory_space_colors":[],"input_memory_space_colors":[]},"used_scoped_memory_conf\
+igs":[{"memory_space":"1","offset":"0","size":"1708032"}],"retry_config":{"retry_count":"0"},"al\
+iasing_operands":{"lists":[]}}
+  %jit__splash_attention_.11 = bf16[8,2048,128]{2,1,0:T(8,128)(2,1)} get-tuple-element(%splash_m\
+ha_dq_no_residuals.1), index=1
+"""
+
+
+def test_an_instruction_over_several_lines_is_read_whole():
+    assert compiled_tpu.parse_mosaic_kernels(SPLASH_HLO) == [
+        {"name": "splash_mha_dq_no_residuals", "vmem_bytes": 1708032, "output_in_vmem": False,
+         "calls": 1, "instructions": ["splash_mha_dq_no_residuals.1"]}]
+
+
+# libtpu's static profile (LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR) of
+# strided:128 at 2k for a v5p: three of the files it wrote, a Mosaic kernel's, an XLA copy that
+# stands for 3 equivalent ones, and one whose op's HLO is nested in it (cut short).
+PROFILE = """\
+hlo_op_estimate {
+  hlo_op_name: "jvp_sparse_forward_rows_.1"
+  estimated_cycles: 70658
+  num_equivalent_hlos: 1
+  dma_instruction_type: DMA_INSTRUCTION_TYPE_LOCAL
+  scalar_inputs: 0
+}
+hlo_op_estimate {
+  hlo_op_name: "copy.45"
+  estimated_cycles: 4689
+  num_equivalent_hlos: 3
+  dma_instruction_type: DMA_INSTRUCTION_TYPE_LOCAL
+  scalar_inputs: 0
+}
+hlo_op_estimate {
+  hlo_op_name: "copy.57"
+  estimated_cycles: 0
+  num_equivalent_hlos: 2
+  dma_instruction_type: DMA_INSTRUCTION_TYPE_REMOTE
+  hlo_instruction {
+    name: "copy.57"
+    opcode: "copy"
+    shape {
+      element_type: F32
+      dimensions: 1
+      dimensions: 8
+    }
+    metadata {
+      op_name: "jit(loss)/transpose(jvp())/broadcast_in_dim"
+      stack_frame_id: 6
+    }
+  }
+  scalar_inputs: 0
+}
+"""
+
+
+def test_the_static_profile_gives_each_ops_cycles():
+    assert compiled_tpu.parse_static_profile(PROFILE) == {
+        "jvp_sparse_forward_rows_.1": {"cycles": 70658, "equivalent": 1},
+        "copy.45": {"cycles": 4689, "equivalent": 3},
+        "copy.57": {"cycles": 0, "equivalent": 2}}
+    # a field protobuf leaves out (zero) reads as 0
+    assert compiled_tpu.parse_static_profile(
+        'hlo_op_estimate {\n  hlo_op_name: "x"\n}\n') == {"x": {"cycles": 0, "equivalent": 1}}
+
+
+def test_cycles_attach_to_kernels_and_sum_per_program(tmp_path):
+    for i, text in enumerate(PROFILE.split("hlo_op_estimate {")[1:]):
+        (tmp_path / f"op{i}_static_llo_profile.textproto").write_text("hlo_op_estimate {" + text)
+    profile = compiled_tpu.read_static_profile(str(tmp_path))
+    row = {"kernels": compiled_tpu.parse_mosaic_kernels(HLO)}
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    assert row["kernels"][0]["cycles"] == 70658
+    assert row["kernels"][1]["cycles"] is None  # not in the profile: no sum
+    assert row["cycles"] is None and row["all_op_cycles"] == 70658 + 3 * 4689
+    row = {"kernels": row["kernels"][:1]}
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    assert row["cycles"] == 70658 and row["estimated_us"] == pytest.approx(70658 / 1750)
+
+
+def test_ours_and_splash_are_set_side_by_side():
+    rows = [{"name": "attention 16k strided:128@pallas", "cycles": 2.8e6},
+            {"name": "attention 16k strided:128@pallas:256x256", "cycles": 1.4e6},
+            {"name": "splash 16k strided:128 b512", "cycles": 7.0e6},
+            {"name": "splash 16k strided:128 b1024", "cycles": 8.0e6},
+            {"name": "splash 16k dense b512", "cycles": 7.7e6},
+            {"name": "attention 16k fixed:128:32@pallas fwd", "cycles": 1.0e6},
+            {"name": "splash 16k fixed:128:32 b512", "cycles": 3.0e6},
+            {"name": "splash 16k fixed:128:32 b512 fwd", "error": "x"}]
+    assert compiled_tpu.beside_splash(rows) == [
+        {"length": "16k", "mask": "strided:128", "forward": False,
+         "ours": "attention 16k strided:128@pallas:256x256", "ours_cycles": 1.4e6,
+         "splash": "splash 16k strided:128 b512", "splash_cycles": 7.0e6, "ratio": 5.0}]
+    text = compiled_tpu.markdown([], "v5p", ["# t"])
+    assert "time at 1.75 GHz" in text
+    assert "no static cycles" in compiled_tpu.markdown([], "v5e", ["# t"])
 
 
 def test_problems_name_failures_missing_kernels_and_overflows():
@@ -97,6 +212,8 @@ def test_problems_name_failures_missing_kernels_and_overflows():
 def test_programs_and_selection_refuse_unknown_names():
     assert [p["name"] for p in compiled_tpu.select(["ci"])] == [
         "attention 8k strided:128@pallas", "attention 8k fixed:128:32@pallas"]
+    assert [p["name"] for p in compiled_tpu.select(["splash 16k strided:128 b512"])] == [
+        "splash 16k strided:128 b512"]
     with pytest.raises(ValueError, match="'attention99k' is no program or group"):
         compiled_tpu.select(["attention99k"])
 

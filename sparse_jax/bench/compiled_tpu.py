@@ -52,17 +52,27 @@ REQUIREMENTS = "requirements-tpu-compile.txt"
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A TPU chip as ``topologies.get_topology_desc`` names it, and its HBM."""
+    """A TPU chip as ``topologies.get_topology_desc`` names it, its HBM, its TensorCore clock
+    (GHz: static cycles to seconds) and whether libtpu's static profiler runs for it
+    (``cycles``: on v5e it aborts the compile)."""
     name: str
     topology: str
     hbm_gib: float
+    clock_ghz: float
+    cycles: bool
 
 
+# Clocks: no data sheet states one; each is the chip's peak bf16 rate over its MXUs' multiply-
+# adds per cycle (128 x 128 MXUs, 2 flops a multiply-add). v5e: 197 TFLOP/s over 4 MXUs on one
+# TensorCore = 1.50 GHz (also the 1.5 GHz that "How to Scale Your Model", ch. 2, quotes for a
+# v5e MXU); v5p: 459 TFLOP/s over 2 TensorCores x 4 MXUs = 1.75 GHz; v6e: 918 TFLOP/s over one
+# TensorCore's 4 MXUs of 256 x 256 (Cloud TPU's v6e page; an older version said 2) = 1.75 GHz.
 TARGETS = {
-    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0),
-    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0),
-    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0),
+    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0, 1.50, cycles=False),
+    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0, 1.75, cycles=True),
+    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0, 1.75, cycles=True),
 }
+PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"  # libtpu: static cycles of every HLO op
 
 # fwd+bwd in bfloat16, head dim 128 (a TPU's lanes). The suite's check: the default strided
 # and fixed kernels at a length whose arrays stay in HBM, so the kernels pipeline their blocks
@@ -72,22 +82,45 @@ CI_LENGTH = 8192
 PATTERNS = ("strided:128@pallas", "fixed:128:32@pallas")
 
 
-def _attention(pattern: str, n: int, group: str) -> dict:
-    return {"name": f"attention {n // 1024}k {pattern}", "group": group, "kind": "attention",
-            "pattern": pattern, "seq_len": n, **ATTENTION_SHAPE}
+def _attention(pattern: str, n: int, group: str, forward: bool = False) -> dict:
+    return {"name": f"attention {n // 1024}k {pattern}{' fwd' if forward else ''}",
+            "group": group, "kind": "attention", "pattern": pattern, "seq_len": n,
+            **ATTENTION_SHAPE, **({"forward": True} if forward else {})}
+
+
+# Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) given our patterns' exact
+# masks as NumPy masks (dense: its own causal mask), at its block sizes: what the same masks
+# cost in the kernel a TPU user would reach for. A NumPy mask is n x n bytes on the host (64k:
+# 4 GiB, and splash's mask processing holds more), so 8k and 16k only; 128-blocks at 16k need
+# more than 24 GiB of host memory to process: not listed.
+SPLASH_MASKS = ("strided:128", "fixed:128:32", "dense")
+SPLASH_BLOCKS = (256, 512, 1024)
+
+
+def _splash(mask: str, n: int, block: int, group: str, forward: bool = False) -> dict:
+    return {"name": f"splash {n // 1024}k {mask} b{block}{' fwd' if forward else ''}",
+            "group": group, "kind": "splash", "pattern": mask, "block": block, "seq_len": n,
+            **ATTENTION_SHAPE, **({"forward": True} if forward else {})}
 
 
 def programs() -> list[dict]:
     """The suite's check ("ci", the default kernels at ``CI_LENGTH``), then the same at 16k and
-    64k (groups "attention16k", "attention64k")."""
-    return [_attention(p, n, group) for n, group in
-            ((CI_LENGTH, "ci"), (16384, "attention16k"), (65536, "attention64k"))
-            for p in PATTERNS]
+    64k (groups "attention16k", "attention64k"); splash attention with the same masks at 8k and
+    16k ("splash8k", "splash16k"); the forward passes alone at 16k ("forward16k": ours and
+    splash's at 512-blocks, for v6e, whose profiler takes too long over the backward)."""
+    out = [_attention(p, n, group) for n, group in
+           ((CI_LENGTH, "ci"), (16384, "attention16k"), (65536, "attention64k"))
+           for p in PATTERNS]
+    out += [_splash(m, n, b, f"splash{n // 1024}k") for n in (CI_LENGTH, 16384)
+            for m in SPLASH_MASKS for b in SPLASH_BLOCKS]
+    out += [_attention(p, 16384, "forward16k", forward=True) for p in PATTERNS]
+    out += [_splash(m, 16384, 512, "forward16k", forward=True) for m in SPLASH_MASKS]
+    return out
 
 
 def select(names: list[str] | None) -> list[dict]:
-    """The programs named, or of the groups named ("ci", "attention16k", "attention64k",
-    "all"); ValueError naming an unknown one."""
+    """The programs named, or of the groups named (``programs``' groups, or "all"); ValueError
+    naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -95,10 +128,72 @@ def select(names: list[str] | None) -> list[dict]:
     for name in names:
         matches = [p for p in every if name in (p["group"], p["name"])]
         if not matches:
-            raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
-                             f"attention16k, attention64k or a name (--list prints them)")
+            groups = ", ".join(dict.fromkeys(p["group"] for p in every))
+            raise ValueError(f"--programs: {name!r} is no program or group; give all, {groups} "
+                             f"or a name (--list prints them)")
         chosen += [p for p in matches if p not in chosen]
     return chosen
+
+
+def splash_mask(pattern: str, n: int):
+    """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
+    boolean mask (``PatternSpec.mask``) as a ``NumpyMask``, or for "dense" splash's own
+    ``CausalMask``."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    from sparse_jax.bench.attention import parse_pattern
+
+    spec = parse_pattern(pattern, n)[0]
+    if spec.kind == "dense":
+        return masks.CausalMask((n, n))
+    return masks.NumpyMask(spec.mask(n))
+
+
+def _splash_program(program: dict, mesh):
+    """(loss gradient or forward, abstract q, k, v) of splash attention over ``program``'s mask
+    and block size, [H, n, d] bfloat16 (one sequence: B = 1)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n, heads, d, b = program["seq_len"], program["heads"], program["head_dim"], program["block"]
+    if program["batch"] != 1:
+        raise ValueError("splash programs take one sequence (batch 1)")
+    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n)] * heads)
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                              block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
+                              block_kv_dq=b)
+    attend = splash.make_splash_mha_single_device(mask=mask, block_sizes=sizes)
+    x = jax.ShapeDtypeStruct((heads, n, d), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def loss(q, k, v):
+        return attend(q, k, v).astype(jnp.float32).sum()
+
+    return (loss if program.get("forward") else jax.grad(loss, argnums=(0, 1, 2))), (x, x, x)
+
+
+def build(program: dict, mesh):
+    """(function, abstract arguments) of ``program`` on ``mesh``: splash's, or
+    ``compiled.build_program``'s (its forward alone, the loss, where ``program["forward"]``)."""
+    if program["kind"] == "splash":
+        return _splash_program(program, mesh)
+    fn, args, _ = compiled.build_program(program, mesh)  # the GPU's tile work does not apply
+    return (_forward_of(program) if program.get("forward") else fn), args
+
+
+def _forward_of(program: dict):
+    """The loss alone (no gradient) of a sparse attention program."""
+    import jax.numpy as jnp
+
+    from sparse_jax.attention import sparse_attention
+    from sparse_jax.bench.attention import parse_pattern
+
+    spec, implementation, sizes = parse_pattern(program["pattern"], program["seq_len"])
+    return lambda q, k, v: sparse_attention(q, k, v, spec, implementation,
+                                            sizes).astype(jnp.float32).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +221,7 @@ def _child(program: dict, target: str) -> None:
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     result = {"libtpu": library}
     with pallas_kernels.compiling_for("tpu"):
-        fn, args, _ = compiled.build_program(program, mesh)  # the GPU's tile work does not apply
+        fn, args = build(program, mesh)
         start = time.perf_counter()
         lowered = jax.jit(fn).lower(*args)
         executable = lowered.compile()
@@ -159,13 +254,28 @@ def _kernel_name(op_name: str, instruction: str) -> str:
     return m.group(1) if m and op_name.endswith("/pallas_call") else instruction
 
 
+_STARTS = re.compile(r"^(\s+(ROOT )?%|%|ENTRY|HloModule|\}$|$)")
+
+
+def _instructions(hlo: str) -> list[str]:
+    """HLO text's lines, each instruction on one: an attribute that holds a newline (splash
+    attention's ``kernel_metadata``) continues on lines of its own, joined back here."""
+    out = []
+    for line in hlo.splitlines():
+        if out and not _STARTS.match(line):
+            out[-1] += line
+        else:
+            out.append(line)
+    return out
+
+
 def parse_mosaic_kernels(hlo: str) -> list[dict]:
     """Each Mosaic kernel (``tpu_custom_call``) of compiled HLO text, in order of first
     appearance: name, VMEM bytes (its used scoped memory in VMEM), whether an output of it
     sits in VMEM whole (``S(1)`` in its shape: no pipeline window for it), and calls (the same
     kernel with the same VMEM in several computations, as a model's layers, is listed once)."""
     out, seen = [], {}
-    for line in hlo.splitlines():
+    for line in _instructions(hlo):
         if 'custom_call_target="tpu_custom_call"' not in line:
             continue
         m = _INSTRUCTION.match(line)
@@ -180,11 +290,61 @@ def parse_mosaic_kernels(hlo: str) -> list[dict]:
         key = (name, vmem)
         if key in seen:
             seen[key]["calls"] += 1
+            seen[key]["instructions"].append(instruction)
             continue
         seen[key] = {"name": name, "vmem_bytes": vmem, "output_in_vmem": "S(1)" in shape,
-                     "calls": 1}
+                     "calls": 1, "instructions": [instruction]}
         out.append(seen[key])
     return out
+
+
+_ESTIMATE = re.compile(r"^hlo_op_estimate \{$", re.M)
+_FIELD = re.compile(r"^  (hlo_op_name|estimated_cycles|num_equivalent_hlos): \"?([^\"\n]*)\"?$",
+                    re.M)
+
+
+def parse_static_profile(text: str) -> dict[str, dict]:
+    """libtpu's static profile (``PROFILE_FLAG``: a ``NAME_static_llo_profile.textproto`` per
+    HLO op, ``hlo_op_estimate`` messages in protobuf text) read into ``{op name: {"cycles",
+    "equivalent"}}``: the compiler's estimate of the op's cycles, and how many equivalent ops of
+    the program it stands for (one file is written for them all). Only each message's own
+    fields count (the op's HLO, nested in it, is indented deeper); a field left out is 0, as
+    protobuf omits zeros."""
+    out = {}
+    starts = [m.start() for m in _ESTIMATE.finditer(text)] + [len(text)]
+    for start, end in zip(starts, starts[1:]):
+        fields = dict(_FIELD.findall(text[start:end]))
+        if "hlo_op_name" in fields:
+            out[fields["hlo_op_name"]] = {
+                "cycles": int(fields.get("estimated_cycles", 0)),
+                "equivalent": int(fields.get("num_equivalent_hlos", 1))}
+    return out
+
+
+def read_static_profile(folder: str) -> dict[str, dict]:
+    """``parse_static_profile`` of every file libtpu wrote into ``folder``."""
+    text = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.endswith("_static_llo_profile.textproto"):
+            with open(os.path.join(folder, name)) as f:
+                text.append(f.read())
+    return parse_static_profile("\n".join(text))
+
+
+def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float) -> None:
+    """Each Mosaic kernel of ``row`` gets its static cycles (summed over its calls; None where
+    the profile lacks one), the row the kernels' sum ("cycles"), its time at ``clock_ghz``
+    ("estimated_us") and the sum over every op of the program, XLA's too ("all_op_cycles",
+    each op's cycles times the equivalent ops it stands for)."""
+    total = 0
+    for k in row["kernels"]:
+        found = [profile[i]["cycles"] * profile[i]["equivalent"] for i in k["instructions"]
+                 if i in profile]
+        k["cycles"] = sum(found) if len(found) == len(k["instructions"]) else None
+        total = None if total is None or k["cycles"] is None else total + k["cycles"]
+    row["cycles"] = total
+    row["estimated_us"] = None if total is None else total / (clock_ghz * 1e3)
+    row["all_op_cycles"] = sum(e["cycles"] * e["equivalent"] for e in profile.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,15 +374,22 @@ versions = compiled.versions
 install_tools = compiled.install_tools
 
 
-def compile_program(program: dict, target: str, tools: str, timeout: float = 600) -> dict:
+def compile_program(program: dict, target: str, tools: str, timeout: float = 600,
+                    cycles: bool | None = None) -> dict:
     """``program`` compiled for ``target`` in a child process: its row (compile seconds, planned
-    memory against the chip's HBM, per Mosaic kernel its VMEM, XLA's flops), or with "error" the
-    compiler's line."""
+    memory against the chip's HBM, per Mosaic kernel its VMEM, XLA's flops; with ``cycles``,
+    by default where the target's profiler runs, libtpu's static cycles: ``attach_cycles``), or
+    with "error" the compiler's line."""
     t = TARGETS[target]
+    cycles = t.cycles if cycles is None else cycles
     row = {"name": program["name"], "group": program["group"], "target": target}
     env = tools_env(tools)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sparse_jax_tpu_") as scratch:
+        profile_dir = os.path.join(scratch, "static_profile")
+        if cycles:
+            env["LIBTPU_INIT_ARGS"] = " ".join(filter(None, [
+                env.get("LIBTPU_INIT_ARGS"), f"{PROFILE_FLAG}={profile_dir}"]))
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "sparse_jax.bench.compiled_tpu", json.dumps(program),
@@ -230,6 +397,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
         except subprocess.TimeoutExpired:
             row["error"] = f"not compiled in {timeout:.0f} s"
             return row
+        profile = read_static_profile(profile_dir) if cycles else None
     row["wall_s"] = time.perf_counter() - start
     results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not results:
@@ -244,6 +412,8 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
                           + memory["temp"]) / 2**30
     row["fits"] = row["planned_gib"] <= t.hbm_gib
     row["max_vmem_bytes"] = max((k["vmem_bytes"] for k in row["kernels"]), default=0)
+    if profile is not None:
+        attach_cycles(row, profile, t.clock_ghz)
     return row
 
 
@@ -251,34 +421,90 @@ def progress(row: dict) -> str:
     """The console line of a compiled program."""
     if "error" in row:
         return row["error"]
+    cycles = "" if row.get("cycles") is None else (
+        f", {row['cycles'] / 1e6:.3f} M static cycles ({row['estimated_us']:.0f} us)")
     return (f"{row['compile_s']:.1f} s, {row['planned_gib']:.3f} GiB planned, "
             f"{len(row['kernels'])} Mosaic kernels, max VMEM "
-            f"{row['max_vmem_bytes'] / 1024:.0f} KiB")
+            f"{row['max_vmem_bytes'] / 1024:.0f} KiB{cycles}")
+
+
+def mask_of(row: dict) -> str:
+    """The mask a row computes ("strided:128", "fixed:128:32", "dense"): its pattern less the
+    implementation and kernel options."""
+    return row["name"].split(" ")[2].partition("@")[0]
+
+
+def _length(row: dict) -> str:
+    return row["name"].split(" ")[1]
+
+
+def _forward(row: dict) -> bool:
+    return row["name"].endswith(" fwd")
+
+
+def beside_splash(rows: list[dict]) -> list[dict]:
+    """Per (length, mask, forward only or not) that has our kernels and splash attention's with
+    static cycles: our fewest cycles, splash's fewest (its best block size) and their ratio."""
+    out = []
+    ours = [r for r in rows if r["name"].startswith("attention ") and r.get("cycles")]
+    splash = [r for r in rows if r["name"].startswith("splash ") and r.get("cycles")]
+    kind = lambda r: (_length(r), mask_of(r), _forward(r))  # noqa: E731
+    for key in dict.fromkeys(map(kind, ours)):
+        mine, theirs = ([r for r in group if kind(r) == key] for group in (ours, splash))
+        if mine and theirs:
+            best, rival = (min(group, key=lambda r: r["cycles"]) for group in (mine, theirs))
+            out.append({"length": key[0], "mask": key[1], "forward": key[2], "ours": best["name"],
+                        "ours_cycles": best["cycles"], "splash": rival["name"],
+                        "splash_cycles": rival["cycles"],
+                        "ratio": rival["cycles"] / best["cycles"]})
+    return out
 
 
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:
-    """One row per program, then one per Mosaic kernel."""
+    """One row per program, then one per Mosaic kernel; with static cycles, ours beside splash
+    attention's on the same masks."""
     t = TARGETS[target]
     f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
-    lines = [*header, "", f"Target: {t.name}, topology {t.topology}, {t.hbm_gib:g} GiB HBM.", "",
+    cycles = "static cycles: libtpu's static profile (estimates; the sum over the Mosaic " \
+        f"kernels, and over every op of the program), time at {t.clock_ghz:g} GHz" if t.cycles \
+        else "no static cycles: libtpu's static profiler aborts for this chip"
+    lines = [*header, "", f"Target: {t.name}, topology {t.topology}, {t.hbm_gib:g} GiB HBM; "
+             f"{cycles}.", "",
              "| program | compile s | planned GiB | fits | Mosaic kernels | max VMEM KiB | "
-             "XLA flops | result |", "|---|---|---|---|---|---|---|---|"]
+             "XLA flops | kernel Mcycles | est. µs | all-op Mcycles | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kernels = r.get("kernels")
+        mega = lambda v: f(None if v is None else v / 1e6, ".3f")  # noqa: E731
         lines.append(
             f"| {r['name']} | {f(r.get('compile_s'), '.1f')} | {f(r.get('planned_gib'), '.3f')} "
             f"| {'—' if 'fits' not in r else ('yes' if r['fits'] else '**no**')} "
             f"| {'—' if kernels is None else len(kernels)} "
             f"| {f(r['max_vmem_bytes'] / 1024 if 'max_vmem_bytes' in r else None, '.0f')} "
-            f"| {f(r.get('flops'), '.3g')} | {r.get('error', 'ok')} |")
+            f"| {f(r.get('flops'), '.3g')} | {mega(r.get('cycles'))} "
+            f"| {f(r.get('estimated_us'), '.0f')} | {mega(r.get('all_op_cycles'))} "
+            f"| {r.get('error', 'ok')} |")
+    pairs = beside_splash(rows)
+    if pairs:
+        lines += ["", "Beside splash attention on the same mask (fewest kernel cycles of each; "
+                  "ratio: splash's over ours):", "",
+                  "| length | mask | pass | ours | Mcycles | splash | Mcycles | ratio |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for p in pairs:
+            lines.append(f"| {p['length']} | {p['mask']} | "
+                         f"{'forward' if p['forward'] else 'fwd+bwd'} | {p['ours']} | "
+                         f"{p['ours_cycles'] / 1e6:.3f} | {p['splash']} | "
+                         f"{p['splash_cycles'] / 1e6:.3f} | {p['ratio']:.2f} |")
     lines += ["", "Per Mosaic kernel (VMEM: its scoped allocation, scratch and pipeline windows; "
-              "output in VMEM: XLA keeps one there whole, with no window):", "",
-              "| program | kernel | calls | VMEM KiB | output in VMEM |", "|---|---|---|---|---|"]
+              "output in VMEM: XLA keeps one there whole, with no window; static cycles over "
+              "its calls):", "",
+              "| program | kernel | calls | VMEM KiB | output in VMEM | static cycles |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         for k in r.get("kernels", []):
             lines.append(f"| {r['name']} | {k['name']} | {k['calls']} | "
                          f"{k['vmem_bytes'] / 1024:.0f} | {'yes' if k['output_in_vmem'] else 'no'}"
-                         " |")
+                         f" | {f(k.get('cycles'), ',')} |")
     return "\n".join(lines) + "\n"
 
 
