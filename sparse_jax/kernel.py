@@ -63,16 +63,16 @@ _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "
 class BlockSizes:
     """Kernel tiles: ``block_q`` queries by ``block_k`` keys (powers of two; at least 16 on a
     GPU, multiples of 128 on a TPU), Triton's ``num_warps`` and ``num_stages``, how the terms'
-    kernels are combined (``variant``) and how many heads a GPU program serves
-    (``heads_per_program``). Hashable: a static argument. Defaults: ``for_backend``.
+    kernels are combined (``variant``) and how many heads a GPU program, or a TPU grid step,
+    serves (``heads_per_program``). Hashable: a static argument. Defaults: ``for_backend``.
 
     ``variant``: "terms" (each term's kernels in the term's own layout, float32 outputs merged
     by log-sum-exp in XLA; both backends) or "chained" (Triton only: every kernel reads and
     writes the sequence-order arrays, the column term with strided loads; each term's kernel
     resumes from the previous terms' float32 partial result and the last writes the final
     output and gradients in the input dtype: no transposes and no merges in XLA).
-    ``heads_per_program``: a power of two dividing the head count; a program walks its block
-    list once for all its heads (Triton only above 1). ``one_loop``: a GPU program walks its
+    ``heads_per_program``: a power of two dividing the head count; a program (on a TPU, a grid
+    step) walks its block list once for all its heads. ``one_loop``: a GPU program walks its
     partial and full blocks in one loop, masking every block, which Triton can pipeline (two
     loops of one or two blocks each, as at l = 128, give it nothing to overlap)."""
     block_q: int = 64
@@ -140,7 +140,7 @@ class BlockSizes:
 
     def check_backend(self, backend: str, tiles: bool = True) -> None:
         """ValueError (one line) for options ``backend`` ("triton" or "mosaic") cannot compile:
-        the variant, ``heads_per_program`` and ``one_loop`` are Triton's, and (``tiles``)
+        the variant and ``one_loop`` are Triton's, and (``tiles``)
         Triton's tiles are at least 16 (its smallest matrix product), Mosaic's multiples of 128
         (a TPU's vector lanes). Interpret mode runs any tiles (tests use small ones), so
         ``compiler_for`` checks tiles only where the kernels compile."""
@@ -152,11 +152,9 @@ class BlockSizes:
         if tiles and backend == "mosaic" and (self.block_q % 128 or self.block_k % 128):
             raise ValueError(f"kernel tiles {size}: Mosaic (a TPU) needs multiples of 128 "
                              "(e.g. 128x128, the default)")
-        if backend != "triton" and (self.variant != "terms" or self.heads_per_program != 1
-                                    or self.one_loop):
-            raise ValueError(f"BlockSizes(variant={self.variant!r}, heads_per_program="
-                             f"{self.heads_per_program}, one_loop={self.one_loop}) needs the "
-                             f"triton backend (a GPU), not {backend}")
+        if backend != "triton" and (self.variant != "terms" or self.one_loop):
+            raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}) "
+                             f"needs the triton backend (a GPU), not {backend}")
 
 
 # ---------------------------------------------------------------------------------------------

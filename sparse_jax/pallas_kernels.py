@@ -338,34 +338,55 @@ def _tpu_steps(lists_ref, width, start, step, end):
     pl.when(j == pl.num_programs(3) - 1)(end)
 
 
+def _tpu_keep(keep, q_attrs, k_attrs, masked):
+    """A step's mask, shared by its heads: None for a full block."""
+    return keep(*(r[...] for r in q_attrs), *(r[...] for r in k_attrs)) if masked else None
+
+
+def _tpu_scores(q, k, kept):
+    s = _dot(q, k, trans_b=True)
+    return s if kept is None else jnp.where(kept, s, NEG)
+
+
+# Refs of data arrays carry the step's heads first ([heads, tile, d]): a step serves
+# ``Compiler.heads_per_program`` heads, one block list, one mask, so that the per-step cost of
+# the grid is paid once for them all.
+
+
 def _tpu_forward(lists_ref, q_ref, qp_ref, qs_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, o_ref,
                  lse_ref, o_scr, m_scr, t_scr, *, keep, width):
     scratch = (o_scr, m_scr, t_scr)
+    heads = range(q_ref.shape[0])
 
     def start():
-        for ref, x in zip(scratch, _start(*o_scr.shape)):
-            ref[...] = x
+        for ref, x in zip(scratch, _start(*o_scr.shape[1:])):
+            ref[...] = jnp.broadcast_to(x, ref.shape)
 
     def step(masked):
-        s = _scores(keep, q_ref[...], k_ref[...], (qp_ref[...], qs_ref[...]),
-                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
-        for ref, x in zip(scratch, _online(s, *(r[...] for r in scratch), v_ref[...])):
-            ref[...] = x
+        kept = _tpu_keep(keep, (qp_ref, qs_ref), (kp_ref, ks_ref, kf_ref), masked)
+        for g in heads:
+            s = _tpu_scores(q_ref[g], k_ref[g], kept)
+            for ref, x in zip(scratch, _online(s, *(r[g] for r in scratch), v_ref[g])):
+                ref[g] = x
 
     def end():
-        o_ref[...], lse_ref[...] = _finish(*(r[...] for r in scratch))
+        for g in heads:
+            o_ref[g], lse_ref[g] = _finish(*(r[g] for r in scratch))
 
     _tpu_steps(lists_ref, width, start, step, end)
 
 
 def _tpu_dq(lists_ref, q_ref, qp_ref, qs_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kp_ref,
             ks_ref, kf_ref, dq_ref, dq_scr, *, keep, width):
+    heads = range(q_ref.shape[0])
+
     def step(masked):
-        k = k_ref[...]
-        s = _scores(keep, q_ref[...], k, (qp_ref[...], qs_ref[...]),
-                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
-        ds = _grads(s, lse_ref[...], delta_ref[...], do_ref[...], v_ref[...])[1]
-        dq_scr[...] += _dot(ds.astype(k.dtype), k)
+        kept = _tpu_keep(keep, (qp_ref, qs_ref), (kp_ref, ks_ref, kf_ref), masked)
+        for g in heads:
+            k = k_ref[g]
+            s = _tpu_scores(q_ref[g], k, kept)
+            ds = _grads(s, lse_ref[g], delta_ref[g], do_ref[g], v_ref[g])[1]
+            dq_scr[g] += _dot(ds.astype(k.dtype), k)
 
     def start():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
@@ -378,13 +399,16 @@ def _tpu_dq(lists_ref, q_ref, qp_ref, qs_ref, do_ref, lse_ref, delta_ref, k_ref,
 
 def _tpu_dkv(lists_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse_ref, delta_ref,
              qp_ref, qs_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, keep, width):
+    heads = range(k_ref.shape[0])
+
     def step(masked):
-        q, do = q_ref[...], do_ref[...]
-        s = _scores(keep, q, k_ref[...], (qp_ref[...], qs_ref[...]),
-                    (kp_ref[...], ks_ref[...], kf_ref[...]), masked)
-        p, ds = _grads(s, lse_ref[...], delta_ref[...], do, v_ref[...])
-        dk_scr[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
-        dv_scr[...] += _dot(p.astype(do.dtype), do, trans_a=True)
+        kept = _tpu_keep(keep, (qp_ref, qs_ref), (kp_ref, ks_ref, kf_ref), masked)
+        for g in heads:
+            q, do = q_ref[g], do_ref[g]
+            s = _tpu_scores(q, k_ref[g], kept)
+            p, ds = _grads(s, lse_ref[g], delta_ref[g], do, v_ref[g])
+            dk_scr[g] += _dot(ds.astype(q.dtype), q, trans_a=True)
+            dv_scr[g] += _dot(p.astype(do.dtype), do, trans_a=True)
 
     def start():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
@@ -398,15 +422,17 @@ def _tpu_dkv(lists_ref, k_ref, v_ref, kp_ref, ks_ref, kf_ref, q_ref, do_ref, lse
 
 def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, name,
               cost_estimate=None):
-    """pallas_call over (batch, head, own tile, list step) with the lists prefetched: ``own``
-    arrays are tiled by the grid, ``listed`` ones by the list entry (tiles of
-    ``listed_block``); ``out``: (shape, tile) pairs; ``scratch``: float32 VMEM shapes;
-    ``cost_estimate``: as ``_gpu_call``'s."""
+    """pallas_call over (batch, head group, own tile, list step) with the lists prefetched:
+    ``own`` arrays are tiled by the grid, ``listed`` ones by the list entry (tiles of
+    ``listed_block``), data arrays by ``compiler.heads_per_program`` heads; ``out``: (shape,
+    tile) pairs; ``scratch``: float32 VMEM shapes of one head; ``cost_estimate``: as
+    ``_gpu_call``'s."""
     from jax.experimental.pallas import tpu as pltpu
 
     blocks, width = lists.shape
     block = out[0][1]
     batch, heads = out[0][0][:2]
+    group = compiler.heads_per_program
 
     def entry(i, j, lists_ref):  # the block of list entry j of row i (the last one past the end)
         count = lists_ref[i * width] + lists_ref[i * width + 1]
@@ -417,19 +443,19 @@ def _tpu_call(compiler, kernel, lists, own, listed, listed_block, out, scratch, 
             if x.shape[1] == 1:
                 return pl.BlockSpec((tile, 1), lambda b, h, i, j, r: (index(i, j, r), 0))
             return pl.BlockSpec((1, tile), lambda b, h, i, j, r: (0, index(i, j, r)))
-        return pl.BlockSpec((None, None, tile, x.shape[3]),
+        return pl.BlockSpec((None, group, tile, x.shape[3]),
                             lambda b, h, i, j, r: (b, h, index(i, j, r), 0))
 
     def own_index(i, j, r):
         return i
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(batch, heads, blocks, max(1, width - 2)),
+        num_scalar_prefetch=1, grid=(batch, heads // group, blocks, max(1, width - 2)),
         in_specs=[*(spec(x, block, own_index) for x in own),
                   *(spec(x, listed_block, entry) for x in listed)],
         out_specs=[spec(jax.ShapeDtypeStruct(shape, jnp.float32), tile, own_index)
                    for shape, tile in out],
-        scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch])
+        scratch_shapes=[pltpu.VMEM((group, *shape), jnp.float32) for shape in scratch])
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, interpret=compiler.interpret, name=name,
         cost_estimate=cost_estimate,
@@ -492,9 +518,9 @@ def _gpu_inputs(q_attrs, k_attrs, tiled_attrs, data, rows, init):
 
 def _only_triton(compiler, rows, init, dtype, seq_major):
     if compiler.backend != "triton" and (rows is not None or init or dtype != jnp.float32
-                                         or compiler.heads_per_program != 1 or seq_major):
-        raise ValueError(f"chained terms, sequence-major arrays and heads_per_program > 1 need "
-                         f"the Triton backend, not {compiler.backend}")
+                                         or seq_major):
+        raise ValueError(f"chained terms and sequence-major arrays need the Triton backend, "
+                         f"not {compiler.backend}")
 
 
 def _dims(x, seq_major):

@@ -205,19 +205,44 @@ def test_kernels_lower_to_mosaic_for_a_tpu(spec, seq_len, d, dtype):
     assert lowered.as_text().count("custom_call @tpu_custom_call(") == 3 * len(spec.terms())
 
 
-@pytest.mark.parametrize("spec,seq_len", [(PatternSpec("strided", stride=16), 93),
-                                          (PatternSpec("fixed", stride=16, c=4), 80)], ids=str)
-def test_tpu_kernels_match_dense_in_interpret_mode(spec, seq_len):
-    """The TPU flavour (a grid step per list entry, running softmax in scratch) computes the
-    same as the dense reference, forward and gradients, float32, for the three layouts (rows,
-    columns, packed summary keys); the mask rule and lists are the GPU flavour's."""
+@pytest.mark.parametrize("sizes", [K.BlockSizes(256, 256), K.BlockSizes(128, 128,
+                                                                       heads_per_program=2)],
+                         ids=["256x256", "128x128-h2"])
+def test_larger_mosaic_tiles_and_head_groups_lower_for_a_tpu(sizes):
+    """Tiles of 256 (two of the pattern's 128-blocks) and grid steps of two heads lower through
+    Mosaic too."""
+    spec, x = PatternSpec("strided", stride=128), jax.ShapeDtypeStruct((1, 2, 1024, 128),
+                                                                        jnp.bfloat16)
+
+    def loss(q, k, v):
+        return K.sequence_attention(spec, q, k, v, sizes=sizes, backend="mosaic",
+                                    interpret=False).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("tpu",))
+    assert lowered.as_text().count("custom_call @tpu_custom_call(") == 3 * len(spec.terms())
+
+
+@pytest.mark.parametrize("spec,seq_len,sizes", [
+    (PatternSpec("strided", stride=16), 93, SMALL),
+    (PatternSpec("fixed", stride=16, c=4), 80, SMALL),
+    # a grid step for both heads, tiles larger than the pattern's blocks (as 256 x 256 on l=128)
+    (PatternSpec("strided", stride=16), 93, K.BlockSizes(32, 32, heads_per_program=2)),
+    (PatternSpec("fixed", stride=16, c=4), 80, K.BlockSizes(32, 16, heads_per_program=2))],
+    ids=lambda c: str(c) if not isinstance(c, K.BlockSizes) else
+    f"{c.block_q}x{c.block_k}-h{c.heads_per_program}")
+def test_tpu_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes):
+    """The TPU flavour (a grid step per list entry and head group, running softmax in scratch)
+    computes the same as the dense reference, forward and gradients, float32, for the three
+    layouts (rows, columns, packed summary keys); the mask rule and lists are the GPU
+    flavour's."""
     q, k, v, cot = qkv(seq_len, 64, jnp.float32)
     mask, rows = spec.mask(seq_len), -(-seq_len // spec.block)
 
     def kernel(q, k, v):  # [B, n, H, d] -> the grid-padded [B, H, n', d] layout and back
         seq = lambda x: jnp.pad(  # noqa: E731
             x, ((0, 0), (0, rows * spec.block - seq_len), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-        out = K.sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=SMALL,
+        out = K.sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=sizes,
                                    backend="mosaic", interpret=True)
         return out[:, :, :seq_len].transpose(0, 2, 1, 3)
 
