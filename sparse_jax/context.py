@@ -646,7 +646,7 @@ def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
             for i, s in enumerate(specs)], axis=2)
     spec = specs[0]
     how = _how(implementation, block_sizes)
-    if _pallas(how) and q.shape[2] % how.heads_per_program:
+    if _pallas(how) and spec.kind != "dense" and q.shape[2] % how.heads_per_program:
         raise ValueError(f"BlockSizes.heads_per_program={how.heads_per_program} must divide "
                          f"the {q.shape[2]} heads")
     try:
