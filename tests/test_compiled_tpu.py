@@ -177,6 +177,10 @@ def test_cycles_attach_to_kernels_and_sum_per_program(tmp_path):
     row = {"kernels": row["kernels"][:1]}
     compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
     assert row["cycles"] == 70658 and row["estimated_us"] == pytest.approx(70658 / 1750)
+    # 0 cycles for a kernel: no estimate (libtpu's for a kernel whose blocks span heads)
+    profile["jvp_sparse_forward_rows_.1"]["cycles"] = 0
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    assert row["kernels"][0]["cycles"] is None and row["cycles"] is None
 
 
 def test_ours_and_splash_are_set_side_by_side():

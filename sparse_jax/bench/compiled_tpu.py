@@ -333,13 +333,15 @@ def read_static_profile(folder: str) -> dict[str, dict]:
 
 def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float) -> None:
     """Each Mosaic kernel of ``row`` gets its static cycles (summed over its calls; None where
-    the profile lacks one), the row the kernels' sum ("cycles"), its time at ``clock_ghz``
-    ("estimated_us") and the sum over every op of the program, XLA's too ("all_op_cycles",
-    each op's cycles times the equivalent ops it stands for)."""
+    the profile lacks one or gives it 0 cycles: no estimate, as for a kernel whose blocks span
+    several heads, whose copies libtpu counts as remote DMA), the row the kernels' sum
+    ("cycles"), its time at ``clock_ghz`` ("estimated_us") and the sum over every op of the
+    program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
+    for)."""
     total = 0
     for k in row["kernels"]:
         found = [profile[i]["cycles"] * profile[i]["equivalent"] for i in k["instructions"]
-                 if i in profile]
+                 if profile.get(i, {}).get("cycles")]
         k["cycles"] = sum(found) if len(found) == len(k["instructions"]) else None
         total = None if total is None or k["cycles"] is None else total + k["cycles"]
     row["cycles"] = total
