@@ -185,8 +185,9 @@ def test_cycles_attach_to_kernels_and_sum_per_program(tmp_path):
 
 def test_ours_and_splash_are_set_side_by_side():
     rows = [{"name": "attention 16k strided:128@pallas", "cycles": 2.8e6},
-            {"name": "attention 16k strided:128@pallas:256x256", "cycles": 1.4e6},
-            {"name": "splash 16k strided:128 b512", "cycles": 7.0e6},
+            {"name": "attention 16k strided:128@pallas:256x256", "cycles": 1.4e6,
+             "all_op_cycles": 2.0e6},
+            {"name": "splash 16k strided:128 b512", "cycles": 7.0e6, "all_op_cycles": 7.2e6},
             {"name": "splash 16k strided:128 b1024", "cycles": 8.0e6},
             {"name": "splash 16k dense b512", "cycles": 7.7e6},
             {"name": "attention 16k fixed:128:32@pallas fwd", "cycles": 1.0e6},
@@ -195,7 +196,8 @@ def test_ours_and_splash_are_set_side_by_side():
     assert compiled_tpu.beside_splash(rows) == [
         {"length": "16k", "mask": "strided:128", "forward": False,
          "ours": "attention 16k strided:128@pallas:256x256", "ours_cycles": 1.4e6,
-         "splash": "splash 16k strided:128 b512", "splash_cycles": 7.0e6, "ratio": 5.0}]
+         "splash": "splash 16k strided:128 b512", "splash_cycles": 7.0e6, "ratio": 5.0,
+         "all_op_ratio": 3.6}]
     text = compiled_tpu.markdown([], "v5p", ["# t"])
     assert "time at 1.75 GHz" in text
     assert "no static cycles" in compiled_tpu.markdown([], "v5e", ["# t"])
