@@ -177,6 +177,9 @@ def test_cycles_attach_to_kernels_and_sum_per_program(tmp_path):
     row = {"kernels": row["kernels"][:1]}
     compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
     assert row["cycles"] == 70658 and row["estimated_us"] == pytest.approx(70658 / 1750)
+    row["tile_flops"] = 459e3 / 1.75 * 2e5  # 0.2 M cycles of the v5p's MXUs
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75, peak_tflops=459)
+    assert row["mxu_floor_cycles"] == pytest.approx(2e5) and row["bounded_cycles"] == 2e5
     # 0 cycles for a kernel: no estimate (libtpu's for a kernel whose blocks span heads)
     profile["jvp_sparse_forward_rows_.1"]["cycles"] = 0
     compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)

@@ -60,6 +60,7 @@ class Target:
     hbm_gib: float
     clock_ghz: float
     cycles: bool
+    peak_tflops: float  # bf16, the whole chip (the MXU floor of a kernel's matrix products)
 
 
 # Clocks: no data sheet states one; each is the chip's peak bf16 rate over its MXUs' multiply-
@@ -68,9 +69,9 @@ class Target:
 # v5e MXU); v5p: 459 TFLOP/s over 2 TensorCores x 4 MXUs = 1.75 GHz; v6e: 918 TFLOP/s over one
 # TensorCore's 4 MXUs of 256 x 256 (Cloud TPU's v6e page; an older version said 2) = 1.75 GHz.
 TARGETS = {
-    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0, 1.50, cycles=False),
-    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0, 1.75, cycles=True),
-    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0, 1.75, cycles=True),
+    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0, 1.50, cycles=False, peak_tflops=197),
+    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0, 1.75, cycles=True, peak_tflops=459),
+    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0, 1.75, cycles=True, peak_tflops=918),
 }
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"  # libtpu: static cycles of every HLO op
 
@@ -94,6 +95,7 @@ def _attention(pattern: str, n: int, group: str, forward: bool = False) -> dict:
 # 4 GiB, and splash's mask processing holds more), so 8k and 16k only; 128-blocks at 16k need
 # more than 24 GiB of host memory to process: not listed.
 SPLASH_MASKS = ("strided:128", "fixed:128:32", "dense")
+LARGER_TILES = (256, 512)  # our kernels at tiles beyond the 128 x 128 default (tiles8k, 16k)
 SPLASH_BLOCKS = (256, 512, 1024)
 
 
@@ -105,12 +107,15 @@ def _splash(mask: str, n: int, block: int, group: str, forward: bool = False) ->
 
 def programs() -> list[dict]:
     """The suite's check ("ci", the default kernels at ``CI_LENGTH``), then the same at 16k and
-    64k (groups "attention16k", "attention64k"); splash attention with the same masks at 8k and
-    16k ("splash8k", "splash16k"); the forward passes alone at 16k ("forward16k": ours and
-    splash's at 512-blocks, for v6e, whose profiler takes too long over the backward)."""
+    64k (groups "attention16k", "attention64k"); the same at larger tiles ("tiles8k",
+    "tiles16k"); splash attention with the same masks at 8k and 16k ("splash8k",
+    "splash16k"); the forward passes alone at 16k ("forward16k": ours and splash's at
+    512-blocks, for v6e, whose profiler takes too long over the backward)."""
     out = [_attention(p, n, group) for n, group in
            ((CI_LENGTH, "ci"), (16384, "attention16k"), (65536, "attention64k"))
            for p in PATTERNS]
+    out += [_attention(f"{p}:{t}x{t}", n, f"tiles{n // 1024}k") for n in (CI_LENGTH, 16384)
+            for p in PATTERNS for t in LARGER_TILES]
     out += [_splash(m, n, b, f"splash{n // 1024}k") for n in (CI_LENGTH, 16384)
             for m in SPLASH_MASKS for b in SPLASH_BLOCKS]
     out += [_attention(p, 16384, "forward16k", forward=True) for p in PATTERNS]
@@ -184,6 +189,27 @@ def build(program: dict, mesh):
     return (_forward_of(program) if program.get("forward") else fn), args
 
 
+def tile_flops(program: dict) -> float:
+    """The matrix products' flops over every tile the kernels visit (masked pairs too): per
+    scored (query, key) pair and head 2 d multiply-adds forward (q·k, p·v), 3 d for dq and 4 d
+    for dk, dv (ours and splash's alike), 2 flops each. Ours: the block lists' scored pairs
+    (``kernel.sparsity``); splash: its nonzero mask blocks, whole."""
+    from sparse_jax import kernel
+    from sparse_jax.bench.attention import parse_pattern
+
+    n, heads, d = program["seq_len"], program["batch"] * program["heads"], program["head_dim"]
+    spec, _, sizes = parse_pattern(program["pattern"], n)
+    if program["kind"] == "splash":
+        b, blocks = program["block"], n // program["block"]
+        nonzero = (blocks * (blocks + 1) // 2 if spec.kind == "dense" else
+                   int(spec.mask(n).reshape(blocks, b, blocks, b).any(axis=(1, 3)).sum()))
+        scored = nonzero * b * b
+    else:
+        scored = kernel.sparsity(spec, n, sizes or kernel.BlockSizes.for_backend("mosaic"))[
+            "scored"]
+    return 2.0 * d * heads * scored * (2 if program.get("forward") else 9)
+
+
 def _forward_of(program: dict):
     """The loss alone (no gradient) of a sparse attention program."""
     import jax.numpy as jnp
@@ -233,6 +259,7 @@ def _child(program: dict, target: str) -> None:
     cost = cost[0] if isinstance(cost, list) else cost
     result["flops"] = float((cost or {}).get("flops", 0.0))
     result["kernels"] = parse_mosaic_kernels(executable.as_text())
+    result["tile_flops"] = tile_flops(program)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -331,13 +358,18 @@ def read_static_profile(folder: str) -> dict[str, dict]:
     return parse_static_profile("\n".join(text))
 
 
-def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float) -> None:
+def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float,
+                  peak_tflops: float = 0.0) -> None:
     """Each Mosaic kernel of ``row`` gets its static cycles (summed over its calls; None where
     the profile lacks one or gives it 0 cycles: no estimate, as for a kernel whose blocks span
     several heads, whose copies libtpu counts as remote DMA), the row the kernels' sum
     ("cycles"), its time at ``clock_ghz`` ("estimated_us") and the sum over every op of the
     program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
-    for)."""
+    for). With the row's "tile_flops" and the chip's ``peak_tflops``: the cycles its MXUs need
+    at the least for them ("mxu_floor_cycles"), and the kernels' cycles raised to that floor
+    ("bounded_cycles"): for tiles of 512 and more the profile's estimate falls below that
+    floor (it seems not to count a loop inside a kernel's body by its trips), so only the
+    bounded figure compares large tiles with small."""
     total = 0
     for k in row["kernels"]:
         found = [profile[i]["cycles"] * profile[i]["equivalent"] for i in k["instructions"]
@@ -346,6 +378,9 @@ def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float) -> None
         total = None if total is None or k["cycles"] is None else total + k["cycles"]
     row["cycles"] = total
     row["estimated_us"] = None if total is None else total / (clock_ghz * 1e3)
+    if "tile_flops" in row and peak_tflops:
+        row["mxu_floor_cycles"] = row["tile_flops"] / (peak_tflops * 1e3 / clock_ghz)
+        row["bounded_cycles"] = None if total is None else max(total, row["mxu_floor_cycles"])
     row["all_op_cycles"] = sum(e["cycles"] * e["equivalent"] for e in profile.values())
 
 
@@ -415,7 +450,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     row["fits"] = row["planned_gib"] <= t.hbm_gib
     row["max_vmem_bytes"] = max((k["vmem_bytes"] for k in row["kernels"]), default=0)
     if profile is not None:
-        attach_cycles(row, profile, t.clock_ghz)
+        attach_cycles(row, profile, t.clock_ghz, t.peak_tflops)
     return row
 
 
@@ -460,6 +495,11 @@ def beside_splash(rows: list[dict]) -> list[dict]:
                         "splash_cycles": rival["cycles"],
                         "ratio": rival["cycles"] / best["cycles"],
                         "all_op_ratio": rival["all_op_cycles"] / best["all_op_cycles"]})
+            if all(r.get("bounded_cycles") for r in mine + theirs):
+                best, rival = (min(group, key=lambda r: r["bounded_cycles"])
+                               for group in (mine, theirs))
+                out[-1].update(bounded_ours=best["name"], bounded_splash=rival["name"],
+                               bounded_ratio=rival["bounded_cycles"] / best["bounded_cycles"])
     return out
 
 
@@ -469,13 +509,15 @@ def markdown(rows: list[dict], target: str, header: list[str]) -> str:
     t = TARGETS[target]
     f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
     cycles = "static cycles: libtpu's static profile (estimates; the sum over the Mosaic " \
-        f"kernels, and over every op of the program), time at {t.clock_ghz:g} GHz" if t.cycles \
-        else "no static cycles: libtpu's static profiler aborts for this chip"
+        f"kernels, and over every op of the program), time at {t.clock_ghz:g} GHz; MXU floor: " \
+        f"the visited tiles' matrix products at the chip's {t.peak_tflops:g} bf16 TFLOP/s " \
+        "(the profile's estimate falls below it for large tiles; bounded: the larger of the " \
+        "two)" if t.cycles else "no static cycles: libtpu's static profiler aborts for this chip"
     lines = [*header, "", f"Target: {t.name}, topology {t.topology}, {t.hbm_gib:g} GiB HBM; "
              f"{cycles}.", "",
              "| program | compile s | planned GiB | fits | Mosaic kernels | max VMEM KiB | "
-             "XLA flops | kernel Mcycles | est. µs | all-op Mcycles | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "XLA flops | kernel Mcycles | est. µs | all-op Mcycles | MXU floor Mcycles | "
+             "result |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kernels = r.get("kernels")
         mega = lambda v: f(None if v is None else v / 1e6, ".3f")  # noqa: E731
@@ -486,20 +528,23 @@ def markdown(rows: list[dict], target: str, header: list[str]) -> str:
             f"| {f(r['max_vmem_bytes'] / 1024 if 'max_vmem_bytes' in r else None, '.0f')} "
             f"| {f(r.get('flops'), '.3g')} | {mega(r.get('cycles'))} "
             f"| {f(r.get('estimated_us'), '.0f')} | {mega(r.get('all_op_cycles'))} "
-            f"| {r.get('error', 'ok')} |")
+            f"| {mega(r.get('mxu_floor_cycles'))} | {r.get('error', 'ok')} |")
     pairs = beside_splash(rows)
     if pairs:
         lines += ["", "Beside splash attention on the same mask (fewest kernel cycles of each; "
                   "ratio: splash's kernel cycles over ours; all ops: the same for every op of "
                   "the two programs, XLA's layout transposes and merges too):", "",
                   "| length | mask | pass | ours | Mcycles | splash | Mcycles | ratio | "
-                  "all-op ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                  "all-op ratio | bounded: ours, splash, ratio |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for p in pairs:
+            bounded = "—" if "bounded_ratio" not in p else (
+                f"{p['bounded_ours']}, {p['bounded_splash']}, {p['bounded_ratio']:.2f}")
             lines.append(f"| {p['length']} | {p['mask']} | "
                          f"{'forward' if p['forward'] else 'fwd+bwd'} | {p['ours']} | "
                          f"{p['ours_cycles'] / 1e6:.3f} | {p['splash']} | "
                          f"{p['splash_cycles'] / 1e6:.3f} | {p['ratio']:.2f} | "
-                         f"{p['all_op_ratio']:.2f} |")
+                         f"{p['all_op_ratio']:.2f} | {bounded} |")
     lines += ["", "Per Mosaic kernel (VMEM: its scoped allocation, scratch and pipeline windows; "
               "output in VMEM: XLA keeps one there whole, with no window; static cycles over "
               "its calls):", "",
