@@ -57,9 +57,10 @@ def base() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95  # Adam beta2 (not given in the paper)
     c.optimizer.grad_accum = 1  # micro-batches per step (batch_size / grad_accum each)
 
-    c.mesh = ml_collections.ConfigDict()  # devices: a (data, fsdp) mesh
-    c.mesh.data = -1  # data-parallel devices (-1: all devices / fsdp)
+    c.mesh = ml_collections.ConfigDict()  # devices: a (data, fsdp, seq) mesh
+    c.mesh.data = -1  # data-parallel devices (-1: all devices / (fsdp x seq))
     c.mesh.fsdp = 1  # parameter-sharding devices (FSDP: parameters split along the width)
+    c.mesh.seq = 1  # context-parallel devices: each sequence's positions split over them
 
     c.data = ml_collections.ConfigDict()  # sparse_jax.data.DataConfig: exactly its fields
     c.data.name = "embedded"  # enwik8 | bytes | cifar10 | images | embedded

@@ -44,7 +44,7 @@ SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them 
 # Fields added after runs were recorded, with the value a record without them trained with.
 ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4,
          "model.rotary": False, "model.shifted_heads": False,
-         "model.rotary_fraction": 1.0, "model.kernel": ""}
+         "model.rotary_fraction": 1.0, "model.kernel": "", "mesh.seq": 1}
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:

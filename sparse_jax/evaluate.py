@@ -52,8 +52,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sparse_jax import baselines, checkpoints, sources
 from sparse_jax import config as config_lib
@@ -159,10 +157,13 @@ def split_bits(eval_step, params, batches, batch_sharding, *, max_batches: int |
 
 
 def eval_mesh(config, devices: int):
-    """The training mesh's fsdp split (when it divides `devices`) with data over the rest: a
-    model trained sharded is evaluated sharded."""
+    """The training mesh's fsdp and seq splits (each where it divides `devices`) with data over
+    the rest: a model trained sharded is evaluated sharded, and one whose sequences were split
+    over devices (mesh.seq) is read with them split the same way."""
     fsdp = config.mesh.fsdp if devices % config.mesh.fsdp == 0 else 1
-    return sharding_lib.make_mesh(-1, fsdp)
+    seq = config.mesh.get("seq", 1)
+    seq = seq if devices % (fsdp * seq) == 0 else 1
+    return sharding_lib.make_mesh(-1, fsdp, seq)
 
 
 @functools.lru_cache(maxsize=8)
@@ -244,10 +245,14 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     cfg = model_config(config.model)
     batch_size = config.batch_size if batch_size is None else batch_size
     devices, processes = jax.device_count(), jax.process_count()
+    mesh = eval_mesh(config, devices)
+    sequences = devices // sharding_lib.seq_size(mesh)  # devices a batch's sequences split over
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1 \
-            or batch_size % devices:
-        raise ValueError(f"batch_size must be a positive multiple of the {devices} devices, got "
-                         f"{batch_size!r}")
+            or batch_size % sequences:
+        split = "" if sequences == devices else f" (mesh.seq={sharding_lib.seq_size(mesh)} " \
+            "splits each sequence's positions)"
+        raise ValueError(f"batch_size must be a positive multiple of the {sequences} devices"
+                         f"{split}, got {batch_size!r}")
     image = data_lib.data_config(config.data).is_image
     if data_path is not None:  # scripts/evaluate.py --data: the errors name that flag
         if image or cfg.vocab_size != 256:
@@ -282,8 +287,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
         else also or None))
     if data_path is None:
         workdir_lib.check_data(workdir, config.data, dataset, record=False)  # the data trained on
-    mesh = eval_mesh(config, devices)
-    batch_sharding = NamedSharding(mesh, P(sharding_lib.MESH_AXES))
+    batch_sharding = sharding_lib.batch_sharding(mesh)
     model, config, step = checkpoints.restore_model(workdir, checkpoint, mesh, cfg.attention)
     check_output(step)  # again: a damaged checkpoint may have fallen back to another step
     graphdef, params = nnx.split(model)

@@ -18,8 +18,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax.attention import decode_attention, multi_spec_attention, resolve_implementation
+from sparse_jax.context import context_attention
 from sparse_jax.kernel import BlockSizes
 from sparse_jax.patterns import PatternSpec
+from sparse_jax.sharding import SEQ_AXIS
 
 
 def _dropout(x, rate: float, key):
@@ -138,10 +140,13 @@ class SparseSelfAttention(nnx.Module):
         self.shifts = shifts
 
     def __call__(self, x, sharding=None):
-        """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x's batch
-        split on a device mesh, if any. XLA cannot split a fused kernel (a custom call) by
-        itself, so with ``implementation`` "pallas" or "native" (or "auto") each device runs the
-        kernel on its own sequences (``jax.shard_map``)."""
+        """x: [B, n, d_model] -> [B, n, d_model]. ``sharding``: the NamedSharding of x on a
+        device mesh, if any (``sharding.batch_sharding``). XLA cannot split a fused kernel (a
+        custom call) by itself, so with ``implementation`` "pallas" or "native" (or "auto") each
+        device runs the kernel on its own sequences (``jax.shard_map``). Where the mesh splits
+        the sequence (its ``seq`` axis), every implementation runs in a ``shard_map`` over it,
+        each device attending its positions' rows and exchanging the keys the pattern needs
+        (``context.context_attention``)."""
         batch, seq_len, _ = x.shape
         split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
@@ -152,13 +157,23 @@ class SparseSelfAttention(nnx.Module):
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation,
                                    block_sizes=self.block_sizes)
-        if sharding is not None and resolve_implementation(self.implementation) in ("pallas",
-                                                                                     "native"):
+        if sharding is not None:
+            mesh = sharding.mesh
             axes = sharding.spec[0] if sharding.spec else None
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            if batch % math.prod(sharding.mesh.shape[a] for a in names) == 0:
+            if batch % math.prod(mesh.shape[a] for a in names):
+                axes = None  # a batch the mesh cannot split: whole on every device
+            if mesh.shape.get(SEQ_AXIS, 1) > 1:
+                spec = P(axes, SEQ_AXIS)
+                attend = jax.shard_map(
+                    functools.partial(context_attention, spec=self.specs, axis=SEQ_AXIS,
+                                      implementation=self.implementation,
+                                      block_sizes=self.block_sizes),
+                    mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+            elif axes is not None and resolve_implementation(self.implementation) in (
+                    "pallas", "native"):
                 spec = P(axes)
-                attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(spec,) * 3,
+                attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3,
                                        out_specs=spec, check_vma=False)
         return self.out(attend(q, k, v).reshape(batch, seq_len, -1))
 

@@ -167,6 +167,10 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
 
     workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite,
                              create=False)
+    if config.mesh.get("seq", 1) > 1:  # trained with each sequence split over devices
+        print(f"Sampling on one device: decoding reads one position at a time from a key/value "
+              f"cache, which splits no sequence (the run trained with mesh.seq="
+              f"{config.mesh.seq}).", flush=True)
     model, config, step = checkpoints.restore_model(workdir, checkpoint, attention=cfg.attention)
     path = output_path(step)
     # Again: a damaged checkpoint may have fallen back to another step. Neither check creates a

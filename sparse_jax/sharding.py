@@ -1,10 +1,14 @@
 """Device meshes, parameter sharding through logical axis names, and multi-host start-up.
 
-The mesh has two axes: ``data`` and ``fsdp``. A batch is split over both (every device holds
-``batch / devices`` sequences). Parameters and optimizer state are sharded over ``fsdp``
-(fully-sharded data parallel: each device stores 1/fsdp of every large array and XLA gathers a
-layer's weights when it runs) and replicated over ``data``. ``mesh.fsdp = 1`` is plain data
-parallelism: the same code, with every array whole on every device.
+The mesh has three axes: ``data``, ``fsdp`` and ``seq``. A batch's sequences are split over
+``data`` and ``fsdp`` (``BATCH_AXES``), and each sequence's positions over ``seq`` (context
+parallelism: device s of a ``seq`` group holds positions ``[s·n/P, (s+1)·n/P)`` of its sequences'
+activations, and the attention layers exchange what the pattern needs, ``sparse_jax.context``;
+``seq = 1``, the default, splits no sequence). Parameters and optimizer state are sharded over
+``fsdp`` (fully-sharded data parallel: each device stores 1/fsdp of every large array and XLA
+gathers a layer's weights when it runs) and replicated over ``data`` and ``seq``.
+``mesh.fsdp = 1`` is plain data parallelism: the same code, with every array whole on every
+device.
 
 Every parameter's axes have logical names (``PARAM_AXES``, by the parameter's place in the
 model: ``("embed", "mlp")`` for the first feed-forward kernel, ...), and ``RULES`` maps logical
@@ -32,7 +36,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "seq")
+BATCH_AXES = ("data", "fsdp")  # a batch's sequences are split over these
+SEQ_AXIS = "seq"  # each sequence's positions over this (context parallelism)
 
 # Logical axis names of each parameter, keyed by (module name, parameter name) as they appear
 # at the end of the parameter's path. A leading "layers" axis is added for the stacked
@@ -137,25 +143,43 @@ def state_shardings(abstract_state, mesh: Mesh, rules: Mapping[str, str] = RULES
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def mesh_shape(devices: int, data: int, fsdp: int) -> dict[str, int]:
-    """{"data": d, "fsdp": f} with d x f = devices; data = -1 takes what fsdp leaves."""
-    if not isinstance(fsdp, int) or fsdp < 1:
-        raise ValueError(f"mesh.fsdp must be a positive integer, got {fsdp!r}")
-    if devices % fsdp:
-        raise ValueError(f"mesh.fsdp={fsdp} does not divide the {devices} devices")
-    data = devices // fsdp if data == -1 else data
-    if not isinstance(data, int) or data < 1 or data * fsdp != devices:
-        raise ValueError(f"mesh data={data} x fsdp={fsdp} must equal the {devices} devices "
-                         "(set mesh.data=-1 to use all devices the fsdp axis leaves)")
-    return {"data": data, "fsdp": fsdp}
+def mesh_shape(devices: int, data: int, fsdp: int, seq: int = 1) -> dict[str, int]:
+    """{"data": d, "fsdp": f, "seq": s} with d x f x s = devices; data = -1 takes what fsdp and
+    seq leave."""
+    for name, value in (("fsdp", fsdp), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mesh.{name} must be a positive integer, got {value!r}")
+    if devices % (fsdp * seq):
+        what = f"mesh.fsdp={fsdp}" if seq == 1 else f"mesh.fsdp={fsdp} x mesh.seq={seq}"
+        raise ValueError(f"{what} does not divide the {devices} devices")
+    data = devices // (fsdp * seq) if data == -1 else data
+    if not isinstance(data, int) or data < 1 or data * fsdp * seq != devices:
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x seq={seq} must equal the {devices} "
+                         "devices (set mesh.data=-1 to use all devices the fsdp and seq axes "
+                         "leave)")
+    return {"data": data, "fsdp": fsdp, "seq": seq}
 
 
-def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
-    """A ("data", "fsdp") mesh over `devices` (default: all devices of all processes)."""
+def make_mesh(data: int, fsdp: int, seq: int = 1, devices=None) -> Mesh:
+    """A ("data", "fsdp", "seq") mesh over `devices` (default: all devices of all processes).
+    ``seq`` is the last axis, so a sequence's shards sit on neighbouring devices (one host's,
+    where ``seq`` divides its device count)."""
     devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(len(devices), data, fsdp)
-    return jax.make_mesh((shape["data"], shape["fsdp"]), MESH_AXES, devices=devices,
-                         axis_types=(AxisType.Auto,) * 2)
+    shape = mesh_shape(len(devices), data, fsdp, seq)
+    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, devices=devices,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def seq_size(mesh: Mesh) -> int:
+    """Devices each sequence is split over (1: none)."""
+    return dict(mesh.shape).get(SEQ_AXIS, 1)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a batch [B, n, ...] (tokens, or the activations [B, n, d]) lives: its sequences
+    split over ``BATCH_AXES``, and their positions over ``seq`` when it has more than one
+    device."""
+    return NamedSharding(mesh, P(BATCH_AXES, SEQ_AXIS) if seq_size(mesh) > 1 else P(BATCH_AXES))
 
 
 def per_device_bytes(abstract_state, mesh_shape: Mapping[str, int],

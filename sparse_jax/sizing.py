@@ -142,7 +142,8 @@ def describe_text(cfg: ModelConfig, info: dict) -> str:
         mem = info["per_device"]
         lines.append(f"per device           {mem['params_bytes'] / mib:,.1f} MiB parameters + "
                      f"{mem['optimizer_bytes'] / mib:,.1f} MiB optimizer state on mesh "
-                     f"data={mem['mesh']['data']} x fsdp={mem['mesh']['fsdp']}")
+                     f"data={mem['mesh']['data']} x fsdp={mem['mesh']['fsdp']} x "
+                     f"seq={mem['mesh']['seq']}")
     return "\n".join(lines + ["attention schedule"] + _schedule_lines(info["schedule"]))
 
 
@@ -150,7 +151,8 @@ def per_device_memory(config, devices: int) -> dict:
     """What each device stores of the training state on config.mesh over `devices` devices:
     {"mesh", "params_bytes", "optimizer_bytes"}. From shapes and the sharding rules only (no
     device or allocation needed, so it can size a run for a machine you do not have)."""
-    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp)
+    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp,
+                                    config.mesh.get("seq", 1))
     state = abstract_train_state(config)
     return {"mesh": shape, "params_bytes": sharding_lib.per_device_bytes(state["params"], shape),
             "optimizer_bytes": sharding_lib.per_device_bytes(state["opt"], shape)}

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparse_jax import checkpoints
+from sparse_jax import checkpoints, context
 from sparse_jax import config as config_lib
 from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
@@ -49,26 +49,37 @@ from sparse_jax.logs import Logger, Profiler, duration, warn
 from sparse_jax.model import ModelConfig, loss_bits
 from sparse_jax.optim import state_builders
 
-BATCH_AXES = sharding_lib.MESH_AXES  # a batch is split over every device
-
-
 # ---------------------------------------------------------------------------------------------
 # Optimizer, mesh.
 
 
-def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
-    """The ("data", "fsdp") mesh of config.mesh over all devices (see `sparse_jax.sharding`)."""
-    mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp)
+def make_mesh(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None) -> Mesh:
+    """The ("data", "fsdp", "seq") mesh of config.mesh over all devices (see
+    `sparse_jax.sharding`); with mesh.seq > 1 and `cfg`, the model's context (and each context
+    stage's) must split over the seq devices for every layer's pattern
+    (`context.check_model_split`)."""
+    seq = config.mesh.get("seq", 1)
+    mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, seq)
+    if seq > 1:
+        if jax.process_count() > 1 and jax.local_device_count() % seq:
+            raise ValueError(f"mesh.seq={seq} must divide the {jax.local_device_count()} devices "
+                             "of each process (a sequence's shards stay on one host)")
+        if cfg is not None:
+            lengths = {cfg.seq_len} | {s.seq_len for s in config_lib.context_stages(config, cfg)}
+            for length in sorted(lengths):
+                context.check_model_split(cfg.specs(), length, seq)
+    sequences = mesh.size // seq  # the devices a batch's sequences are split over
     batches = {"batch_size": config.batch_size}
     batches.update({f"context_stages[{i}] batch_size": stage.batch_size for i, stage in
                     enumerate(config_lib.context_stages(config))})
     for name, batch in batches.items():
         micro = batch // config.optimizer.grad_accum
-        if micro % mesh.size:
-            hint = (f"; choose a {name} divisible by {mesh.size} or fewer CPU devices "
+        if micro % sequences:
+            hint = (f"; choose a {name} divisible by {sequences} or fewer CPU devices "
                     "(--cpu_devices=1)" if jax.default_backend() == "cpu" else "")
+            split = "" if seq == 1 else f" (mesh.data x mesh.fsdp; mesh.seq={seq} splits positions)"
             raise ValueError(f"the micro-batch of {micro} sequences ({name} / grad_accum) does "
-                             f"not split evenly over {mesh.size} devices{hint}")
+                             f"not split evenly over {sequences} devices{split}{hint}")
     return mesh
 
 
@@ -154,7 +165,7 @@ def make_jitted(config, cfg: ModelConfig, mesh: Mesh) -> Jitted:
     create, init, schedule = state_builders(config, cfg)
     model_def, opt_def = (nnx.graphdef(x) for x in nnx.eval_shape(create))
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    batch_sharding = sharding_lib.batch_sharding(mesh)
     abstract = jax.eval_shape(init)
     state_sharding = sharding_lib.state_shardings(abstract, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -209,7 +220,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
              config_lib.follow_total_steps(config, preset_total_steps,
                                            workdir_lib.resumable_record(workdir))]
     cfg = config_lib.check_config(config)
-    mesh = make_mesh(config)
+    mesh = make_mesh(config, cfg)
     for note in notes:
         if note and primary:
             print(note, flush=True)

@@ -606,6 +606,14 @@ def build_cases() -> list[Case]:
     err("check/batch not divisible by devices", tiny("--config.batch_size=3", "--cpu_devices=2"),
         r"devices|divisible|split")
     err("check/fsdp larger than the devices", tiny("--config.mesh.fsdp=3"), r"fsdp|mesh|devices")
+    err("check/seq with no devices for it", tiny("--config.mesh.seq=4", "--cpu_devices=2"),
+        r"mesh\.fsdp=1 x mesh\.seq=4 does not divide the 2 devices")
+    err("check/seq that does not split the context",
+        tiny("--config.mesh.seq=2", "--cpu_devices=2", "--config.model.seq_len=72"),
+        r"context parallelism over 2 devices needs n/P a multiple of .*8.*n=72",
+        rule="a context the seq devices cannot split is refused before any work")
+    ok("train/each sequence split over 2 devices", tiny("--config.mesh.seq=2", "--cpu_devices=2"),
+       output_matches(r"mesh \{'data': 1, 'fsdp': 1, 'seq': 2\}", "stdout"))
     err("check/stride longer than seq_len", tiny("--config.model.stride=128"), r"stride")
     err("check/unknown pattern", tiny("--config.model.pattern=sparse"), r"pattern")
     err("check/unknown attention implementation", tiny("--config.model.attention=cuda"),

@@ -95,9 +95,14 @@ def test_logical_axes_by_path():
 
 
 def test_bad_meshes_are_clear_errors():
-    assert S.mesh_shape(8, -1, 4) == {"data": 2, "fsdp": 4}
+    assert S.mesh_shape(8, -1, 4) == {"data": 2, "fsdp": 4, "seq": 1}
+    assert S.mesh_shape(8, -1, 2, 2) == {"data": 2, "fsdp": 2, "seq": 2}
     with pytest.raises(ValueError, match="does not divide the 8 devices"):
         S.mesh_shape(8, -1, 3)
+    with pytest.raises(ValueError, match="mesh.fsdp=2 x mesh.seq=3 does not divide the 8"):
+        S.mesh_shape(8, -1, 2, 3)
+    with pytest.raises(ValueError, match="mesh.seq must be a positive integer"):
+        S.mesh_shape(8, -1, 1, 0)
     with pytest.raises(ValueError, match="must equal the 8 devices"):
         S.mesh_shape(8, 4, 4)
     with pytest.raises(ValueError, match="positive integer"):
@@ -150,7 +155,7 @@ def test_describe_reports_per_device_memory():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     per_device = info["per_device"]
-    assert per_device["mesh"] == {"data": 2, "fsdp": 4}
+    assert per_device["mesh"] == {"data": 2, "fsdp": 4, "seq": 1}
     float32_bytes, fsdp = 4, 4
     assert per_device["params_bytes"] == pytest.approx(info["params"] * float32_bytes / fsdp,
                                                        rel=0.02)
@@ -200,10 +205,12 @@ def _eight_device_child(byte_file, workdir):
 
 @pytest.fixture(scope="module")
 def one_device_run(tmp_path_factory, byte_file):
-    """A 1-device run: 5 steps (checkpoint at 5, copied to `one_then_eight`), then to 8."""
+    """A 1-device run: 5 steps (checkpoint at 5, copied to `one_then_eight` and `one_at_5`),
+    then to 8."""
     root = tmp_path_factory.mktemp("sharding")
     train.train(run_config(byte_file), str(root / "one"))
     shutil.copytree(root / "one", root / "one_then_eight")
+    shutil.copytree(root / "one", root / "one_at_5")
     train.train(run_config(byte_file, total_steps=8), str(root / "one"))
     return root
 
@@ -239,6 +246,101 @@ def test_eight_devices_match_one_device_and_checkpoints_move_between_them(one_de
             assert got[step] == pytest.approx(one[step], abs=1e-5), (workdir, step)
 
 
+def _seq_gradients(pattern, seq, attention="xla"):
+    """The loss and gradients of the tiny bytes model with `pattern` at its initial
+    parameters, on a random batch of 8, on a mesh whose seq axis has `seq` devices (data takes
+    the rest of the 8); the 5-step comparison is scripts/context_parallel.py --model."""
+    import numpy as np
+    from flax import nnx
+
+    config = run_config("unused", model__pattern=pattern, model__attention=attention,
+                        mesh__seq=seq, batch_size=8, optimizer__grad_accum=1)
+    cfg = M.model_config(config.model)
+    mesh = train.make_mesh(config, cfg)
+    jitted = train.make_jitted(config, cfg, mesh)
+    params = jitted.init()["params"]
+    tokens = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1), np.int32)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                           jitted.batch_sharding)
+    model_def = nnx.graphdef(nnx.eval_shape(lambda: M.SparseTransformer(cfg, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def loss_and_grads(params, batch):
+        def loss(params):
+            logits = nnx.merge(model_def, params)(
+                batch["inputs"], activation_sharding=jitted.batch_sharding)
+            return M.loss_bits(logits, batch["targets"])
+        return jax.value_and_grad(loss)(params)
+
+    return loss_and_grads(params, batch)
+
+
+def _seq_child(byte_file, workdir):
+    """Runs in a subprocess with 8 devices (see test_sequences_split_over_devices_...)."""
+    import shutil
+
+    import numpy as np
+
+    from sparse_jax import evaluate
+
+    assert jax.device_count() == 8
+    differences = {}
+    for pattern, attention in (("strided", "xla"), ("fixed", "xla"), ("dense", "xla"),
+                               ("strided", "native")):
+        (l1, g1), (l8, g8) = _seq_gradients(pattern, 1), _seq_gradients(pattern, 8, attention)
+        g1, g8 = ({jax.tree_util.keystr(k): np.asarray(v) for k, v in
+                   jax.tree_util.tree_leaves_with_path(g)} for g in (g1, g8))
+        # each array's largest difference over its largest entry, but the key bias's: it has
+        # no gradient (a softmax ignores a score added to every key), only rounding noise
+        differences[f"{pattern}@{attention}"] = {
+            "loss": abs(float(l1) - float(l8)) / float(l1),
+            "grads": max(float(np.abs(g1[k] - g8[k]).max() / np.abs(g1[k]).max())
+                         for k in g1 if "['key']['bias']" not in k)}
+    # Saved on 1 device (seq=1), resumed with each sequence split over 2 (data over 4): a real
+    # run (train.train: data, checkpoints, validation), then evaluated split the same way.
+    resumed = os.path.join(workdir, "then_seq2")
+    shutil.copytree(os.path.join(workdir, "one_at_5"), resumed)
+    train.train(run_config(byte_file, mesh__seq=2, total_steps=8), resumed)
+    result = evaluate.evaluate(resumed, "valid", 5, progress=False, write=False)
+    assert result["devices"] == 8
+    print("CHILD OK", json.dumps({"differences": differences, "eval_bits": result["bits"]}))
+
+
+@pytest.mark.slow  # starts other processes
+def test_sequences_split_over_devices_match_one_device(one_device_run, byte_file, capsys):
+    """mesh.seq: each sequence's positions over 8 devices (context parallelism) computes the
+    loss and gradients of one device (unsplit), within 1e-5 relative, for strided, fixed and
+    dense, and strided with the fused CPU kernels inside the split; a checkpoint of 1 device
+    resumes with seq=2 as the 1-device run went on (losses, validation), and the run evaluates
+    split as on one device; sampling reads it on one device."""
+    root = one_device_run
+    code = f"import test_sharding as t; t._seq_child({byte_file!r}, {str(root)!r})"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=TESTS,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "CHILD OK" in out.stdout, out.stdout + out.stderr[-5000:]
+    child = json.loads(out.stdout.split("CHILD OK", 1)[1])
+    for pattern, diffs in child["differences"].items():
+        for what, d in diffs.items():
+            assert d < 1e-5, (pattern, what, d)
+    one = losses(root / "one")
+    got = losses(root / "then_seq2")
+    for step in (6, 7, 8):
+        assert got[step] == pytest.approx(one[step], rel=1e-5), step
+    assert losses(root / "then_seq2", "valid")[8] == pytest.approx(
+        losses(root / "one", "valid")[8], rel=1e-5)
+    from sparse_jax import evaluate
+
+    on_one = evaluate.evaluate(str(root / "then_seq2"), "valid", 5, progress=False, write=False)
+    assert child["eval_bits"] == pytest.approx(on_one["bits"], rel=1e-5)
+    # Sampling reads it on one device, and says so.
+    from sparse_jax import sample
+
+    result = sample.sample(str(root / "then_seq2"), num_samples=1, length=8,
+                           output=str(root / "sample.txt"))
+    assert len(result["samples"][0]) == 1 + 8  # the default prompt "\n" and 8 new bytes
+    assert "Sampling on one device" in capsys.readouterr().out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -268,7 +370,7 @@ def test_two_processes_match_one_process(one_device_run, byte_file, tmp_path):
                 q.kill()
             raise
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(outputs)[-6000:]
-    assert "mesh {'data': 4, 'fsdp': 1}" in outputs[0]
+    assert "mesh {'data': 4, 'fsdp': 1, 'seq': 1}" in outputs[0]
     assert "Starting" not in outputs[1]  # only process 0 logs
     one = losses(one_device_run / "one")
     got = losses(workdir)
