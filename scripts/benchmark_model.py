@@ -43,6 +43,9 @@ _UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss
                             "and the AdamW update (default: loss and gradients).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
+_SEQ = flags.DEFINE_integer("seq", 1, "Split each sequence over this many simulated CPU "
+                            "devices (context parallelism, the mesh's seq axis); XLA's memory "
+                            "figures are then per device.")
 _CASES = flags.DEFINE_list(
     "cases", [f"{p}:{r}:{layout}" for p in ("strided", "dense") for layout in ("unrolled", "scan")
               for r in ("none", "full")],
@@ -67,7 +70,7 @@ def main(argv):
             _CASES.value, seq_lens=seq_lens, num_layers=_LAYERS.value,
             d_model=_D_MODEL.value, num_heads=_HEADS.value, stride=_STRIDE.value,
             batch_size=_BATCH.value, steps=_STEPS.value, dtype=_DTYPE.value,
-            update=_UPDATE.value)
+            update=_UPDATE.value, seq=_SEQ.value)
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:
             json.dump(results, f, indent=1)

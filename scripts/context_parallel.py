@@ -7,6 +7,14 @@ only, unless --time runs and times the forward + backward.
       --output_dir=docs/benchmarks/context_parallel
   python scripts/context_parallel.py --n=1048576 --devices=8,16,64,128 --nomemory  # on paper
   python scripts/context_parallel.py --n=16384 --devices=1,8 --time  # and run: CPU cost
+  python scripts/context_parallel.py --model_steps=5 --devices=8 \
+      --output_dir=docs/benchmarks/context_parallel/model  # the model trained split and not
+
+--model_steps=S trains the model of configs/bytes.py:size=tiny (2 layers, d=64, context 256,
+l=16) for S steps on the same random batches of 8 with each sequence unsplit (seq=1, data
+over the devices) and split over P (mesh.seq=P) for each pattern, and reports the largest
+relative difference of the losses and gradient norms over the steps (the training step of
+sparse_jax.train, as a run takes it).
 
 The process splits its CPU into max(--devices) devices (up to --cpu_devices) before JAX starts;
 a P with more devices than that gets bytes only. Writes results.md and results.json to
@@ -35,6 +43,8 @@ _IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "
 _MEMORY = flags.DEFINE_bool("memory", True, "Compile for the planned memory.")
 _TIME = flags.DEFINE_bool("time", False, "Also run the forward + backward and time it (the "
                           "simulated devices share the CPU's cores).")
+_MODEL_STEPS = flags.DEFINE_integer("model_steps", 0, "Instead: train the tiny model this many "
+                                    "steps split and unsplit (module docstring).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
 
@@ -43,11 +53,65 @@ def _mib(x):
     return f"{x / 2**20:,.1f}"
 
 
+def _train_steps(pattern, seq, devices, steps):
+    """(loss, gradient norm) of `steps` training steps of the tiny bytes model on `devices`
+    devices, each sequence split over `seq` of them, on fixed random batches of 8."""
+    import jax
+    import numpy as np
+
+    import configs
+    from sparse_jax import model, train
+
+    config = configs.load("bytes:size=tiny", {
+        "model.pattern": pattern, "mesh.seq": seq, "batch_size": 8, "total_steps": steps + 1,
+        "optimizer.warmup_steps": 1})
+    cfg = model.model_config(config.model)
+    mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
+    if seq > 1:
+        train.make_mesh(config, cfg)  # the run's checks (the split fits the patterns)
+    jitted = train.make_jitted(config, cfg, mesh)
+    state = jitted.init()
+    rng = jax.device_put(jax.random.key(0),
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    tokens = np.random.default_rng(0).integers(0, 256, (steps, 8, cfg.seq_len + 1), np.int32)
+    out = []
+    for batch in tokens:
+        batch = jax.device_put({"inputs": batch[:, :-1], "targets": batch[:, 1:]},
+                               jitted.batch_sharding)
+        state, metrics = jitted.train_step(state, batch, rng)
+        out.append((float(metrics["bits"]), float(metrics["grad_norm"])))
+    return out
+
+
+def _model(devices, steps):
+    """The --model_steps table: split against unsplit, per pattern and P."""
+    lines = ["| pattern | P | steps | loss at the last step | largest relative difference: "
+             "loss | gradient norm |", "|---|---:|---:|---:|---:|---:|"]
+    rows = []
+    for pattern in _PATTERNS.value:
+        whole = _train_steps(pattern, 1, max(devices), steps)
+        for p in devices:
+            split = _train_steps(pattern, p, max(devices), steps)
+            loss, norm = (max(abs(a[i] - b[i]) / abs(a[i]) for a, b in zip(whole, split))
+                          for i in (0, 1))
+            rows.append({"pattern": pattern, "devices": p, "steps": steps, "loss": split[-1][0],
+                         "loss_unsplit": whole[-1][0], "loss_difference": loss,
+                         "grad_norm_difference": norm})
+            lines.append(f"| {pattern} | {p} | {steps} | {split[-1][0]:.6f} | {loss:.1e} | "
+                         f"{norm:.1e} |")
+            print(lines[-1], flush=True)
+    return rows, lines
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     devices = [int(d) for d in _DEVICES.value]
     sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
+    if _MODEL_STEPS.value:
+        rows, lines = _model(devices, _MODEL_STEPS.value)
+        _write(rows, lines, "Context parallelism: the model trained split and unsplit")
+        return
     from sparse_jax import context
     from sparse_jax.patterns import PatternSpec
 
@@ -84,13 +148,23 @@ def main(argv):
                      f"{_mib(row['sent']['forward']['total'])} | "
                      f"{_mib(row['sent']['backward']['total'])} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    if _OUTPUT_DIR.value:
-        os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
-        with open(os.path.join(_OUTPUT_DIR.value, "results.json"), "w") as f:
-            json.dump({"date": date, "command": command.strip(), "rows": rows}, f, indent=1)
-        with open(os.path.join(_OUTPUT_DIR.value, "results.md"), "w") as f:
-            f.write("# Context parallelism: bytes sent and per-device memory\n\n"
-                    + "\n".join(lines) + "\n")
+    _write(rows, lines, "Context parallelism: bytes sent and per-device memory")
+
+
+def _write(rows, lines, title):
+    """results.json and results.md (`title`, the command and date, the table `lines`) in
+    --output_dir, if given."""
+    if not _OUTPUT_DIR.value:
+        return
+    command = ("python scripts/context_parallel.py " + " ".join(sys.argv[1:])).strip()
+    date = datetime.date.today().isoformat()
+    os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
+    with open(os.path.join(_OUTPUT_DIR.value, "results.json"), "w") as f:
+        json.dump({"date": date, "command": command, "rows": rows}, f, indent=1)
+    with open(os.path.join(_OUTPUT_DIR.value, "results.md"), "w") as f:
+        if lines[0].startswith("|"):  # the model table: say what was run first
+            lines = [f"`{command}` on {date}, simulated CPU devices, float32.", "", *lines]
+        f.write(f"# {title}\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ from sparse_jax.bench.tools import case_bar, log_line
 
 GIB = 2**30
 
-def _grad_fn(cfg, update: bool = False):
+def _grad_fn(cfg, update: bool = False, activation_sharding=None):
     """(step, abstract model, optimizer): step(state, opt_state, tokens) is jitted and returns
     (loss, grads), or with `update` (loss, new state, new opt_state) after an AdamW update with
-    gradient clipping, as training does (state and optimizer state donated)."""
+    gradient clipping, as training does (state and optimizer state donated).
+    `activation_sharding`: the model's (`SparseTransformer.from_embeddings`), e.g. each
+    sequence split over a mesh's seq axis."""
     import jax
     import optax
     from flax import nnx
@@ -41,7 +43,8 @@ def _grad_fn(cfg, update: bool = False):
                      optax.adamw(3e-4, b2=0.95, weight_decay=0.01))
 
     def loss(state, tokens):
-        logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+        logits = nnx.merge(graphdef, state)(tokens[:, :-1],
+                                            activation_sharding=activation_sharding)
         return model_lib.loss_bits(logits, tokens[:, 1:])
 
     if not update:
@@ -65,7 +68,14 @@ def run_model_case(case: dict) -> dict:
     random bytes, prints what it knows (compile time, XLA's buffer plan) in case the run goes
     out of memory, then times case["steps"] steps after a warm-up step; a plan over 80% of the
     available memory is not run. {"kind": "compile"}: jit lower and compile seconds of the loss
-    gradient at batch 1, without running it."""
+    gradient at batch 1, without running it. case["seq"] > 1: the process's CPU is split into
+    that many devices and each sequence's positions over them (a mesh of one seq axis, the
+    model's context parallelism); XLA's figures are then per device."""
+    from sparse_jax import sharding
+
+    seq = case.get("seq", 1)
+    if seq > 1:
+        sharding.set_cpu_devices(seq)
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -75,7 +85,8 @@ def run_model_case(case: dict) -> dict:
 
     cfg = model_lib.ModelConfig(**case["model"])
     update = case.get("update", False)
-    step, abstract, tx = _grad_fn(cfg, update)
+    mesh = sharding.make_mesh(1, 1, seq) if seq > 1 else None
+    step, abstract, tx = _grad_fn(cfg, update, mesh and sharding.batch_sharding(mesh))
     if case["kind"] == "compile":
         tokens = jax.ShapeDtypeStruct((1, cfg.seq_len + 1), jnp.int32)
         start = time.perf_counter()
@@ -90,17 +101,23 @@ def run_model_case(case: dict) -> dict:
     opt_state = tx.init(state) if update else None
     tokens = jax.random.randint(jax.random.key(0), (case["batch_size"], cfg.seq_len + 1), 0, 256,
                                 dtype=jnp.int32)
+    if mesh is not None:  # on every device of the mesh (the model splits the activations)
+        everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        state, opt_state, tokens = jax.device_put((state, opt_state, tokens), everywhere)
     info = sizing.describe(cfg, case["batch_size"])
     start = time.perf_counter()
     compiled = step.lower(state, opt_state, tokens).compile()
+    memory = compiled.memory_analysis()
     result = {**case, "compile_s": time.perf_counter() - start,
-              "xla_temp_gib": compiled.memory_analysis().temp_size_in_bytes / GIB,
+              "xla_temp_gib": memory.temp_size_in_bytes / GIB,
+              "xla_arguments_gib": memory.argument_size_in_bytes / GIB,
               "estimated_activation_gib": info["activation_bytes" + (
                   "_remat" if cfg.remat != "none" else "")] / GIB}
     print(json.dumps(result), flush=True)  # survives if the steps run out of memory
     available_gib = tools.available_memory_gb() * 1e9 / GIB
-    if result["xla_temp_gib"] > 0.8 * available_gib:  # don't push a shared machine into OOM
-        raise SystemExit(f"skipped: XLA plans {result['xla_temp_gib']:.1f} GiB of buffers, "
+    planned = result["xla_temp_gib"] * seq  # every simulated device's, in this process
+    if planned > 0.8 * available_gib:  # don't push a shared machine into OOM
+        raise SystemExit(f"skipped: XLA plans {planned:.1f} GiB of buffers, "
                          f"{available_gib:.1f} GiB available")
     def run():
         nonlocal state, opt_state
@@ -138,13 +155,15 @@ def _stride(stride, seq_len: int) -> int:
 
 def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 256,
                     num_heads: int = 4, stride="128", batch_size: int = 1, steps: int = 3,
-                    dtype: str = "float32", update: bool = False, log=log_line) -> list[dict]:
+                    dtype: str = "float32", update: bool = False, seq: int = 1,
+                    log=log_line) -> list[dict]:
     """A training step of one model for each "pattern:remat:layout[:attention]" in `cases` at
     each length of `seq_lens` (layout: unrolled or scan, i.e. scan_layers; attention:
     ModelConfig.attention, default xla), computing in `dtype`: loss and gradients, plus the
     AdamW update with `update`. `stride`: an int or "sqrt" (`_stride`). A case that fails or
-    is skipped at one length is not run at longer ones. Logs a markdown table row by row and
-    returns every case's numbers."""
+    is skipped at one length is not run at longer ones. `seq` > 1: each sequence split over
+    that many simulated CPU devices (`run_model_case`; XLA's figures per device). Logs a
+    markdown table row by row and returns every case's numbers."""
     from sparse_jax.attention import IMPLEMENTATIONS
 
     for name in cases:  # every case parses before anything runs
@@ -157,8 +176,11 @@ def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: in
     if stride != "sqrt" and not str(stride).isdigit():
         raise ValueError(f"--stride must be a positive integer or sqrt, got {stride!r}")
     what = "loss, gradients and AdamW update" if update else "loss + gradients"
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"--seq must be a positive integer, got {seq!r}")
+    split = f", each sequence split over {seq} CPU devices (XLA per device)" if seq > 1 else ""
     log(f"{num_layers} layers, d={d_model}, {num_heads} heads, batch {batch_size}, {dtype}, "
-        f"{what}")
+        f"{what}{split}")
     log("| n | attention | remat | layers | implementation | median step s | compile s "
         "| peak RSS GiB | XLA temp GiB | estimated activations GiB |")
     log("|---|---|---|---|---|---|---|---|---|---|")
@@ -173,7 +195,7 @@ def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: in
                          c=max(1, width // 4), remat=remat, scan_layers=layout == "scan",
                          dtype=dtype, attention=attention)
             case = dict(kind="step", model=model, batch_size=batch_size, steps=steps,
-                        update=update)
+                        update=update, seq=seq)
             r = ({**case, "error": "not run: failed at a shorter length"} if name in failed
                  else _model_case(case))
             if "error" in r:
