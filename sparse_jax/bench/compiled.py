@@ -116,13 +116,15 @@ def programs() -> list[dict]:
     for run in study["runs"]:
         out.append({"name": f"study {run['name']}", "group": "study", "kind": "config",
                     "config": study["config"], "overrides": run["overrides"]})
+    out.append({"name": "step enwik8 million", "group": "million", "kind": "config",
+                "config": "enwik8:size=million", "overrides": {}})
     return out
 
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "reference16k",
-    "steps", "study", "ci" for the CI check's three, "all"); ValueError naming an unknown
-    one."""
+    "steps", "study", "million", "ci" for the CI check's three, "all"); ValueError naming an
+    unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -134,7 +136,8 @@ def select(names: list[str] | None) -> list[dict]:
             matches = [p for p in every if name in (p["group"], p["name"])]
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
-                             f"attention16k, attention64k, reference16k, steps, study or a "
+                             f"attention16k, attention64k, reference16k, steps, study, million "
+                             f"or a "
                              f"name "
                              f"(--list prints them)")
         chosen += [p for p in matches if p not in chosen]
