@@ -10,8 +10,9 @@ import pytest
 import bad_inputs
 
 # A config field, damaged data, a foreign workdir, a refused rerun of a trained run (config.json
-# left byte-identical), a script other than train.py and a folder of pictures of two sizes; the
-# library tests cover the rest.
+# left byte-identical), a script other than train.py, a folder of pictures of two sizes, a
+# context the seq devices cannot split and a run split over 2 (scripts/train.py end to end);
+# the library tests cover the rest.
 SUBSET = [
     "config/unknown field",
     "data/truncated .gz",
@@ -19,6 +20,8 @@ SUBSET = [
     "rerun/forbidden change: seed",
     "sample/workdir empty",
     "images/mixed sizes",
+    "check/seq that does not split the context",
+    "train/each sequence split over 2 devices",
 ]
 
 
