@@ -21,15 +21,25 @@ makes the kernels Mosaic's, compiled, not interpret mode; "auto" picks them). As
                     small enough to sit in VMEM whole (``S(1)`` in their layout) need no window,
                     so small programs show the scratch alone
   flops             ``compiled.cost_analysis()`` (what XLA counts of the whole program)
+  static cycles     v5p and v6e (``Target.cycles``): libtpu's static profile, which the compile
+                    writes with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR`` (a
+                    textproto per HLO op): each Mosaic kernel's estimated cycles, their sum per
+                    program, its time at ``Target.clock_ghz``; beside it the MXU floor of the
+                    visited tiles' matrix products (``tile_flops``), which the estimate falls
+                    below for large tiles
 
-No profiler runs and no time is measured: these are the compiler's figures, not measurements on
-a TPU. A kernel that Mosaic refuses (tiles it cannot lay out, VMEM it does not have) fails the
-compile and is reported with the compiler's line.
+Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) is compiled the same way
+on our patterns' exact masks ("splash" programs), and the table sets the two side by side. No
+time is measured: these are the compiler's figures and estimates, not measurements on a TPU. A
+kernel that Mosaic refuses (tiles it cannot lay out, VMEM it does not have) fails the compile
+and is reported with the compiler's line.
 
   programs()             the programs compiled, by name and group ("ci": the suite's check)
   parse_mosaic_kernels   each Mosaic kernel of compiled HLO text: name, calls, VMEM
+  parse_static_profile   libtpu's static profile: each op's cycles
   compile_program(...)   one program compiled in a child process: its row
-  markdown, problems     the report's table; what fails the check
+  markdown, problems     the report's table (ours beside splash: ``beside_splash``); what fails
+                         the check
 """
 
 from __future__ import annotations
