@@ -163,11 +163,13 @@ def mesh_shape(devices: int, data: int, fsdp: int, seq: int = 1) -> dict[str, in
 def make_mesh(data: int, fsdp: int, seq: int = 1, devices=None) -> Mesh:
     """A ("data", "fsdp", "seq") mesh over `devices` (default: all devices of all processes).
     ``seq`` is the last axis, so a sequence's shards sit on neighbouring devices (one host's,
-    where ``seq`` divides its device count)."""
+    where ``seq`` divides its device count). With ``seq = 1`` the mesh has no seq axis: the
+    ("data", "fsdp") mesh, whose programs are those of a run that never split a sequence."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(len(devices), data, fsdp, seq)
-    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, devices=devices,
-                         axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    axes = MESH_AXES if seq > 1 else BATCH_AXES
+    return jax.make_mesh(tuple(shape[a] for a in axes), axes, devices=devices,
+                         axis_types=(AxisType.Auto,) * len(axes))
 
 
 def seq_size(mesh: Mesh) -> int:
