@@ -246,15 +246,15 @@ def test_eight_devices_match_one_device_and_checkpoints_move_between_them(one_de
             assert got[step] == pytest.approx(one[step], abs=1e-5), (workdir, step)
 
 
-def _seq_gradients(pattern, seq, attention="xla"):
+def _seq_gradients(pattern, seq, attention="xla", fsdp=1):
     """The loss and gradients of the tiny bytes model with `pattern` at its initial
-    parameters, on a random batch of 8, on a mesh whose seq axis has `seq` devices (data takes
-    the rest of the 8); the 5-step comparison is scripts/context_parallel.py --model."""
+    parameters, on a random batch of 8, on a mesh of `fsdp` x `seq` devices (data takes the
+    rest of the 8); the 5-step comparison is scripts/context_parallel.py --model_steps."""
     import numpy as np
     from flax import nnx
 
     config = run_config("unused", model__pattern=pattern, model__attention=attention,
-                        mesh__seq=seq, batch_size=8, optimizer__grad_accum=1)
+                        mesh__seq=seq, mesh__fsdp=fsdp, batch_size=8, optimizer__grad_accum=1)
     cfg = M.model_config(config.model)
     mesh = train.make_mesh(config, cfg)
     jitted = train.make_jitted(config, cfg, mesh)
@@ -285,14 +285,16 @@ def _seq_child(byte_file, workdir):
 
     assert jax.device_count() == 8
     differences = {}
-    for pattern, attention in (("strided", "xla"), ("fixed", "xla"), ("dense", "xla"),
-                               ("strided", "native")):
-        (l1, g1), (l8, g8) = _seq_gradients(pattern, 1), _seq_gradients(pattern, 8, attention)
+    # (pattern, implementation, fsdp, seq): the CPU kernels inside the split beside FSDP
+    for pattern, attention, fsdp, seq in (("strided", "xla", 1, 8), ("fixed", "xla", 1, 8),
+                                          ("dense", "xla", 1, 8), ("strided", "native", 2, 4)):
+        (l1, g1), (l8, g8) = (_seq_gradients(pattern, 1),
+                              _seq_gradients(pattern, seq, attention, fsdp))
         g1, g8 = ({jax.tree_util.keystr(k): np.asarray(v) for k, v in
                    jax.tree_util.tree_leaves_with_path(g)} for g in (g1, g8))
         # each array's largest difference over its largest entry, but the key bias's: it has
         # no gradient (a softmax ignores a score added to every key), only rounding noise
-        differences[f"{pattern}@{attention}"] = {
+        differences[f"{pattern}@{attention} fsdp={fsdp} seq={seq}"] = {
             "loss": abs(float(l1) - float(l8)) / float(l1),
             "grads": max(float(np.abs(g1[k] - g8[k]).max() / np.abs(g1[k]).max())
                          for k in g1 if "['key']['bias']" not in k)}
@@ -310,9 +312,10 @@ def _seq_child(byte_file, workdir):
 def test_sequences_split_over_devices_match_one_device(one_device_run, byte_file, capsys):
     """mesh.seq: each sequence's positions over 8 devices (context parallelism) computes the
     loss and gradients of one device (unsplit), within 1e-5 relative, for strided, fixed and
-    dense, and strided with the fused CPU kernels inside the split; a checkpoint of 1 device
-    resumes with seq=2 as the 1-device run went on (losses, validation), and the run evaluates
-    split as on one device; sampling reads it on one device."""
+    dense, and strided with the fused CPU kernels inside the split over 4 beside fsdp=2; a
+    checkpoint of 1 device resumes with seq=2 as the 1-device run went on (losses,
+    validation), and the run evaluates split as on one device; sampling reads it on one
+    device."""
     root = one_device_run
     code = f"import test_sharding as t; t._seq_child({byte_file!r}, {str(root)!r})"
     out = subprocess.run([sys.executable, "-c", code], env=child_env(8), cwd=TESTS,
