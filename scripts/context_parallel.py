@@ -68,7 +68,7 @@ def _train_steps(pattern, seq, devices, steps):
     cfg = model.model_config(config.model)
     mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
     if seq > 1:
-        train.make_mesh(config, cfg)  # the run's checks (the split fits the patterns)
+        train.make_mesh(config)  # the run's checks (the split fits the patterns)
     jitted = train.make_jitted(config, cfg, mesh)
     state = jitted.init()
     rng = jax.device_put(jax.random.key(0),

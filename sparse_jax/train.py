@@ -46,28 +46,27 @@ from sparse_jax import sharding as sharding_lib
 from sparse_jax import workdir as workdir_lib
 from sparse_jax.data import Stage
 from sparse_jax.logs import Logger, Profiler, duration, warn
-from sparse_jax.model import ModelConfig, loss_bits
+from sparse_jax.model import ModelConfig, loss_bits, model_config
 from sparse_jax.optim import state_builders
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer, mesh.
 
 
-def make_mesh(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None) -> Mesh:
+def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     """The ("data", "fsdp", "seq") mesh of config.mesh over all devices (see
-    `sparse_jax.sharding`); with mesh.seq > 1 and `cfg`, the model's context (and each context
-    stage's) must split over the seq devices for every layer's pattern
-    (`context.check_model_split`)."""
+    `sparse_jax.sharding`); with mesh.seq > 1 the model's context (and each context stage's)
+    must split over the seq devices for every layer's pattern (`context.check_model_split`)."""
     seq = config.mesh.get("seq", 1)
     mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, seq)
     if seq > 1:
         if jax.process_count() > 1 and jax.local_device_count() % seq:
             raise ValueError(f"mesh.seq={seq} must divide the {jax.local_device_count()} devices "
                              "of each process (a sequence's shards stay on one host)")
-        if cfg is not None:
-            lengths = {cfg.seq_len} | {s.seq_len for s in config_lib.context_stages(config, cfg)}
-            for length in sorted(lengths):
-                context.check_model_split(cfg.specs(), length, seq)
+        cfg = model_config(config.model)
+        lengths = {cfg.seq_len} | {s.seq_len for s in config_lib.context_stages(config, cfg)}
+        for length in sorted(lengths):
+            context.check_model_split(cfg.specs(), length, seq)
     sequences = mesh.size // seq  # the devices a batch's sequences are split over
     batches = {"batch_size": config.batch_size}
     batches.update({f"context_stages[{i}] batch_size": stage.batch_size for i, stage in
@@ -220,7 +219,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
              config_lib.follow_total_steps(config, preset_total_steps,
                                            workdir_lib.resumable_record(workdir))]
     cfg = config_lib.check_config(config)
-    mesh = make_mesh(config, cfg)
+    mesh = make_mesh(config)
     for note in notes:
         if note and primary:
             print(note, flush=True)

@@ -256,7 +256,7 @@ def _seq_gradients(pattern, seq, attention="xla", fsdp=1):
     config = run_config("unused", model__pattern=pattern, model__attention=attention,
                         mesh__seq=seq, mesh__fsdp=fsdp, batch_size=8, optimizer__grad_accum=1)
     cfg = M.model_config(config.model)
-    mesh = train.make_mesh(config, cfg)
+    mesh = train.make_mesh(config)
     jitted = train.make_jitted(config, cfg, mesh)
     params = jitted.init()["params"]
     tokens = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1), np.int32)
