@@ -54,7 +54,9 @@ _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when list
 
 VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels are combined
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
+_BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
+                 "band": "the band tile",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
                  "num_stages": "the stages"}  # what each kind of option in `parse` sets
 
@@ -74,7 +76,13 @@ class BlockSizes:
     ``heads_per_program``: a power of two dividing the head count; a program (on a TPU, a grid
     step) walks its block list once for all its heads. ``one_loop``: a GPU program walks its
     partial and full blocks in one loop, masking every block, which Triton can pipeline (two
-    loops of one or two blocks each, as at l = 128, give it nothing to overlap)."""
+    loops of one or two blocks each, as at l = 128, give it nothing to overlap).
+    ``band`` (Mosaic only; 0: off): a term whose key blocks of ``band`` rows lie in a narrow
+    band around each query block (the strided pattern's row term, and its column term while
+    n ≤ l²) runs the band kernels (``pallas_kernels.band_forward``) where they score fewer
+    pairs than the tiles would: each query block of ``band`` rows takes its whole window of key
+    blocks at once, and a grid step serves ``band_group`` query blocks (key blocks in the
+    backward's key pass), fewer where the sequence is short."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -82,20 +90,25 @@ class BlockSizes:
     variant: str = "terms"
     heads_per_program: int = 1
     one_loop: bool = False
+    band: int = 0
+    band_group: int = 16
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
         """64 × 64 for Triton; 256 × 256 for Mosaic (multiples of a TPU's 128 lanes): against
         128 × 128, libtpu's static cycles for a v5p at 16k fall 1.8x for strided (l = 128) and
         3.7x for fixed (l = 128, c = 32), fwd+bwd, a grid step's fixed cost paid over four times
-        the tile (docs/tpu_compile.md)."""
-        return BlockSizes() if backend == "triton" else BlockSizes(256, 256)
+        the tile; and band kernels on 128-row blocks, 16 a grid step, for the terms they suit:
+        1.8x fewer again for strided (docs/tpu_compile.md)."""
+        return BlockSizes() if backend == "triton" else BlockSizes(256, 256, band=128)
 
     @staticmethod
     def parse(options: str, default: BlockSizes | None = None) -> BlockSizes:
         """From ``:``-separated options, the others ``default``'s (None: ``BlockSizes()``, the
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
-        program, ``wN`` warps, ``sN`` stages and ``one_loop``; e.g. "64x64:chained:h2". An
+        program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
+        blocks of T rows, G a grid step (``band0``: none); e.g. "64x64:chained:h2",
+        "512x512:band128x4". An
         option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
         refused (ValueError), not resolved by order."""
         fields, given = {}, {}  # given: which option set each field
@@ -106,13 +119,16 @@ class BlockSizes:
                 names, values = ("variant",), (option,)
             elif option == "one_loop":
                 names, values = ("one_loop",), (True,)
+            elif re.fullmatch(r"band0|band\d+x\d+", option):
+                names = ("band", "band_group")
+                values = (0, 16) if option == "band0" else tuple(map(int, option[4:].split("x")))
             elif re.fullmatch(r"[hws]\d+", option):
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN or one_loop")
+                                 "QxK, terms, chained, hG, wN, sN, one_loop or bandTxG")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -140,6 +156,12 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
+        for name in ("band", "band_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
+                    or value & (value - 1) or (name == "band_group" and value < 1):
+                raise ValueError(f"BlockSizes.{name}={value} (option bandTxG) must be a power "
+                                 f"of two{' or 0' if name == 'band' else ''}")
 
     def check_backend(self, backend: str, tiles: bool = True) -> None:
         """ValueError (one line) for options ``backend`` ("triton" or "mosaic") cannot compile:
@@ -158,6 +180,14 @@ class BlockSizes:
         if backend != "triton" and (self.variant != "terms" or self.one_loop):
             raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}) "
                              f"needs the triton backend (a GPU), not {backend}")
+        if backend == "triton" and self.band:
+            raise ValueError(f"BlockSizes(band={self.band}) (option band{self.band}x"
+                             f"{self.band_group}) needs the mosaic backend (a TPU), not triton; "
+                             "give band0 or leave it out")
+        if tiles and backend == "mosaic" and self.band % 128:
+            raise ValueError(f"kernel option band{self.band}x{self.band_group}: Mosaic (a TPU) "
+                             "needs band blocks of a multiple of 128 rows (band128x16, the "
+                             "default, or band0: none)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +398,87 @@ def _block_lists(layout: _Layout, block_q: int, block_k: int):
     return lists, int(counts.sum()), len(qb) * block_q * block_k
 
 
+def _band_masks(layout: _Layout, tile: int, width: int, nb: int, starts: np.ndarray,
+                key_side: bool):
+    """Distinct masks of own blocks against their windows (``starts``: each own block's first
+    window block), as (table [M, tile, width * tile] int32: own rows by window columns, own
+    keys by window queries for ``key_side``; index per own block)."""
+    (q_pos, q_seg), (k_pos, k_seg, k_flag) = layout.attributes()
+    length = nb * tile
+
+    def padded(x, fill):
+        return np.concatenate([x, np.full(length - len(x), fill, x.dtype)])
+
+    qp, qs = padded(q_pos, 0), padded(q_seg, -_FAR)
+    kp, ks, kf = padded(k_pos, 0), padded(k_seg, _FAR), padded(k_flag, False)
+    own = np.arange(tile)
+    near = starts[:, None] * tile + np.arange(width * tile)[None]
+    table, index = {}, np.zeros(nb, np.int32)
+    for first in range(0, nb, 256):
+        blocks = np.arange(first, min(nb, first + 256))
+        mine = blocks[:, None] * tile + own[None]  # [b, tile]
+        window = near[blocks]  # [b, width * tile]
+        qi, ki = (window, mine) if key_side else (mine, window)
+        keep = _keep(layout, qp[qi][:, :, None], qs[qi][:, :, None], kp[ki][:, None, :],
+                     ks[ki][:, None, :], kf[ki][:, None, :])
+        keep = keep.swapaxes(1, 2) if key_side else keep
+        for b, m in zip(blocks, keep):
+            index[b] = table.setdefault(np.packbits(m).tobytes(), len(table))
+            if len(table) > _BAND_LIMIT[1]:
+                return None
+    shape = (tile, width * tile)
+    masks = np.stack([np.unpackbits(np.frombuffer(key, np.uint8))[:shape[0] * shape[1]]
+                      .reshape(shape) for key in table]).astype(np.int32)
+    return masks, index
+
+
+def _band_pass(layout, tile, lo, hi, nb, group, key_side):
+    """``pallas_kernels.Band`` of one pass: own blocks (queries, or keys if ``key_side``) whose
+    partners lie in blocks ``own + lo .. own + hi``; None if its masks are too many."""
+    width = hi - lo + 1
+    steps = nb // group
+    start = lambda first, span: np.clip(first, 0, nb - span)  # noqa: E731
+    step_starts = start(np.arange(steps) * group + lo, group + width - 1)
+    own_starts = start(np.arange(nb) + lo, width)
+    masks = _band_masks(layout, tile, width, nb, own_starts, key_side)
+    if masks is None:
+        return None
+    relative = own_starts - np.repeat(step_starts, group)
+    meta = np.concatenate([step_starts, relative, masks[1]]).astype(np.int32)
+    return pallas_kernels.Band(tile, width, group, meta, masks[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _band(layout: _Layout, tile: int, group: int, block_q: int, block_k: int):
+    """The band kernels' plan of a term: (padded length, query-side and key-side ``Band``s), or
+    None where the term is no narrow band (summary keys, a window wider than ``_BAND_LIMIT``,
+    too many distinct masks) or where the band kernels would score more pairs than ``block_q``
+    × ``block_k`` tiles. A grid step serves ``group`` blocks, or fewer where the sequence is
+    shorter than a step's window."""
+    if layout.kind == "summary":
+        return None
+    lists, _, scored = _block_lists(layout, tile, tile)
+    table = lists.forward
+    pairs = [(i, b) for i, row in enumerate(table) for b in row[2:2 + row[0] + row[1]]]
+    if not pairs:
+        return None
+    offsets = np.array([b - i for i, b in pairs])
+    lo, hi = int(offsets.min()), int(offsets.max())
+    width, blocks = hi - lo + 1, -(-layout.n // tile)
+    while group > 1 and (group > blocks or -(-blocks // group) * group < group + width - 1):
+        group //= 2
+    nb = -(-blocks // group) * group
+    if width * tile > _BAND_LIMIT[0] or nb < group + width - 1:
+        return None
+    if nb * tile * width * tile > _block_lists(layout, block_q, block_k)[2]:
+        return None
+    query_side = _band_pass(layout, tile, lo, hi, nb, group, False)
+    key_side = _band_pass(layout, tile, -hi, -lo, nb, group, True)
+    if query_side is None or key_side is None:
+        return None
+    return nb * tile, query_side, key_side
+
+
 # ---------------------------------------------------------------------------------------------
 # The terms of a pattern, merged; the custom VJP.
 
@@ -381,22 +492,32 @@ def _pad_to(x, length, axis=2):
 
 
 def _terms(spec, rows, compiler):
-    """Each term's layout, mask rule and block lists."""
+    """Each term's layout, mask rule, block lists and band plan: (padded length, query-side and
+    key-side ``pallas_kernels.Band``) where the band kernels run it (``_band``), else None."""
     for term in spec.terms():
         layout = _layout(term, rows)
         lists = _block_lists(layout, compiler.block_q, compiler.block_k)[0]
-        yield layout, functools.partial(_keep, layout), lists
+        band = compiler.band and _band(layout, compiler.band, compiler.band_group,
+                                       compiler.block_q, compiler.block_k)
+        yield layout, functools.partial(_keep, layout), lists, band
 
 
 def _forward(spec, compiler, q, k, v):
     """Output [B, H, n, dv] and joint log-sum-exp [B, H, n] (float32); q pre-scaled by 1/√d."""
     rows = q.shape[2] // spec.block
     outs, lses = [], []
-    for layout, keep, lists in _terms(spec, rows, compiler):
-        nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
-        o, lse = pallas_kernels.forward(compiler, keep, lists, _pad_to(layout.queries(q), nq),
-                                        *(_pad_to(layout.keys(x), nk) for x in (k, v)),
-                                        tag=layout.kind)
+    for layout, keep, lists, band in _terms(spec, rows, compiler):
+        if band:
+            o, lse = pallas_kernels.band_forward(
+                compiler, band[1], *(_pad_to(layout.queries(x), band[0]) for x in (q, k, v)),
+                tag=layout.kind)
+            lse = lse.swapaxes(2, 3)  # lane-dense [B, H, 1, N] -> [B, H, N, 1]
+        else:
+            nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
+            o, lse = pallas_kernels.forward(compiler, keep, lists,
+                                            _pad_to(layout.queries(q), nq),
+                                            *(_pad_to(layout.keys(x), nk) for x in (k, v)),
+                                            tag=layout.kind)
         outs.append(layout.queries_back(o[:, :, :layout.n]))
         lses.append(layout.queries_back(lse[:, :, :layout.n, 0]))
     lse_max = functools.reduce(jnp.maximum, lses)
@@ -507,12 +628,18 @@ def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
         return _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta)
     rows = q.shape[2] // spec.block
     grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
-    for layout, keep, lists in _terms(spec, rows, compiler):
-        nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
+    for layout, keep, lists, band in _terms(spec, rows, compiler):
+        nq, nk = (band[0], band[0]) if band else (len(lists.q_attrs[0]),
+                                                  lists.k_attrs[0].shape[1])
         q_l, do_l, lse_l, delta_l = (_pad_to(layout.queries(x), nq) for x in (q, do, lse, delta))
         k_l, v_l = (_pad_to(layout.keys(x), nk) for x in (k, v))
-        dq, dk, dv = pallas_kernels.backward(compiler, keep, lists, q_l, k_l, v_l, do_l, lse_l,
-                                             delta_l, tag=layout.kind)
+        if band:
+            dq, dk, dv = pallas_kernels.band_backward(
+                compiler, band[1:], q_l, k_l, v_l, do_l, lse_l.swapaxes(2, 3),
+                delta_l.swapaxes(2, 3), tag=layout.kind)
+        else:
+            dq, dk, dv = pallas_kernels.backward(compiler, keep, lists, q_l, k_l, v_l, do_l,
+                                                 lse_l, delta_l, tag=layout.kind)
         grads[0] += layout.queries_back(dq[:, :, :layout.n])
         grads[1] += layout.keys_back(dk[:, :, :layout.nk])
         grads[2] += layout.keys_back(dv[:, :, :layout.nk])
@@ -544,7 +671,8 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     sizes.check_backend(backend, tiles=not interpret)
     return pallas_kernels.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
-                                   sizes.one_loop)
+                                   sizes.one_loop, sizes.band if backend == "mosaic" else 0,
+                                   sizes.band_group)
 
 
 def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
@@ -582,13 +710,18 @@ def sequence_attention(spec: patterns.PatternSpec, q, k, v, *, sizes: BlockSizes
 
 def sparsity(spec: patterns.PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -> dict:
     """Kept and scored (query, key) pairs of the kernel's block lists at ``seq_len`` (padded to
-    the grid) for tiles ``sizes`` (default: the GPU's 64 × 64): ``kept / scored`` is the share
+    the grid) for tiles ``sizes`` (default: the GPU's 64 × 64; with ``sizes.band``, a term the
+    band kernels run scores its query blocks' whole windows): ``kept / scored`` is the share
     of tile work that is useful."""
     sizes = sizes or BlockSizes()
     rows = -(-seq_len // spec.block)
     kept = scored = 0
     for term in spec.terms():
-        _, term_kept, term_scored = _block_lists(_layout(term, rows), sizes.block_q,
-                                                 sizes.block_k)
+        layout = _layout(term, rows)
+        _, term_kept, term_scored = _block_lists(layout, sizes.block_q, sizes.block_k)
+        band = sizes.band and _band(layout, sizes.band, sizes.band_group, sizes.block_q,
+                                    sizes.block_k)
+        if band:
+            term_scored = band[0] * sizes.band * band[1].width
         kept, scored = kept + term_kept, scored + term_scored
     return {"kept": kept, "scored": scored}

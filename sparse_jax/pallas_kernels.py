@@ -86,6 +86,8 @@ class Compiler:
     num_stages: int = 2
     heads_per_program: int = 1
     one_loop: bool = False
+    band: int = 0  # band kernels' block rows (kernel.BlockSizes.band; 0: none)
+    band_group: int = 16  # band kernels' blocks a grid step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,4 +609,164 @@ def backward(compiler: Compiler, keep, lists: Lists, q, k, v, do, lse, delta, *,
         compiler, functools.partial(_tpu_dkv, keep=keep, width=lists.backward.shape[1]),
         lists.backward, key_side, dkv_listed, bq, dkv_out,
         [(bk, k.shape[3]), (bk, v.shape[3])], _name("sparse_dkv", tag), dkv_work)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU: band kernels. A term whose key blocks lie in a band around each query block (the strided
+# pattern's row term: a block and the one before it; its column term at n ≤ l²: the block itself)
+# needs no list: each own block of ``tile`` rows reads a window of ``width`` blocks, all at once
+# (one softmax, no running state), and a grid step serves ``group`` own blocks, whose windows
+# overlap in one window of ``group + width - 1`` blocks read with element offsets. The tiles
+# stay small (little masked work) while a step does a large tile's work (its fixed cost paid
+# once for the group). The mask of each own block against its window comes from a small table
+# of distinct masks, evaluated on the host by the term's rule.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Band:
+    """One pass's band plan (``kernel._band``): own blocks of ``tile`` rows, windows of
+    ``width`` blocks, ``group`` own blocks a grid step; ``meta`` int32, prefetched: per step the
+    first block of its window, then per own block the first block of its window relative to its
+    step's and the index of its mask in ``masks`` ([M, tile, width * tile] int32, own rows by
+    window columns; transposed, [M, width * tile, tile], for the key-side pass)."""
+    tile: int
+    width: int
+    group: int
+    meta: np.ndarray
+    masks: np.ndarray
+
+    @property
+    def steps(self) -> int:
+        return (len(self.meta)) // (1 + 2 * self.group)
+
+
+def _band_own(meta_ref, band, g):
+    """(first row of own block g's window inside the step's window, its mask's index)."""
+    steps = pl.num_programs(2)
+    t = pl.program_id(2) * band.group + g
+    offset = meta_ref[steps + t] * band.tile
+    return pl.multiple_of(offset, band.tile), meta_ref[steps + steps * band.group + t]
+
+
+def _column(row_ref, rows):
+    """Entries ``rows`` of a lane-dense [1, N] ref as a column [rows, 1]."""
+    return jnp.expand_dims(row_ref[0, rows], -1)
+
+
+def _tpu_band_forward(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, band):
+    size, window = band.tile, band.width * band.tile
+    for g in range(band.group):
+        offset, index = _band_own(meta_ref, band, g)
+        rows = pl.ds(g * size, size)
+        k, v = k_ref[pl.ds(offset, window), :], v_ref[pl.ds(offset, window), :]
+        s = jnp.where(mask_ref[index] != 0, _dot(q_ref[rows, :], k, trans_b=True), NEG)
+        m = jnp.maximum(s.max(-1, keepdims=True), FLOOR)
+        p = jnp.exp(s - m)
+        o, lse = _finish(_dot(p.astype(v.dtype), v), m, p.sum(-1, keepdims=True))
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        lse_ref[:, rows] = jnp.broadcast_to(lse, (size, 128)).T[:1]  # lane-dense
+
+
+def _tpu_band_dq(meta_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, dq_ref, *,
+                 band):
+    size, window = band.tile, band.width * band.tile
+    for g in range(band.group):
+        offset, index = _band_own(meta_ref, band, g)
+        rows = pl.ds(g * size, size)
+        k, v = k_ref[pl.ds(offset, window), :], v_ref[pl.ds(offset, window), :]
+        s = jnp.where(mask_ref[index] != 0, _dot(q_ref[rows, :], k, trans_b=True), NEG)
+        ds = _grads(s, _column(lse_ref, rows), _column(delta_ref, rows), do_ref[rows, :], v)[1]
+        dq_ref[rows, :] = _dot(ds.astype(k.dtype), k).astype(dq_ref.dtype)
+
+
+def _tpu_band_dkv(meta_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref, dk_ref,
+                  dv_ref, *, band):
+    """Scores transposed ([own keys, window queries]): the window's log-sum-exp and delta stay
+    lane-dense rows, and dk, dv are plain products."""
+    size, window = band.tile, band.width * band.tile
+    for g in range(band.group):
+        offset, index = _band_own(meta_ref, band, g)
+        rows, near = pl.ds(g * size, size), pl.ds(offset, window)
+        q, do, k, v = q_ref[near, :], do_ref[near, :], k_ref[rows, :], v_ref[rows, :]
+        s = jnp.where(mask_ref[index] != 0, _dot(k, q, trans_b=True), NEG)
+        p = jnp.exp(s - lse_ref[:, near])
+        ds = p * (_dot(v, do, trans_b=True) - delta_ref[:, near])
+        dk_ref[rows, :] = _dot(ds.astype(q.dtype), q).astype(dk_ref.dtype)
+        dv_ref[rows, :] = _dot(p.astype(do.dtype), do).astype(dv_ref.dtype)
+
+
+def _band_call(compiler, kernel, band, own, windowed, out, name, cost_estimate=None):
+    """pallas_call over (batch, head, step) with ``band.meta`` prefetched: ``own`` arrays
+    [B, H, N, w] tiled by the step's ``group * tile`` rows, ``windowed`` ones read as the step's
+    window of ``group + width - 1`` blocks (element offsets), the mask table whole; lane-dense
+    [B, H, 1, N] arrays (log-sum-exp, delta) likewise along N; ``out``: (shape, dtype) pairs
+    tiled as the own arrays."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    rows, span = band.group * band.tile, (band.group + band.width - 1) * band.tile
+    batch, heads = out[0][0][:2]
+
+    def own_spec(shape):
+        if shape[2] == 1:
+            return pl.BlockSpec((None, None, 1, rows), lambda b, h, i, meta: (b, h, 0, i))
+        return pl.BlockSpec((None, None, rows, shape[3]), lambda b, h, i, meta: (b, h, i, 0))
+
+    def window_spec(shape):
+        start = lambda i, meta: meta[i] * band.tile  # noqa: E731
+        if shape[2] == 1:
+            return pl.BlockSpec((pl.squeezed, pl.squeezed, pl.Element(1), pl.Element(span)),
+                                lambda b, h, i, meta: (b, h, 0, start(i, meta)))
+        return pl.BlockSpec((pl.squeezed, pl.squeezed, pl.Element(span), pl.Element(shape[3])),
+                            lambda b, h, i, meta: (b, h, start(i, meta), 0))
+
+    masks = jnp.asarray(band.masks)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(batch, heads, band.steps),
+        in_specs=[*(own_spec(x.shape) for x in own), *(window_spec(x.shape) for x in windowed),
+                  pl.BlockSpec(masks.shape, lambda b, h, i, meta: (0, 0, 0))],
+        out_specs=[own_spec(shape) for shape, _ in out])
+    return pl.pallas_call(
+        functools.partial(kernel, band=band), grid_spec=grid_spec, interpret=compiler.interpret,
+        name=name, cost_estimate=cost_estimate,
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in out],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
+    )(jnp.asarray(band.meta), *own, *windowed, masks)
+
+
+def _band_cost(pass_, band, heads, d, dv, itemsize):
+    """``cost`` of a band pass: every own block scores its whole window."""
+    blocks = band.steps * band.group
+    table = np.zeros((blocks, 2 + band.width), np.int64)
+    table[:, 0] = band.width  # as if each own block listed its window's blocks
+    return cost(pass_, table, band.tile, band.tile, heads, d, dv, itemsize)
+
+
+def band_forward(compiler: Compiler, band: Band, q, k, v, *, tag=""):
+    """``forward`` of a band term (``Band``; arrays [B, H, N, d] in the term's layout, N the
+    own blocks' rows): output [B, H, N, dv] in v's dtype and log-sum-exp [B, H, 1, N] (float32,
+    lane-dense)."""
+    batch, heads, n = q.shape[:3]
+    work = _band_cost("forward", band, batch * heads, q.shape[3], v.shape[3], q.dtype.itemsize)
+    return _band_call(compiler, _tpu_band_forward, band, [q], [k, v],
+                      [((batch, heads, n, v.shape[3]), v.dtype),
+                       ((batch, heads, 1, n), jnp.float32)],
+                      _name("sparse_band_forward", tag), work)
+
+
+def band_backward(compiler: Compiler, bands: tuple[Band, Band], q, k, v, do, lse, delta, *,
+                  tag=""):
+    """``backward`` of a band term, gradients in the inputs' dtypes: ``bands`` the query-side
+    plan (dq) and the key-side one (dk, dv, its masks [keys, window queries]); ``lse`` and
+    ``delta`` lane-dense, [B, H, 1, N]."""
+    batch, heads, n = q.shape[:3]
+    sizes = (batch * heads, q.shape[3], v.shape[3], q.dtype.itemsize)
+    dq = _band_call(compiler, _tpu_band_dq, bands[0], [q, do, lse, delta], [k, v],
+                    [((batch, heads, n, q.shape[3]), q.dtype)], _name("sparse_band_dq", tag),
+                    _band_cost("dq", bands[0], *sizes))[0]
+    dk, dv = _band_call(compiler, _tpu_band_dkv, bands[1], [k, v], [q, do, lse, delta],
+                        [((batch, heads, n, k.shape[3]), k.dtype),
+                         ((batch, heads, n, v.shape[3]), v.dtype)],
+                        _name("sparse_band_dkv", tag), _band_cost("dkv", bands[1], *sizes))
     return dq, dk, dv

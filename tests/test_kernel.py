@@ -251,6 +251,63 @@ def test_tpu_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes):
     assert err[0] < 1e-5 and max(err[1:]) < 1e-4, err
 
 
+BAND_CASES = [  # spec, seq_len, sizes, the terms the band kernels run
+    # one window per step clipped at the start, steps of 2 blocks, a ragged end
+    (PatternSpec("strided", stride=16), 93, K.BlockSizes(32, 32, band=16, band_group=2),
+     {"rows", "columns"}),
+    # 16 blocks a step asked for, fewer given (the sequence is 5 blocks)
+    (PatternSpec("strided", stride=16), 80, K.BlockSizes(32, 32, band=16), {"rows", "columns"}),
+    # columns of 16 rows as 2 blocks of 8: a window of 2 blocks ending at the query's
+    (PatternSpec("strided", stride=16), 256, K.BlockSizes(16, 16, band=8, band_group=4),
+     {"rows", "columns"}),
+    # wider tiles score less than the band would for the columns: the listed kernels run them
+    (PatternSpec("strided", stride=16), 200, K.BlockSizes(32, 64, band=16, band_group=4),
+     {"rows"}),
+    # fixed: its row block by band, its summary keys by lists
+    (PatternSpec("fixed", stride=16, c=4), 80, K.BlockSizes(32, 16, band=16), {"rows"}),
+]
+
+
+@pytest.mark.parametrize("spec,seq_len,sizes,kinds", BAND_CASES,
+                         ids=[f"{c[0]}-n{c[1]}-band{c[2].band}x{c[2].band_group}"
+                              for c in BAND_CASES])
+def test_band_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes, kinds):
+    """The TPU's band kernels (a term whose keys lie in a window of blocks around each query
+    block: whole windows at once, several blocks a grid step, masks from a table, log-sum-exp
+    lane-dense) compute what the dense reference does, forward and gradients, float32."""
+    q, k, v, cot = qkv(seq_len, 64, jnp.float32)
+    mask, rows = spec.mask(seq_len), -(-seq_len // spec.block)
+    compiler = K.compiler_for(sizes, "mosaic", interpret=True)
+    assert {layout.kind for layout, _, _, band in K._terms(spec, rows, compiler) if band} == kinds
+
+    def kernel(q, k, v):
+        seq = lambda x: jnp.pad(  # noqa: E731
+            x, ((0, 0), (0, rows * spec.block - seq_len), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        out = K.sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=sizes,
+                                   backend="mosaic", interpret=True)
+        return out[:, :, :seq_len].transpose(0, 2, 1, 3)
+
+    err = errors(out_and_grads(kernel, q, k, v, cot),
+                 out_and_grads(lambda q, k, v: A.dense_attention(q, k, v, mask), q, k, v, cot))
+    assert err[0] < 1e-5 and max(err[1:]) < 1e-4, err
+
+
+def test_band_kernels_score_half_the_pairs_of_the_tiles_for_strided():
+    """At the paper's l = 128 and 16k, 128-row band blocks score half the (query, key) pairs
+    of 256 x 256 tiles (a block and the one before it; a column's own block), and the plan is
+    what the kernels read: 16 blocks a step, windows of 17 blocks inside the sequence."""
+    spec, n = PatternSpec("strided", stride=128), 16384
+    tiles = K.sparsity(spec, n, K.BlockSizes(256, 256))
+    band = K.sparsity(spec, n, K.BlockSizes.for_backend("mosaic"))
+    assert band["kept"] == tiles["kept"] and 1.95 < tiles["scored"] / band["scored"] <= 2
+    layout = K._layout(spec.terms()[0], n // 128)
+    length, queries, keys = K._band(layout, 128, 16, 256, 256)
+    assert length == n and (queries.width, queries.group, queries.steps) == (2, 16, 8)
+    starts = queries.meta[:queries.steps]
+    assert starts.min() == 0 and starts.max() + 17 <= n // 128
+    assert len(queries.masks) <= 3 and queries.masks.shape[1:] == (128, 256)
+
+
 def qkv(seq_len, d, dtype, dv=None, heads=2, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
     q, k = (jax.random.normal(key, (2, seq_len, heads, d)).astype(dtype) for key in keys[:2])
@@ -414,6 +471,11 @@ def test_implementation_choice():
         K.BlockSizes(64, 32, 8, 3, variant="chained", heads_per_program=2, one_loop=True))
     with pytest.raises(ValueError, match="unknown kernel option"):
         parse_pattern("strided:128@pallas:fused", 1024)
+    assert parse_pattern("strided:128@pallas:512x512:band128x4", 1024)[2] == K.BlockSizes(
+        512, 512, band=128, band_group=4)
+    assert K.BlockSizes.parse("band0", K.BlockSizes.for_backend("mosaic")).band == 0
+    with pytest.raises(ValueError, match="band_group=3 .* power of two"):
+        K.BlockSizes(band=128, band_group=3)
     with pytest.raises(ValueError, match="divide the 2 heads"):
         A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),
                            "pallas", K.BlockSizes(16, 16, heads_per_program=4))
@@ -531,6 +593,8 @@ def test_kernel_options_are_checked_for_the_platform_traced_for():
     with compiling_for("gpu"):
         assert ModelConfig(**base, attention="auto", kernel="16x16:chained:h2:w8:s3") \
             .kernel_unused is None
+        with pytest.raises(ValueError, match=r"band=128\) .* needs the mosaic backend"):
+            ModelConfig(**base, attention="auto", kernel="band128x16")
         assert "dense attention runs" in ModelConfig(**{**base, "pattern": "dense"},
                                                      attention="auto", kernel="chained") \
             .kernel_unused
@@ -540,6 +604,10 @@ def test_kernel_options_are_checked_for_the_platform_traced_for():
             ModelConfig(**base, attention="auto", kernel="64x64")
         with pytest.raises(ValueError, match="needs the triton backend"):
             ModelConfig(**base, attention="auto", kernel="chained")
+        assert ModelConfig(**base, attention="auto", kernel="512x512:band128x4") \
+            .kernel_unused is None
+        with pytest.raises(ValueError, match="band64x4: Mosaic .* multiple of 128 rows"):
+            ModelConfig(**base, attention="auto", kernel="band64x4")
         assert "are Triton's" in ModelConfig(**base, attention="auto", kernel="w8").kernel_unused
     with compiling_for("cpu"):
         runs = "the CPU kernels" if native.available() else "the XLA path"

@@ -155,6 +155,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     through L2)."""
     from sparse_jax import kernel
 
+    sizes = sizes and dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
     compiler = kernel.compiler_for(sizes, "triton", interpret=False)
     rows = -(-n // spec.block)
     chained = (sizes or kernel.BlockSizes()).variant == "chained"
@@ -162,7 +163,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
         _, plan = kernel._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
     else:
-        terms = [(layout, lists, compiler) for layout, _, lists in
+        terms = [(layout, lists, compiler) for layout, _, lists, _ in
                  kernel._terms(spec, rows, compiler)]
     d = max(16, 1 << (head_dim - 1).bit_length())
     h = compiler.heads_per_program
