@@ -129,6 +129,7 @@ def programs() -> list[dict]:
             for p in PATTERNS for t in LARGER_TILES]
     out += [_splash(m, n, b, f"splash{n // 1024}k") for n in (CI_LENGTH, 16384)
             for m in SPLASH_MASKS for b in SPLASH_BLOCKS if (n, b) != (16384, 256)]
+    out += [_splash(m, 65536, 512, "splash64k") for m in SPLASH_MASKS]
     out += [_attention(p, 16384, "forward16k", forward=True) for p in PATTERNS]
     out += [_splash(m, 16384, 512, "forward16k", forward=True) for m in SPLASH_MASKS]
     out += _steps()
@@ -162,18 +163,36 @@ def select(names: list[str] | None) -> list[dict]:
     return chosen
 
 
+NUMPY_MASK_MAX = 16384  # longer: the pattern's rule as a mask splash computes (n x n bytes)
+
+
 def splash_mask(pattern: str, n: int):
     """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
-    boolean mask (``PatternSpec.mask``) as a ``NumpyMask``, or for "dense" splash's own
-    ``CausalMask``."""
+    boolean mask (``PatternSpec.mask``) as a ``NumpyMask`` up to ``NUMPY_MASK_MAX``, beyond it
+    the pattern's rule (``kernel.mask_rule``) as a computable mask, which splash evaluates per
+    block on the host and in its kernels (as its own causal and local masks); for "dense"
+    splash's ``CausalMask``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+    from sparse_jax import kernel
     from sparse_jax.bench.attention import parse_pattern
 
     spec = parse_pattern(pattern, n)[0]
     if spec.kind == "dense":
         return masks.CausalMask((n, n))
-    return masks.NumpyMask(spec.mask(n))
+    if n <= NUMPY_MASK_MAX:
+        return masks.NumpyMask(spec.mask(n))
+    class PatternMask(masks._ComputableMask):  # hashable, as splash's own masks are
+        def __eq__(self, other):
+            return type(other) is type(self) and (other.shape, other.spec) == (self.shape,
+                                                                              self.spec)
+
+        def __hash__(self):
+            return hash((type(self), self.shape, self.spec))
+
+    mask = PatternMask((n, n), kernel.mask_rule(spec))
+    mask.spec = spec
+    return mask
 
 
 def _splash_program(program: dict, mesh):
@@ -224,12 +243,24 @@ def tile_flops(program: dict) -> float:
     if program["kind"] == "splash":
         b, blocks = program["block"], n // program["block"]
         nonzero = (blocks * (blocks + 1) // 2 if spec.kind == "dense" else
-                   int(spec.mask(n).reshape(blocks, b, blocks, b).any(axis=(1, 3)).sum()))
+                   _nonzero_blocks(spec, n, b))
         scored = nonzero * b * b
     else:
         scored = kernel.sparsity(spec, n, sizes or kernel.BlockSizes.for_backend("mosaic"))[
             "scored"]
     return 2.0 * d * heads * scored * (2 if program.get("forward") else 9)
+
+
+def _nonzero_blocks(spec, n: int, b: int) -> int:
+    """Blocks of ``b`` × ``b`` of the pattern's n × n mask holding a kept pair (a block row of
+    the mask at a time, by the pattern's rule)."""
+    import numpy as np
+
+    from sparse_jax import kernel
+
+    keep, keys = kernel.mask_rule(spec), np.arange(n)[None]
+    return sum(int(keep(np.arange(i, i + b)[:, None], keys).reshape(b, -1, b).any(
+        axis=(0, 2)).sum()) for i in range(0, n, b))
 
 
 def _forward_of(program: dict):
