@@ -312,8 +312,9 @@ def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
             {"sparse_band_forward", "sparse_band_dq", "sparse_band_dkv"} if band else
             {"sparse_forward", "sparse_dq", "sparse_dkv", "sparse_band_forward", "sparse_band_dq",
              "sparse_band_dkv"})
-        # scratch and double-buffered 256 x 256 tiles (the default), well within a v5e's VMEM
-        assert all(192 * 1024 <= k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
+        # scratch and double-buffered tiles or windows (the band kernels have no scratch; XLA
+        # may keep a small output whole in VMEM), well within a v5e's VMEM
+        assert all(64 * 1024 <= k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
     assert "| attention 8k strided:128@pallas | sparse_band_dkv_columns |" in (
         tmp_path / "results.md").read_text()
     # XLA's cost analysis counts the kernels' work (their pl.CostEstimate): at least their

@@ -44,6 +44,7 @@ and is reported with the compiler's line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -166,10 +167,10 @@ def select(names: list[str] | None) -> list[dict]:
 NUMPY_MASK_MAX = 16384  # longer: the pattern's rule as a mask splash computes (n x n bytes)
 
 
-def splash_mask(pattern: str, n: int):
+def splash_mask(pattern: str, n: int, rule: bool = False):
     """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
     boolean mask (``PatternSpec.mask``) as a ``NumpyMask`` up to ``NUMPY_MASK_MAX``, beyond it
-    the pattern's rule (``kernel.mask_rule``) as a computable mask, which splash evaluates per
+    (or with ``rule``) the pattern's rule (``kernel.mask_rule``) as a computable mask, which splash evaluates per
     block on the host and in its kernels (as its own causal and local masks); for "dense"
     splash's ``CausalMask``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -180,7 +181,7 @@ def splash_mask(pattern: str, n: int):
     spec = parse_pattern(pattern, n)[0]
     if spec.kind == "dense":
         return masks.CausalMask((n, n))
-    if n <= NUMPY_MASK_MAX:
+    if n <= NUMPY_MASK_MAX and not rule:
         return masks.NumpyMask(spec.mask(n))
     class PatternMask(masks._ComputableMask):  # hashable, as splash's own masks are
         def __eq__(self, other):
@@ -208,7 +209,8 @@ def _splash_program(program: dict, mesh):
     n, heads, d, b = program["seq_len"], program["heads"], program["head_dim"], program["block"]
     if program["batch"] != 1:
         raise ValueError("splash programs take one sequence (batch 1)")
-    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n)] * heads)
+    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n, program.get("rule_mask",
+                                                                            False))] * heads)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
                               block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
                               block_kv_dq=b)
@@ -302,7 +304,10 @@ def _child(program: dict, target: str) -> None:
     with pallas_kernels.compiling_for("tpu"):
         fn, args = build(program, mesh)
         start = time.perf_counter()
-        lowered = jax.jit(fn).lower(*args)
+        # splash's kernels may ask which chip they are for (a mask it computes): the mesh's
+        chip = jax.set_mesh(mesh) if program["kind"] == "splash" else contextlib.nullcontext()
+        with chip:
+            lowered = jax.jit(fn).lower(*args)
         executable = lowered.compile()
         result["compile_s"] = time.perf_counter() - start
     memory = executable.memory_analysis()
