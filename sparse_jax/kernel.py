@@ -26,12 +26,13 @@ backward from the saved joint log-sum-exp, a pass per query block for dq and a p
 for dk and dv (FlashAttention-2's split). Inputs are float32, bfloat16 or float16; products
 accumulate in float32. On a GPU they lower through Triton (tiles are powers of two: head dims
 are zero-padded to one, lengths to the tile), on a TPU through Mosaic (lists prefetched into
-scalar memory, 256 × 256 tiles), and on a CPU they run in Pallas interpret mode, slowly, for
-tests. ``BlockSizes.variant="chained"`` (GPU) instead keeps every array in sequence order (the
-column term's tiles read with strided loads) and chains the terms: each kernel resumes from the
-previous term's partial output or gradients and the last writes the input dtype, so XLA neither
-transposes nor merges. Each kernel is one custom call that XLA cannot split over devices: on a mesh,
-``layers.SparseSelfAttention`` runs it inside ``shard_map``. Design: docs/design.md §3.
+scalar memory, 512 × 512 tiles, band kernels where they suit), and on a CPU they run in Pallas
+interpret mode, slowly, for tests. ``BlockSizes.variant="chained"`` (GPU) instead keeps every
+array in sequence order (the column term's tiles read with strided loads) and chains the terms:
+each kernel resumes from the previous term's partial output or gradients and the last writes
+the input dtype, so XLA neither transposes nor merges. Each kernel is one custom call that XLA
+cannot split over devices: on a mesh, ``layers.SparseSelfAttention`` runs it inside
+``shard_map``. Design: docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ class BlockSizes:
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
-        """64 × 64 for Triton; 256 × 256 for Mosaic (multiples of a TPU's 128 lanes): against
-        128 × 128, libtpu's static cycles for a v5p at 16k fall 1.8x for strided (l = 128) and
-        3.7x for fixed (l = 128, c = 32), fwd+bwd, a grid step's fixed cost paid over four times
-        the tile; and band kernels on 128-row blocks, 16 a grid step, for the terms they suit:
-        1.8x fewer again for strided (docs/tpu_compile.md)."""
-        return BlockSizes() if backend == "triton" else BlockSizes(256, 256, band=128)
+        """64 × 64 for Triton; for Mosaic 512 × 512 tiles (splash attention's blocks; multiples
+        of a TPU's 128 lanes) and band kernels on 128-row blocks, 16 a grid step, for the terms
+        they suit. Against 128 × 128 tiles alone, libtpu's static cycles for a v5p at 16k
+        (fwd+bwd, bounded by the tiles' MXU work) fall 3.2x for strided (l = 128) and 8.1x for
+        fixed (l = 128, c = 32): a grid step's fixed cost paid over a larger tile, or over 16
+        small blocks that score half the pairs (docs/tpu_compile.md)."""
+        return BlockSizes() if backend == "triton" else BlockSizes(512, 512, band=128)
 
     @staticmethod
     def parse(options: str, default: BlockSizes | None = None) -> BlockSizes:
@@ -176,7 +178,7 @@ class BlockSizes:
                              "per tile (e.g. 16x16, 64x64, the default)")
         if tiles and backend == "mosaic" and (self.block_q % 128 or self.block_k % 128):
             raise ValueError(f"kernel tiles {size}: Mosaic (a TPU) needs multiples of 128 "
-                             "(e.g. 128x128, or 256x256, the default)")
+                             "(e.g. 128x128, or 512x512, the default)")
         if backend != "triton" and (self.variant != "terms" or self.one_loop):
             raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}) "
                              f"needs the triton backend (a GPU), not {backend}")

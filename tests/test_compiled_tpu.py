@@ -312,9 +312,11 @@ def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
             {"sparse_band_forward", "sparse_band_dq", "sparse_band_dkv"} if band else
             {"sparse_forward", "sparse_dq", "sparse_dkv", "sparse_band_forward", "sparse_band_dq",
              "sparse_band_dkv"})
-        # scratch and double-buffered tiles or windows (the band kernels have no scratch; XLA
-        # may keep a small output whole in VMEM), well within a v5e's VMEM
-        assert all(64 * 1024 <= k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
+        # scratch and double-buffered tiles or windows, well within a v5e's VMEM (the band
+        # kernels have no scratch, and XLA may keep a small kernel's operands whole in VMEM,
+        # which leaves it no scoped VMEM of its own)
+        assert all(k["vmem_bytes"] <= 16 * 2**20 for k in row["kernels"])
+        assert max(k["vmem_bytes"] for k in row["kernels"]) >= 1024 * 1024
     assert "| attention 8k strided:128@pallas | sparse_band_dkv_columns |" in (
         tmp_path / "results.md").read_text()
     # XLA's cost analysis counts the kernels' work (their pl.CostEstimate): at least their

@@ -170,9 +170,9 @@ NUMPY_MASK_MAX = 16384  # longer: the pattern's rule as a mask splash computes (
 def splash_mask(pattern: str, n: int, rule: bool = False):
     """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
     boolean mask (``PatternSpec.mask``) as a ``NumpyMask`` up to ``NUMPY_MASK_MAX``, beyond it
-    (or with ``rule``) the pattern's rule (``kernel.mask_rule``) as a computable mask, which splash evaluates per
-    block on the host and in its kernels (as its own causal and local masks); for "dense"
-    splash's ``CausalMask``."""
+    (or with ``rule``) the pattern's rule (``kernel.mask_rule``) as a computable mask, which
+    splash evaluates per block on the host and in its kernels (as its own causal and local
+    masks); for "dense" splash's ``CausalMask``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     from sparse_jax import kernel
