@@ -501,7 +501,10 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     row["wall_s"] = time.perf_counter() - start
     results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode < 0:  # a signal: the kernel's OOM killer, or someone
-        row["error"] = f"compile killed by signal {-proc.returncode} (out of memory?)"
+        why = {9: " (out of memory?)", 6: " (an abort: libtpu's profiler aborts on some "
+                                          "programs; --nocycles compiles them)"}
+        row["error"] = f"compile killed by signal {-proc.returncode}" + why.get(
+            -proc.returncode, "")
         return row
     if proc.returncode or not results:
         row["error"] = compiled.last_error(proc.stderr) or f"exit status {proc.returncode}"
