@@ -356,19 +356,24 @@ def _ranges_meet(a, b, lo, hi):
     return meet
 
 
-@functools.lru_cache(maxsize=64)
-def _block_lists(layout: _Layout, block_q: int, block_k: int):
-    """``(pallas_kernels.Lists, kept, scored)``: the lists, the kept (query, key) pairs and the
-    pairs in the listed tiles."""
+def _padded_attributes(layout: _Layout, nq: int, nk: int):
+    """``layout.attributes()`` padded to ``nq`` queries and ``nk`` keys: padding queries reach
+    no key and padding keys no query (segments ``_FAR`` apart, keys unflagged)."""
     (q_pos, q_seg), (k_pos, k_seg, k_flag) = layout.attributes()
-    nqb, nkb = -(-layout.n // block_q), -(-layout.nk // block_k)
 
     def padded(x, size, fill):
         return np.concatenate([x, np.full(size - len(x), fill, x.dtype)])
 
-    qp, qs = padded(q_pos, nqb * block_q, 0), padded(q_seg, nqb * block_q, -_FAR)
-    kp, ks = padded(k_pos, nkb * block_k, 0), padded(k_seg, nkb * block_k, _FAR)
-    kf = padded(k_flag, nkb * block_k, False)
+    return ((padded(q_pos, nq, 0), padded(q_seg, nq, -_FAR)),
+            (padded(k_pos, nk, 0), padded(k_seg, nk, _FAR), padded(k_flag, nk, False)))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_lists(layout: _Layout, block_q: int, block_k: int):
+    """``(pallas_kernels.Lists, kept, scored)``: the lists, the kept (query, key) pairs and the
+    pairs in the listed tiles."""
+    nqb, nkb = -(-layout.n // block_q), -(-layout.nk // block_k)
+    (qp, qs), (kp, ks, kf) = _padded_attributes(layout, nqb * block_q, nkb * block_k)
 
     def bounds(x, real, blocks, size):  # (min, max) of each block's real entries
         x, real = x.reshape(blocks, size), real.reshape(blocks, size)
@@ -405,14 +410,7 @@ def _band_masks(layout: _Layout, tile: int, width: int, nb: int, starts: np.ndar
     """Distinct masks of own blocks against their windows (``starts``: each own block's first
     window block), as (table [M, tile, width * tile] int32: own rows by window columns, own
     keys by window queries for ``key_side``; index per own block)."""
-    (q_pos, q_seg), (k_pos, k_seg, k_flag) = layout.attributes()
-    length = nb * tile
-
-    def padded(x, fill):
-        return np.concatenate([x, np.full(length - len(x), fill, x.dtype)])
-
-    qp, qs = padded(q_pos, 0), padded(q_seg, -_FAR)
-    kp, ks, kf = padded(k_pos, 0), padded(k_seg, _FAR), padded(k_flag, False)
+    (qp, qs), (kp, ks, kf) = _padded_attributes(layout, nb * tile, nb * tile)
     own = np.arange(tile)
     near = starts[:, None] * tile + np.arange(width * tile)[None]
     table, index = {}, np.zeros(nb, np.int32)
@@ -459,12 +457,11 @@ def _band(layout: _Layout, tile: int, group: int, block_q: int, block_k: int):
     shorter than a step's window."""
     if layout.kind == "summary":
         return None
-    lists, _, scored = _block_lists(layout, tile, tile)
-    table = lists.forward
-    pairs = [(i, b) for i, row in enumerate(table) for b in row[2:2 + row[0] + row[1]]]
-    if not pairs:
+    table = _block_lists(layout, tile, tile)[0].forward  # [n_partial, n_full, blocks...]
+    listed = np.arange(table.shape[1] - 2)[None] < (table[:, 0] + table[:, 1])[:, None]
+    if not listed.any():
         return None
-    offsets = np.array([b - i for i, b in pairs])
+    offsets = table[:, 2:][listed] - np.nonzero(listed)[0]  # key block - query block
     lo, hi = int(offsets.min()), int(offsets.max())
     width, blocks = hi - lo + 1, -(-layout.n // tile)
     while group > 1 and (group > blocks or -(-blocks // group) * group < group + width - 1):

@@ -638,7 +638,7 @@ class Band:
 
     @property
     def steps(self) -> int:
-        return (len(self.meta)) // (1 + 2 * self.group)
+        return len(self.meta) // (1 + 2 * self.group)
 
 
 def _band_own(meta_ref, band, g):
@@ -654,28 +654,29 @@ def _column(row_ref, rows):
     return jnp.expand_dims(row_ref[0, rows], -1)
 
 
+def _band_scores(meta_ref, band, g, q_ref, k_ref, v_ref, mask_ref):
+    """Own block g's rows, its window's keys and values, and its masked scores [tile, window]."""
+    offset, index = _band_own(meta_ref, band, g)
+    rows, near = pl.ds(g * band.tile, band.tile), pl.ds(offset, band.width * band.tile)
+    k, v = k_ref[near, :], v_ref[near, :]
+    return rows, k, v, jnp.where(mask_ref[index] != 0, _dot(q_ref[rows, :], k, trans_b=True),
+                                 NEG)
+
+
 def _tpu_band_forward(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, band):
-    size, window = band.tile, band.width * band.tile
     for g in range(band.group):
-        offset, index = _band_own(meta_ref, band, g)
-        rows = pl.ds(g * size, size)
-        k, v = k_ref[pl.ds(offset, window), :], v_ref[pl.ds(offset, window), :]
-        s = jnp.where(mask_ref[index] != 0, _dot(q_ref[rows, :], k, trans_b=True), NEG)
+        rows, _, v, s = _band_scores(meta_ref, band, g, q_ref, k_ref, v_ref, mask_ref)
         m = jnp.maximum(s.max(-1, keepdims=True), FLOOR)
         p = jnp.exp(s - m)
         o, lse = _finish(_dot(p.astype(v.dtype), v), m, p.sum(-1, keepdims=True))
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        lse_ref[:, rows] = jnp.broadcast_to(lse, (size, 128)).T[:1]  # lane-dense
+        lse_ref[:, rows] = jnp.broadcast_to(lse, (band.tile, 128)).T[:1]  # lane-dense
 
 
 def _tpu_band_dq(meta_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, dq_ref, *,
                  band):
-    size, window = band.tile, band.width * band.tile
     for g in range(band.group):
-        offset, index = _band_own(meta_ref, band, g)
-        rows = pl.ds(g * size, size)
-        k, v = k_ref[pl.ds(offset, window), :], v_ref[pl.ds(offset, window), :]
-        s = jnp.where(mask_ref[index] != 0, _dot(q_ref[rows, :], k, trans_b=True), NEG)
+        rows, k, v, s = _band_scores(meta_ref, band, g, q_ref, k_ref, v_ref, mask_ref)
         ds = _grads(s, _column(lse_ref, rows), _column(delta_ref, rows), do_ref[rows, :], v)[1]
         dq_ref[rows, :] = _dot(ds.astype(k.dtype), k).astype(dq_ref.dtype)
 

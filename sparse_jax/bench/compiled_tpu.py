@@ -171,10 +171,10 @@ def select(names: list[str] | None) -> list[dict]:
 NUMPY_MASK_MAX = 16384  # longer: the pattern's rule as a mask splash computes (n x n bytes)
 
 
-def splash_mask(pattern: str, n: int, rule: bool = False):
+def splash_mask(pattern: str, n: int):
     """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
     boolean mask (``PatternSpec.mask``) as a ``NumpyMask`` up to ``NUMPY_MASK_MAX``, beyond it
-    (or with ``rule``) the pattern's rule (``kernel.mask_rule``) as a computable mask, which
+    the pattern's rule (``kernel.mask_rule``) as a computable mask, which
     splash evaluates per block on the host and in its kernels (as its own causal and local
     masks); for "dense" splash's ``CausalMask``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -185,7 +185,7 @@ def splash_mask(pattern: str, n: int, rule: bool = False):
     spec = parse_pattern(pattern, n)[0]
     if spec.kind == "dense":
         return masks.CausalMask((n, n))
-    if n <= NUMPY_MASK_MAX and not rule:
+    if n <= NUMPY_MASK_MAX:
         return masks.NumpyMask(spec.mask(n))
     class PatternMask(masks._ComputableMask):  # hashable, as splash's own masks are
         def __eq__(self, other):
@@ -213,8 +213,7 @@ def _splash_program(program: dict, mesh):
     n, heads, d, b = program["seq_len"], program["heads"], program["head_dim"], program["block"]
     if program["batch"] != 1:
         raise ValueError("splash programs take one sequence (batch 1)")
-    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n, program.get("rule_mask",
-                                                                            False))] * heads)
+    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n)] * heads)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
                               block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
                               block_kv_dq=b)
