@@ -469,6 +469,9 @@ def test_implementation_choice():
     assert parse_pattern("strided:128@pallas:512x512:band128x4", 1024)[2] == K.BlockSizes(
         512, 512, band=128, band_group=4)
     assert K.BlockSizes.parse("band0", K.BlockSizes.for_backend("mosaic")).band == 0
+    # options left out keep the backend's defaults: band0 on a TPU keeps its 512 x 512 tiles
+    assert parse_pattern("fixed:128:32@pallas:band0", 1024, backend="mosaic")[2] == (
+        K.BlockSizes(512, 512, band=0))
     with pytest.raises(ValueError, match="band_group=3 .* power of two"):
         K.BlockSizes(band=128, band_group=3)
     with pytest.raises(ValueError, match="divide the 2 heads"):

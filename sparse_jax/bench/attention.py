@@ -26,17 +26,18 @@ from sparse_jax.bench.tools import case_bar, log_line
 DENSE_IMPLEMENTATIONS = ("xla", "cudnn", "chunked", "torch")
 
 
-def parse_pattern(name: str, seq_len: int):
+def parse_pattern(name: str, seq_len: int, backend: str | None = None):
     """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n)),
     optionally followed by ``@IMPL``, as (PatternSpec, implementation, kernel tiles or None):
     for dense ``@xla`` or ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default
     choice), ``@chunked`` (this project's dense path) or ``@torch`` (PyTorch's SDPA), for the
     sparse patterns ``@xla`` (the default), ``@pallas`` or ``@auto``
     (``attention.sparse_attention``). ``@pallas`` takes ``:``-separated kernel options
-    (``kernel.BlockSizes``; unnamed ones keep its defaults), to compare kernels in one sweep:
-    ``QxK`` tiles (Q queries by K keys), a variant (``terms`` or ``chained``), ``hG`` heads per
-    program, ``wN`` Triton warps, ``sN`` Triton stages, ``one_loop`` (one loop over a program's
-    blocks); e.g. ``strided:128@pallas:128x64``,
+    (``kernel.BlockSizes``; unnamed ones keep ``backend``'s defaults, by default those of the
+    platform traced for: Mosaic's on a TPU), to compare kernels in one sweep: ``QxK`` tiles (Q
+    queries by K keys), a variant (``terms`` or ``chained``), ``hG`` heads per program, ``wN``
+    Triton warps, ``sN`` Triton stages, ``one_loop`` (one loop over a program's blocks),
+    ``bandTxG`` (Mosaic's band kernels; ``band0``: none); e.g. ``strided:128@pallas:128x64``,
     ``strided:128@pallas:64x64:chained:h2``, ``fixed:128:32@pallas:chained:w8:s3``."""
     from sparse_jax.attention import IMPLEMENTATIONS
     from sparse_jax.kernel import BlockSizes
@@ -55,7 +56,10 @@ def parse_pattern(name: str, seq_len: int):
         try:
             if implementation != "pallas":
                 raise ValueError("kernel options apply to @pallas only")
-            sizes = BlockSizes.parse(":".join(options))
+            from sparse_jax.model import kernel_backend
+
+            sizes = BlockSizes.parse(":".join(options),
+                                     BlockSizes.for_backend(backend or kernel_backend()))
         except (ValueError, TypeError) as e:
             raise ValueError(f"pattern {name}@{implementation}:{':'.join(options)}: {e} "
                              "(e.g. @pallas:128x64 or @pallas:64x64:chained:h2)") from e
