@@ -201,6 +201,13 @@ def test_ours_and_splash_are_set_side_by_side():
          "ours": "attention 16k strided:128@pallas:256x256", "ours_cycles": 1.4e6,
          "splash": "splash 16k strided:128 b512", "splash_cycles": 7.0e6, "ratio": 5.0,
          "all_op_ratio": 3.6}]
+    # at 64k the heads differ (the profiler's limits): per head, 8 M over 8 heads against 4 M
+    rows = [{"name": "attention 64k fixed:128:32@pallas", "cycles": 8.0e6,
+             "all_op_cycles": 16.0e6, "bounded_cycles": 8.0e6},
+            {"name": "splash 64k fixed:128:32 b512 h1", "cycles": 4.0e6, "all_op_cycles": 4.0e6,
+             "bounded_cycles": 6.0e6}]
+    pair, = compiled_tpu.beside_splash(rows)
+    assert (pair["ratio"], pair["all_op_ratio"], pair["bounded_ratio"]) == (4.0, 2.0, 6.0)
     text = compiled_tpu.markdown([], "v5p", ["# t"])
     assert "time at 1.75 GHz" in text
     assert "no static cycles" in compiled_tpu.markdown([], "v5e", ["# t"])
