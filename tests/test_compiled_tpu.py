@@ -338,6 +338,21 @@ def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
         assert row["flops"] >= 2304 * program["heads"] * scored, row["name"]
 
 
+@pytest.mark.slow
+def test_one_sequence_over_four_chips_compiles_with_the_kernels_and_collectives():
+    # context parallelism for a v5e slice of 4 chips (2 x 2): each chip's program runs the
+    # Mosaic kernels on its shard, the columns' all-to-all and the halo's collective-permute
+    tools = _tools()
+    program = {**compiled_tpu._context("strided:128@pallas", 8192, 4, 1), "group": "test"}
+    row = compiled_tpu.compile_program(program, "v5e", tools, cycles=False)
+    assert "error" not in row, row["error"]
+    assert {k["name"] for k in row["kernels"]} >= {"sparse_band_forward_rows",
+                                                   "sparse_band_dkv_columns"}
+    assert {"all-to-all", "collective-permute"} <= set(row["collectives"])
+    # one chip's plan: a quarter of the sequence's q, k, v (bfloat16) and their gradients
+    assert row["memory"]["argument"] == 3 * 8192 // 4 * 128 * 2
+
+
 def _program(options, **extra):
     return {"name": f"attention strided:128@pallas:{options}", "group": "test",
             "kind": "attention", "pattern": f"strided:128@pallas:{options}", "seq_len": 2048,

@@ -28,6 +28,10 @@ makes the kernels Mosaic's, compiled, not interpret mode; "auto" picks them). As
                     visited tiles' matrix products (``tile_flops``), which the estimate falls
                     below for large tiles
 
+"context" programs split one sequence over several chips of a slice (``context`` on a mesh axis
+"seq" of the topology ``Target.slice`` names, e.g. "v5p:2x2x1"): XLA's plan and the static
+profile are then one chip's, collectives included.
+
 Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) is compiled the same way
 on our patterns' exact masks ("splash" programs), and the table sets the two side by side. No
 time is measured: these are the compiler's figures and estimates, not measurements on a TPU. A
@@ -72,6 +76,14 @@ class Target:
     clock_ghz: float
     cycles: bool
     peak_tflops: float  # bf16, the whole chip (the MXU floor of a kernel's matrix products)
+
+    def slice(self, chips: int) -> str:
+        """The topology of ``chips`` chips of this kind in one slice ("v5p:2x2x1" for 4)."""
+        shapes = {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"} if self.topology.count(
+            "x") == 2 else {1: "1x1", 4: "2x2", 8: "2x4"}
+        if chips not in shapes:
+            raise ValueError(f"{chips} chips: give one of {', '.join(map(str, shapes))}")
+        return f"{self.topology.partition(':')[0]}:{shapes[chips]}"
 
 
 # Clocks: no data sheet states one; each is the chip's peak bf16 rate over its MXUs' multiply-
@@ -133,7 +145,8 @@ def programs() -> list[dict]:
     one); the same at larger tiles
     ("tiles8k", "tiles16k"); splash attention with the same masks at 8k and 16k ("splash8k",
     "splash16k"); the forward passes alone at 16k ("forward16k": ours and splash's at
-    512-blocks, for v6e, whose profiler takes too long over the backward)."""
+    512-blocks, for v6e, whose profiler takes too long over the backward); the paper's step
+    ("steps"); one sequence over several chips ("context": ``CONTEXT``)."""
     out = [_attention(p, n, group) for n, group in ((CI_LENGTH, "ci"), (16384, "attention16k"))
            for p in PATTERNS]
     out += [_attention(p, 65536, "attention64k", heads=HEADS_64K[p]) for p in PATTERNS]
@@ -145,7 +158,23 @@ def programs() -> list[dict]:
     out += [_attention(p, 16384, "forward16k", forward=True) for p in PATTERNS]
     out += [_splash(m, 16384, 512, "forward16k", forward=True) for m in SPLASH_MASKS]
     out += _steps()
+    out += [_context(*case) for case in CONTEXT]
     return out
+
+
+# Context parallelism (``sparse_jax.context``): one sequence split over the chips of a v5p
+# slice, the Pallas kernels on each chip's shard. 64k as the one-chip rows (one chip's share of
+# the same work, and what the collectives add), and a million bytes at the million preset's
+# stride (l = 1,024) over 8 chips.
+CONTEXT = (("strided:128@pallas", 65536, 4, 1), ("fixed:128:32@pallas", 65536, 4, 8),
+           ("strided:1024@pallas", 1 << 20, 8, 8))
+
+
+def _context(pattern: str, n: int, chips: int, heads: int) -> dict:
+    length = f"{n >> 20}m" if n >= 1 << 20 else f"{n // 1024}k"
+    return {"name": f"context {length} {pattern} p{chips}{f' h{heads}' if heads != 8 else ''}",
+            "group": "context", "kind": "context", "pattern": pattern, "seq_len": n,
+            **ATTENTION_SHAPE, "heads": heads, "chips": chips}
 
 
 def _steps() -> list[dict]:
@@ -233,11 +262,38 @@ def _splash_program(program: dict, mesh):
     return (loss if program.get("forward") else jax.grad(loss, argnums=(0, 1, 2))), (x, x, x)
 
 
+def _context_program(program: dict, mesh):
+    """(loss gradient, abstract q, k, v) of ``context.context_parallel_attention`` with the
+    sequence split over ``mesh``'s axis "seq": [B, n, H, d] bfloat16, sharded by position."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sparse_jax import context
+    from sparse_jax.bench.attention import parse_pattern
+
+    n = program["seq_len"]
+    spec, implementation, sizes = parse_pattern(program["pattern"], n)
+    x = jax.ShapeDtypeStruct((program["batch"], n, program["heads"], program["head_dim"]),
+                             jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "seq")))
+
+    def loss(q, k, v):
+        return context.context_parallel_attention(
+            q, k, v, spec, mesh, implementation=implementation,
+            block_sizes=sizes).astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x)
+
+
 def build(program: dict, mesh):
-    """(function, abstract arguments) of ``program`` on ``mesh``: splash's, or
-    ``compiled.build_program``'s (its forward alone, the loss, where ``program["forward"]``)."""
+    """(function, abstract arguments) of ``program`` on ``mesh``: splash's, context
+    parallelism's, or ``compiled.build_program``'s (its forward alone, the loss, where
+    ``program["forward"]``)."""
     if program["kind"] == "splash":
         return _splash_program(program, mesh)
+    if program["kind"] == "context":
+        return _context_program(program, mesh)
     fn, args, _ = compiled.build_program(program, mesh)  # the GPU's tile work does not apply
     return (_forward_of(program) if program.get("forward") else fn), args
 
@@ -307,9 +363,12 @@ def _child(program: dict, target: str) -> None:
             lambda self, backend, tiles=True: check(self, backend, tiles=False))
     library = cloud_tpu_init.get_tpu_library_path()
     t = TARGETS[target]
-    topology = topologies.get_topology_desc(t.topology, platform="tpu",
-                                            chips_per_host_bounds=(1, 1, 1))
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    chips = program.get("chips", 1)
+    name = t.slice(chips) if chips > 1 else t.topology
+    shape = tuple(map(int, name.partition(":")[2].split("x")))
+    topology = topologies.get_topology_desc(name, platform="tpu",
+                                            chips_per_host_bounds=(shape + (1,))[:3])
+    mesh = topologies.make_mesh(topology, (chips,), ("seq",) if chips > 1 else ("x",))
     result = {"libtpu": library}
     with pallas_kernels.compiling_for("tpu"):
         fn, args = build(program, mesh)
@@ -326,8 +385,12 @@ def _child(program: dict, target: str) -> None:
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     result["flops"] = float((cost or {}).get("flops", 0.0))
-    result["kernels"] = parse_mosaic_kernels(executable.as_text())
-    if program["kind"] != "step":  # a whole step's matrix products are not the tiles'
+    text = executable.as_text()
+    result["kernels"] = parse_mosaic_kernels(text)
+    result["collectives"] = sorted(set(re.findall(
+        r" (all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(?:-start)?\(",
+        text)))
+    if program["kind"] in ("attention", "splash"):  # a step's products are not the tiles'
         result["tile_flops"] = tile_flops(program)
     print("RESULT " + json.dumps(result), flush=True)
 
