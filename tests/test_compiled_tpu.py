@@ -186,6 +186,69 @@ def test_cycles_attach_to_kernels_and_sum_per_program(tmp_path):
     assert row["kernels"][0]["cycles"] is None and row["cycles"] is None
 
 
+# A scanned model's compiled HLO (libtpu 0.0.48, the paper's step, abridged): the layer loop's
+# condition compares the counter with a constant; a kernel runs once in the forward loop and
+# once in the backward one (the profile names one of the two, with 2 equivalent ops).
+LOOPS = """HloModule jit_train_step, entry_computation_layout={()->f32[]}
+
+%wide.region_8.23.clone (wide.arg_tuple.6: (s32[], f32[2,512])) -> pred[] {
+  %constant.1870 = s32[]{:T(128)} constant(30), metadata={op_name="jit(train_step)"}
+  %wide.arg_tuple.6 = (s32[]{:T(128)}, f32[2,512]{1,0}) parameter(0)
+  %get-tuple-element.1303 = s32[]{:T(128)} get-tuple-element(%wide.arg_tuple.6), index=0
+  ROOT %lt.97 = pred[]{:T(512)} compare(%get-tuple-element.1303, %constant.1870), directi\
+on=LT, metadata={op_name="jit(train_step)/while/cond/lt"}
+}
+
+%wide.region_2.22.clone.sunk (wide.param: (s32[], f32[2,512])) -> (s32[], f32[2,512]) {
+  %sparse_forward_summary.16 = f32[2,512]{1,0} custom-call(%x), custom_call_target="tpu_cu\
+stom_call", metadata={op_name="jit(train_step)/jvp()/while/body/jvp(sparse_forward_summary)/pa\
+llas_call"}
+  ROOT %tuple.1 = (s32[], f32[2,512]) tuple(%i, %sparse_forward_summary.16)
+}
+
+%region_9.cond (arg: (s32[], f32[2,512])) -> pred[] {
+  %constant.2 = s32[]{:T(128)} constant(30)
+  ROOT %lt.98 = pred[]{:T(512)} compare(%gte.7, %constant.2), direction=LT
+}
+
+%region_3.body (param: (s32[], f32[2,512])) -> (s32[], f32[2,512]) {
+  %sparse_forward_summary.17 = f32[2,512]{1,0} custom-call(%x), custom_call_target="tpu_cu\
+stom_call", metadata={op_name="jit(train_step)/transpose()/while/body/jvp(sparse_forward_summa\
+ry)/pallas_call"}
+  %fusion.4 = f32[2,512]{1,0} fusion(%sparse_forward_summary.17), kind=kLoop, calls=%fused.4
+}
+
+ENTRY %main.5 (p: f32[2,512]) -> f32[] {
+  %while.55 = (s32[], f32[2,512]) while(%tuple.208), condition=%wide.region_8.23.clone, body=%\
+wide.region_2.22.clone.sunk, metadata={op_name="jit(train_step)/jvp()/while"}
+  %while.56 = (s32[], f32[2,512]) while(%tuple.209), condition=%region_9.cond, body=%region_3\
+.body
+  ROOT %reduce.1 = f32[] reduce(%gte.8, %c), dimensions={0,1}, to_apply=%add
+}
+"""
+
+
+def test_a_scanned_layers_ops_count_once_a_layer():
+    trips = compiled_tpu.loop_trips(LOOPS)
+    assert trips["sparse_forward_summary.16"] == trips["sparse_forward_summary.17"] == 30
+    assert trips["fusion.4"] == trips["lt.97"] == 30 and "reduce.1" not in trips
+    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS), "trips": trips}
+    assert row["kernels"][0]["instructions"] == ["sparse_forward_summary.16",
+                                                 "sparse_forward_summary.17"]
+    profile = {"sparse_forward_summary.16": {"cycles": 1000, "equivalent": 2},
+               "fusion.4": {"cycles": 10, "equivalent": 1},
+               "reduce.1": {"cycles": 7, "equivalent": 1}}
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    assert row["cycles"] == 2 * 30 * 1000 and row["all_op_cycles"] == 60000 + 300 + 7
+    # a loop whose count the condition does not give: no sums rather than a wrong one
+    unknown = LOOPS.replace("constant(30)\n  ROOT %lt.98", "parameter(1)\n  ROOT %lt.98")
+    trips = compiled_tpu.loop_trips(unknown)
+    assert trips["fusion.4"] is None and trips["sparse_forward_summary.16"] == 30
+    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS), "trips": trips}
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    assert row["cycles"] is None and row["all_op_cycles"] is None
+
+
 def test_ours_and_splash_are_set_side_by_side():
     rows = [{"name": "attention 16k strided:128@pallas", "cycles": 2.8e6},
             {"name": "attention 16k strided:128@pallas:256x256", "cycles": 1.4e6,

@@ -387,6 +387,7 @@ def _child(program: dict, target: str) -> None:
     result["flops"] = float((cost or {}).get("flops", 0.0))
     text = executable.as_text()
     result["kernels"] = parse_mosaic_kernels(text)
+    result["trips"] = loop_trips(text)
     result["collectives"] = sorted(set(re.findall(
         r" (all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(?:-start)?\(",
         text)))
@@ -457,6 +458,51 @@ def parse_mosaic_kernels(hlo: str) -> list[dict]:
     return out
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+_ANY_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = ")
+_WHILE = re.compile(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"^\s+ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, "
+                        r"%?([\w.\-]+)\), direction=LT")
+
+
+def loop_trips(hlo: str) -> dict[str, int]:
+    """How many times each instruction of compiled HLO text runs, where not once: those of a
+    while loop's body and condition run its trip count, times that of the loops around it (a
+    scan over layers: its count is the s32 constant its condition compares the counter with,
+    ``i < N``, the counter starting at 0; None where a loop's count cannot be read so).
+    libtpu's static profile gives an op's cycles for one run."""
+    where, loops, constants, limit = {}, {}, {}, {}  # instruction -> computation; ...
+    computation = None
+    for line in _instructions(hlo):
+        if not line.startswith(" "):
+            found = _COMPUTATION.match(line)
+            computation = found.group(1) if found and line.rstrip().endswith("{") else None
+            continue
+        found = _ANY_INSTRUCTION.match(line)
+        if not found or computation is None:
+            continue
+        where[found.group(1)] = computation
+        if (loop := _WHILE.search(line)):
+            loops[found.group(1)] = loop.groups()
+        if (constant := _CONSTANT.match(line)):
+            constants[constant.group(1)] = int(constant.group(2))
+        if (compare := _LESS_THAN.match(line)):
+            limit[computation] = compare.group(1)
+    inside = {}  # body or condition computation -> (the while instruction, its trips)
+    for name, (condition, body) in loops.items():
+        inside[body] = inside[condition] = (name, constants.get(limit.get(condition)))
+
+    def runs(computation):
+        if computation not in inside:
+            return 1
+        loop, trips = inside[computation]
+        outer = runs(where[loop])
+        return None if trips is None or outer is None else trips * outer
+
+    return {name: n for name, c in where.items() if (n := runs(c)) != 1}
+
+
 _ESTIMATE = re.compile(r"^hlo_op_estimate \{$", re.M)
 _FIELD = re.compile(r"^  (hlo_op_name|estimated_cycles|num_equivalent_hlos): \"?([^\"\n]*)\"?$",
                     re.M)
@@ -497,23 +543,34 @@ def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float,
     several heads, whose copies libtpu counts as remote DMA), the row the kernels' sum
     ("cycles"), its time at ``clock_ghz`` ("estimated_us") and the sum over every op of the
     program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
-    for). With the row's "tile_flops" and the chip's ``peak_tflops``: the cycles its MXUs need
+    for), each op's cycles times its runs (``row["trips"]``, ``loop_trips``: a scanned layer's
+    ops run once a layer; an unknown count leaves the sums None). With the row's "tile_flops"
+    and the chip's ``peak_tflops``: the cycles its MXUs need
     at the least for them ("mxu_floor_cycles"), and the kernels' cycles raised to that floor
     ("bounded_cycles"): for tiles of 512 and more the profile's estimate falls below that
     floor (it seems not to count a loop inside a kernel's body by its trips), so only the
     bounded figure compares large tiles with small."""
+    trips = row.get("trips", {})
+
+    def cycles(names):  # of ops and the equivalent ops each stands for, over their runs
+        runs = [trips.get(n, 1) for n in names]
+        return None if None in runs else sum(
+            profile[n]["cycles"] * profile[n]["equivalent"] * r for n, r in zip(names, runs))
+
     total = 0
     for k in row["kernels"]:
-        found = [profile[i]["cycles"] * profile[i]["equivalent"] for i in k["instructions"]
-                 if profile.get(i, {}).get("cycles")]
-        k["cycles"] = sum(found) if len(found) == len(k["instructions"]) else None
+        # a profile names one of several equivalent ops (a kernel's calls in two loops)
+        found = [i for i in k["instructions"] if profile.get(i, {}).get("cycles")]
+        whole = sum(profile[i]["equivalent"] for i in found) == len(k["instructions"])
+        known = None not in (trips.get(i, 1) for i in k["instructions"])
+        k["cycles"] = cycles(found) if whole and known else None
         total = None if total is None or k["cycles"] is None else total + k["cycles"]
     row["cycles"] = total
     row["estimated_us"] = None if total is None else total / (clock_ghz * 1e3)
     if "tile_flops" in row and peak_tflops:
         row["mxu_floor_cycles"] = row["tile_flops"] / (peak_tflops * 1e3 / clock_ghz)
         row["bounded_cycles"] = None if total is None else max(total, row["mxu_floor_cycles"])
-    row["all_op_cycles"] = sum(e["cycles"] * e["equivalent"] for e in profile.values())
+    row["all_op_cycles"] = cycles(list(profile))
 
 
 # ---------------------------------------------------------------------------------------------
