@@ -232,20 +232,20 @@ def test_a_scanned_layers_ops_count_once_a_layer():
     trips = compiled_tpu.loop_trips(LOOPS)
     assert trips["sparse_forward_summary.16"] == trips["sparse_forward_summary.17"] == 30
     assert trips["fusion.4"] == trips["lt.97"] == 30 and "reduce.1" not in trips
-    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS), "trips": trips}
+    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS)}
     assert row["kernels"][0]["instructions"] == ["sparse_forward_summary.16",
                                                  "sparse_forward_summary.17"]
     profile = {"sparse_forward_summary.16": {"cycles": 1000, "equivalent": 2},
                "fusion.4": {"cycles": 10, "equivalent": 1},
                "reduce.1": {"cycles": 7, "equivalent": 1}}
-    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75, trips=trips)
     assert row["cycles"] == 2 * 30 * 1000 and row["all_op_cycles"] == 60000 + 300 + 7
     # a loop whose count the condition does not give: no sums rather than a wrong one
     unknown = LOOPS.replace("constant(30)\n  ROOT %lt.98", "parameter(1)\n  ROOT %lt.98")
     trips = compiled_tpu.loop_trips(unknown)
     assert trips["fusion.4"] is None and trips["sparse_forward_summary.16"] == 30
-    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS), "trips": trips}
-    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75)
+    row = {"kernels": compiled_tpu.parse_mosaic_kernels(LOOPS)}
+    compiled_tpu.attach_cycles(row, profile, clock_ghz=1.75, trips=trips)
     assert row["cycles"] is None and row["all_op_cycles"] is None
 
 

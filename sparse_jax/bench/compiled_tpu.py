@@ -537,20 +537,20 @@ def read_static_profile(folder: str) -> dict[str, dict]:
 
 
 def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float,
-                  peak_tflops: float = 0.0) -> None:
+                  peak_tflops: float = 0.0, trips: dict[str, int | None] | None = None) -> None:
     """Each Mosaic kernel of ``row`` gets its static cycles (summed over its calls; None where
     the profile lacks one or gives it 0 cycles: no estimate, as for a kernel whose blocks span
     several heads, whose copies libtpu counts as remote DMA), the row the kernels' sum
     ("cycles"), its time at ``clock_ghz`` ("estimated_us") and the sum over every op of the
     program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
-    for), each op's cycles times its runs (``row["trips"]``, ``loop_trips``: a scanned layer's
+    for), each op's cycles times its runs (``trips``, ``loop_trips``: a scanned layer's
     ops run once a layer; an unknown count leaves the sums None). With the row's "tile_flops"
     and the chip's ``peak_tflops``: the cycles its MXUs need
     at the least for them ("mxu_floor_cycles"), and the kernels' cycles raised to that floor
     ("bounded_cycles"): for tiles of 512 and more the profile's estimate falls below that
     floor (it seems not to count a loop inside a kernel's body by its trips), so only the
     bounded figure compares large tiles with small."""
-    trips = row.get("trips", {})
+    trips = trips or {}
 
     def cycles(names):  # of ops and the equivalent ops each stands for, over their runs
         runs = [trips.get(n, 1) for n in names]
@@ -636,6 +636,8 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
         row["error"] = compiled.last_error(proc.stderr) or f"exit status {proc.returncode}"
         return row
     row.update(json.loads(results[-1]))
+    trips = row.pop("trips")  # per op: too many to keep; the loops' counts are kept
+    row["loop_trips"] = sorted(set(trips.values()), key=lambda n: (n is None, n))
     if os.path.realpath(row["libtpu"]) != os.path.realpath(env["TPU_LIBRARY_PATH"]):
         row["error"] = f"libtpu loaded from {row['libtpu']}, not --tools={tools}"
         return row
@@ -645,7 +647,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     row["fits"] = row["planned_gib"] <= t.hbm_gib
     row["max_vmem_bytes"] = max((k["vmem_bytes"] for k in row["kernels"]), default=0)
     if profile is not None:
-        attach_cycles(row, profile, t.clock_ghz, t.peak_tflops)
+        attach_cycles(row, profile, t.clock_ghz, t.peak_tflops, trips)
     return row
 
 
