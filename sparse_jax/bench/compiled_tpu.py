@@ -121,6 +121,7 @@ def _attention(pattern: str, n: int, group: str, forward: bool = False, heads: i
 # with a NumPy mask exceed the scoped VMEM Mosaic grants (its mask blocks): listed, refused.
 SPLASH_MASKS = ("strided:128", "fixed:128:32", "dense")
 LARGER_TILES = (256, 512)  # our kernels at tiles beyond the 128 x 128 default (tiles8k, 16k)
+BANDS = ("band256x8", "band256x16", "band0")  # band kernels' other blocks, or none (bands16k)
 SPLASH_BLOCKS = (256, 512, 1024)
 
 
@@ -142,8 +143,8 @@ HEADS_64K = {"strided:128@pallas": 1, "fixed:128:32@pallas": 8}
 def programs() -> list[dict]:
     """The suite's check ("ci", the default kernels at ``CI_LENGTH``), then the same at 16k and
     64k (groups "attention16k", "attention64k"; 64k with ``HEADS_64K`` heads, splash's with
-    one); the same at larger tiles
-    ("tiles8k", "tiles16k"); splash attention with the same masks at 8k and 16k ("splash8k",
+    one); the same at larger tiles ("tiles8k", "tiles16k") and with other band blocks
+    ("bands16k"); splash attention with the same masks at 8k and 16k ("splash8k",
     "splash16k"); the forward passes alone at 16k ("forward16k": ours and splash's at
     512-blocks, for v6e, whose profiler takes too long over the backward); the paper's step
     ("steps"); one sequence over several chips ("context": ``CONTEXT``)."""
@@ -152,6 +153,7 @@ def programs() -> list[dict]:
     out += [_attention(p, 65536, "attention64k", heads=HEADS_64K[p]) for p in PATTERNS]
     out += [_attention(f"{p}:{t}x{t}", n, f"tiles{n // 1024}k") for n in (CI_LENGTH, 16384)
             for p in PATTERNS for t in LARGER_TILES]
+    out += [_attention(f"{p}:{b}", 16384, "bands16k") for p in PATTERNS for b in BANDS]
     out += [_splash(m, n, b, f"splash{n // 1024}k") for n in (CI_LENGTH, 16384)
             for m in SPLASH_MASKS for b in SPLASH_BLOCKS if (n, b) != (16384, 256)]
     out += [_splash(m, 65536, 512, "splash64k", heads=1) for m in SPLASH_MASKS]
