@@ -468,7 +468,7 @@ _LESS_THAN = re.compile(r"^\s+ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+,
                         r"%?([\w.\-]+)\), direction=LT")
 
 
-def loop_trips(hlo: str) -> dict[str, int]:
+def loop_trips(hlo: str) -> dict[str, int | None]:
     """How many times each instruction of compiled HLO text runs, where not once: those of a
     while loop's body and condition run its trip count, times that of the loops around it (a
     scan over layers: its count is the s32 constant its condition compares the counter with,
@@ -547,11 +547,11 @@ def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float,
     program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
     for), each op's cycles times its runs (``trips``, ``loop_trips``: a scanned layer's
     ops run once a layer; an unknown count leaves the sums None). With the row's "tile_flops"
-    and the chip's ``peak_tflops``: the cycles its MXUs need
-    at the least for them ("mxu_floor_cycles"), and the kernels' cycles raised to that floor
-    ("bounded_cycles"): for tiles of 512 and more the profile's estimate falls below that
-    floor (it seems not to count a loop inside a kernel's body by its trips), so only the
-    bounded figure compares large tiles with small."""
+    and the chip's ``peak_tflops``: the cycles its MXUs need at the least for them
+    ("mxu_floor_cycles"), and the kernels' cycles raised to that floor ("bounded_cycles"): for
+    tiles of 512 and more the profile's estimate falls below that floor (it seems not to count
+    a loop inside a kernel's body by its trips), so only the bounded figure compares large
+    tiles with small."""
     trips = trips or {}
 
     def cycles(names):  # of ops and the equivalent ops each stands for, over their runs
