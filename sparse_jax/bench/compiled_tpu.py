@@ -78,9 +78,10 @@ class Target:
     peak_tflops: float  # bf16, the whole chip (the MXU floor of a kernel's matrix products)
 
     def slice(self, chips: int) -> str:
-        """The topology of ``chips`` chips of this kind in one slice ("v5p:2x2x1" for 4)."""
-        shapes = {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"} if self.topology.count(
-            "x") == 2 else {1: "1x1", 4: "2x2", 8: "2x4"}
+        """The topology of ``chips`` chips of this kind in one slice ("v5p:2x2x1" for 4; one
+        chip: ``topology``)."""
+        shapes = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2"} if self.topology.count("x") == 2 else {
+            1: "1x1", 4: "2x2", 8: "2x4"}
         if chips not in shapes:
             raise ValueError(f"{chips} chips: give one of {', '.join(map(str, shapes))}")
         return f"{self.topology.partition(':')[0]}:{shapes[chips]}"
@@ -365,12 +366,12 @@ def _child(program: dict, target: str) -> None:
             lambda self, backend, tiles=True: check(self, backend, tiles=False))
     library = cloud_tpu_init.get_tpu_library_path()
     t = TARGETS[target]
-    chips = program.get("chips", 1)
-    name = t.slice(chips) if chips > 1 else t.topology
+    chips = program.get("chips", 1)  # a context program's slice; one chip for the others
+    name = t.slice(chips)
     shape = tuple(map(int, name.partition(":")[2].split("x")))
     topology = topologies.get_topology_desc(name, platform="tpu",
                                             chips_per_host_bounds=(shape + (1,))[:3])
-    mesh = topologies.make_mesh(topology, (chips,), ("seq",) if chips > 1 else ("x",))
+    mesh = topologies.make_mesh(topology, (chips,), ("seq",))
     result = {"libtpu": library}
     with pallas_kernels.compiling_for("tpu"):
         fn, args = build(program, mesh)
