@@ -2,8 +2,8 @@
 
 Not a config itself: `enwik8.py`, `cifar10.py`, `bytes.py`, `images.py` and `quickstart.py`
 import it (`from configs import common`) and set what differs. `base()` returns an unlocked
-ConfigDict with every field the trainer (`sparse_jax.config.check_config`), the data
-(`sparse_jax.data.DataConfig`) and the model (`sparse_jax.model.ModelConfig`) read; the config
+ConfigDict with every field the trainer (`sparse_jax.run.config.check_config`), the data
+(`data.datasets.DataConfig`) and the model (`model.transformer.ModelConfig`) read; the config
 files call `finish()` on it, which locks it so a mistyped override fails.
 """
 
@@ -62,7 +62,7 @@ def base() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # parameter-sharding devices (FSDP: parameters split along the width)
     c.mesh.seq = 1  # context-parallel devices: each sequence's positions split over them
 
-    c.data = ml_collections.ConfigDict()  # sparse_jax.data.DataConfig: exactly its fields
+    c.data = ml_collections.ConfigDict()  # sparse_jax.data.datasets.DataConfig: exactly its fields
     c.data.name = "embedded"  # enwik8 | bytes | cifar10 | images | embedded
     # enwik8: raw file or .zip; "bytes": a file (.gz ok); "images": a folder of pictures
     c.data.path = config_dict.placeholder(str)
@@ -76,7 +76,7 @@ def base() -> ml_collections.ConfigDict:
     c.data.embedded_row_width = 32  # its rows' bytes (newline included)
     c.data.embedded_copy_distance = 4  # rows back a copied row repeats (D = 4 x 32 = 128 bytes)
 
-    c.model = ml_collections.ConfigDict()  # sparse_jax.model.ModelConfig: exactly its fields
+    c.model = ml_collections.ConfigDict()  # model.transformer.ModelConfig: exactly its fields
     c.model.vocab_size = 256  # byte values
     c.model.seq_len = 1024  # context n (training windows, image size)
     c.model.num_layers = 2  # residual blocks

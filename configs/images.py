@@ -1,7 +1,7 @@
 r"""Any folder of same-size PNG or JPEG pictures (bits per dim): a CPU preset and a smoke test.
 
 Command (the folder is searched recursively; train/ and test/ subfolders are the splits if
-present, else a fixed-seed split by --config.data.split_fractions; see sparse_jax/images.py):
+present, else a fixed-seed split by --config.data.split_fractions; see sparse_jax/data/images.py):
   python scripts/train.py --config=configs/images.py:size=cpu --workdir=workdirs/images_cpu \
       --config.data.path=/work/data/cifar10_jpeg
   python scripts/evaluate.py --workdir=workdirs/images_cpu --split=test
@@ -10,7 +10,7 @@ The first run decodes the pictures once into <folder>.sparse_jax/pixels.npy (CIF
 JPEGs: seconds); later runs map that file. The model's picture shape comes from the pictures:
 model.image_shape = (H, W, C), seq_len = H*W*C, stride = W*C (one row of sub-pixels) and the
 fixed variant's c = stride / 4, each unless set with --config.model.*; the run's first line
-says what it chose (sparse_jax.images.fill_model_shape). CIFAR-10: (32, 32, 3), 3,072, 96, 24.
+says what it chose (sparse_jax.data.images.fill_model_shape). CIFAR-10: (32, 32, 3), 3,072, 96, 24.
 Variants: pattern = strided (default) | fixed | dense; size = cpu (default) | tiny.
 
 size=cpu: sized for a 2-core CPU and a 30-minute budget on 50,000 pictures of 32 x 32 x 3:

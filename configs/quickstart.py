@@ -11,7 +11,7 @@ result, wall time and the learning-rate choice are in docs/results.md.
 
 Variants are config arguments:
   pattern = strided (default) | dense | fixed | local   (the same model and budget otherwise)
-  data    = kjv (default) | embedded: the generated stream of sparse_jax.sources.embedded_bytes,
+  data    = kjv (default) | embedded: the generated stream of data.sources.embedded_bytes,
             rows of 32 bytes, 75% of them copies of the row 128 bytes back, with the model
             built for it (stride 127, so the strided part sees each copy source; 2 layers,
             context 508). Bits/byte floor 0.76 for a model that sees the copies, 2.94 for

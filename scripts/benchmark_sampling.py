@@ -6,7 +6,7 @@ Sampling: a randomly initialized strided model (default 4 layers, d=256, 4 heads
 stride 64), or with --workdir=DIR the latest checkpoint of a training run (say the long-context
 preset: `--workdir=workdirs/kjv_long --length=4096 --noeval`), samples --length bytes after a
 one-byte prompt, (a) with the pattern-aware cache
-(`sparse_jax.decode.generate`, one compiled scan) and (b) naively, one jitted full forward pass
+(`model.decode.generate`, one compiled scan) and (b) naively, one jitted full forward pass
 over the whole [batch, n] buffer per new byte. The naive way is timed over --naive_steps steps
 after a warm-up step and extrapolated linearly to --length steps (its cost per step does not
 depend on the position). (c) An estimate of a smarter naive sampler that runs the forward pass

@@ -10,7 +10,7 @@ left out, become one file in the layout of data/cpython_lib.py.gz, written with
 code_corpus.files.txt, code_corpus.licenses.txt and code_corpus.sha256 beside it. Only
 permissively licensed packages are accepted. About 30 s on 2 cores, downloads included (up to
 1.5 min on a busy host); the figures of the build are in data/README.md. Logic:
-`sparse_jax.code_corpus`.
+`sparse_jax.data.code_corpus`.
 
 --output is checked before anything is downloaded, read or written: a folder in the place of
 the corpus or of one of its records, or no folder this user can write in above it, is one
@@ -24,7 +24,8 @@ import time
 
 from absl import app, flags
 
-from sparse_jax import cli, code_corpus
+from sparse_jax import cli
+from sparse_jax.data import code_corpus
 
 _PINS = flags.DEFINE_string("pins", code_corpus.PINS, "The pinned sdists: one "
                             "'name==version  filename  sha256' a line.")

@@ -1,7 +1,8 @@
 r"""What context parallelism costs per pattern: the bytes each device sends per layer (forward,
 and what the backward adds) and XLA's planned per-device memory of an attention forward +
-backward, the sequence split over P simulated CPU devices (sparse_jax/context.py). Compiles
-only, unless --time runs and times the forward + backward.
+backward, the sequence split over P simulated CPU devices (sparse_jax/attention/context.py,
+costed by sparse_jax/bench/context_costs.py).
+Compiles only, unless --time runs and times the forward + backward.
 
   python scripts/context_parallel.py --n=65536 --devices=1,2,4,8 \
       --output_dir=docs/benchmarks/context_parallel
@@ -60,7 +61,8 @@ def _train_steps(pattern, seq, devices, steps):
     import numpy as np
 
     import configs
-    from sparse_jax import model, train
+    from sparse_jax import train
+    from sparse_jax.model import transformer as model
 
     config = configs.load("bytes:size=tiny", {
         "model.pattern": pattern, "mesh.seq": seq, "batch_size": 8, "total_steps": steps + 1,
@@ -112,8 +114,8 @@ def main(argv):
         rows, lines = _model(devices, _MODEL_STEPS.value)
         _write(rows, lines, "Context parallelism: the model trained split and unsplit")
         return
-    from sparse_jax import context
-    from sparse_jax.patterns import PatternSpec
+    from sparse_jax.attention.spec import PatternSpec
+    from sparse_jax.bench import context_costs
 
     kinds = {"strided": dict(stride=_STRIDE.value), "dense": {},
              "fixed": dict(stride=_STRIDE.value, c=_C.value)}
@@ -121,7 +123,7 @@ def main(argv):
         specs = [PatternSpec(kind, **kinds[kind]) for kind in _PATTERNS.value]
     except (KeyError, ValueError) as e:
         raise app.UsageError(f"--patterns: {e}") from None
-    rows = context.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
+    rows = context_costs.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
                              _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
                              compile_memory=_MEMORY.value, measure_time=_TIME.value)
     command = "python scripts/context_parallel.py " + " ".join(sys.argv[1:])

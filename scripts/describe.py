@@ -5,7 +5,7 @@
   python scripts/describe.py --config=configs/enwik8.py --config.model.pattern=strided
   python scripts/describe.py --config=configs/cifar10.py --devices=64 --config.mesh.fsdp=8
 
-See ``sparse_jax.sizing.describe`` for the FLOP and activation-memory formulas. The per-device
+See ``sparse_jax.run.sizing.describe`` for the FLOP and activation-memory formulas. The per-device
 parameter and optimizer memory is for the config's mesh (config.mesh.data x config.mesh.fsdp)
 over --devices devices (default: the devices scripts/train.py trains on here, whose mesh its
 first line prints: on a CPU one per core, as its --cpu_devices=-1), from the sharding rules of
@@ -17,8 +17,9 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
-from sparse_jax import cli, sharding, sizing
-from sparse_jax import model as model_lib
+from sparse_jax import cli, sharding
+from sparse_jax.model import transformer as model_lib
+from sparse_jax.run import sizing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.model.",
                                           lock_config=True)
@@ -36,7 +37,7 @@ def main(argv):
     sharding.set_cpu_devices()  # the devices scripts/train.py splits a CPU into (--cpu_devices)
     config = _CONFIG.value
     if "data" in config:  # configs/images.py takes the model's shape from its pictures
-        from sparse_jax import images
+        from sparse_jax.data import images
 
         images.fill_model_shape(config)
     cfg = model_lib.model_config(config.model)

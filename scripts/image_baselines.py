@@ -1,10 +1,10 @@
 r"""What lossless PNG and WebP cost on the pictures of a folder, in bits per dim; all logic lives
-in `sparse_jax.baselines`.
+in `sparse_jax.data.baselines`.
 
   python scripts/image_baselines.py --path=/work/data/cifar10_jpeg             # the test split
   python scripts/image_baselines.py --path=FOLDER --split=valid --limit=1000
 
-The folder is read and split as training reads it (sparse_jax/images.py: train/ and test/
+The folder is read and split as training reads it (sparse_jax/data/images.py: train/ and test/
 subfolders, or a fixed-seed split by --split_fractions, configs/images.py's by default). Each
 picture is compressed alone by PNG (optimize=True) and lossless WebP (quality=100, method=6),
 and decoded again to check it is lossless; bits/dim = 8 x total bytes / total sub-pixels.
@@ -33,7 +33,8 @@ def main(argv):
         fractions = tuple(float(x) for x in _FRACTIONS.value)
     except ValueError:
         raise app.UsageError(f"--split_fractions: numbers, got {_FRACTIONS.value}") from None
-    from sparse_jax import baselines, logs
+    from sparse_jax.data import baselines
+    from sparse_jax.run import logs
 
     bars = []
 

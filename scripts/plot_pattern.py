@@ -7,7 +7,10 @@
 import numpy as np
 from absl import flags
 
-from sparse_jax import cli, patterns, workdir
+from sparse_jax import cli
+from sparse_jax.attention import patterns
+from sparse_jax.attention.spec import pattern_parts
+from sparse_jax.run import workdir
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
@@ -58,7 +61,7 @@ def main(argv):
     spec = dict(stride=_STRIDE.value, local_width=_LOCAL_WIDTH.value)
     if _KIND.value == "fixed":
         spec.update(c=_C.value, summary=_SUMMARY.value, summary_block=_SUMMARY_BLOCK.value)
-    parts = patterns.pattern_parts(_KIND.value, _SEQ_LEN.value, **spec)
+    parts = pattern_parts(_KIND.value, _SEQ_LEN.value, **spec)
     keys = patterns.mean_keys_per_query(patterns.pattern_indices(_KIND.value, _SEQ_LEN.value,
                                                                  **spec))
     args = ", ".join(f"{k}={v}" for k, v in spec.items() if v is not None)

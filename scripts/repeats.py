@@ -1,6 +1,6 @@
 r"""How much of a byte split exact copying could predict at each context length: the share of
 bytes whose preceding k bytes occurred within D bytes before, and of those, the bytes that
-equal what followed that occurrence (`sparse_jax.baselines.repeat_reach`). A model that copies
+equal what followed that occurrence (`sparse_jax.data.baselines.repeat_reach`). A model that copies
 from its context can gain on those bytes, and only from a context that reaches them.
 
   python scripts/repeats.py --config=configs/bytes.py:size=cpu_long --split=valid \
@@ -8,7 +8,7 @@ from its context can gain on those bytes, and only from a context that reaches t
   python scripts/repeats.py --config=configs/code.py --config.data.path=FILE --split=test \
       --compressors
 
-The split is read as training cuts it (`sparse_jax.data`), but nothing is trained: any file
+The split is read as training cuts it (`sparse_jax.data.datasets`), but nothing is trained: any file
 whose split holds a byte is measured. Distance 0: anywhere earlier in it.
 --compressors adds what gzip -9, bzip2 -9 and xz -9e pay for the split given every split before
 it (`baselines.compressor_bits`; 1.5 minutes for 12 MB on 2 cores), the figures to hold a
@@ -44,8 +44,8 @@ def main(argv):
         raise app.UsageError(f"--distances: integers, got {_DISTANCES.value}") from None
     if any(d < 0 for d in distances):
         raise app.UsageError(f"--distances: 0 (unlimited) or positive, got {distances}")
-    from sparse_jax import baselines
-    from sparse_jax import data as data_lib
+    from sparse_jax.data import baselines
+    from sparse_jax.data import datasets as data_lib
 
     config = _CONFIG.value
     if data_lib.data_config(config.data).is_image:
@@ -63,7 +63,7 @@ def main(argv):
     result = {"split": _SPLIT.value, "bytes": len(split), "k": _K.value,
               "reach": {str(d): row for d, row in reach.items()}}
     if _COMPRESSORS.value:
-        from sparse_jax.sources import SPLITS
+        from sparse_jax.data.sources import SPLITS
 
         before = [dataset.splits[s] for s in SPLITS[:SPLITS.index(_SPLIT.value)]]
         bits = baselines.compressor_bits(b"".join(bytes(x) for x in before), split)

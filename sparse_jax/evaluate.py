@@ -5,7 +5,7 @@
 
 `evaluate(workdir, ...)` reads the config the run trained with (`DIR/config.json`), restores only
 the parameters of one checkpoint (`DIR/checkpoints/<step>/params`, see
-`sparse_jax.checkpoints`; the optimizer state is never read) and scores the split with one jitted
+`run.checkpoints`; the optimizer state is never read) and scores the split with one jitted
 forward pass per batch:
 
 * bytes: windows of seq_len from `data.eval_windows`. Default: non-overlapping windows, every
@@ -53,14 +53,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax import baselines, checkpoints, sources
-from sparse_jax import config as config_lib
-from sparse_jax import data as data_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax import workdir as workdir_lib
+from sparse_jax.data import baselines, sources
+from sparse_jax.data import datasets as data_lib
 from sparse_jax.files import atomic_write, write_error
-from sparse_jax.logs import Progress
-from sparse_jax.model import model_config, token_bits
+from sparse_jax.model.transformer import model_config, token_bits
+from sparse_jax.run import checkpoints
+from sparse_jax.run import config as config_lib
+from sparse_jax.run import workdir as workdir_lib
+from sparse_jax.run.logs import Progress
 
 
 def make_eval_step(model_def, activation_sharding=None, num_classes: int = 0):

@@ -11,10 +11,10 @@ leaves each file either as it was or whole, never torn.
                           disk is full, and what to do
   writing(path, fix)      a block whose OSError becomes `write_error(path, ...)`
 
-The data cache (`sparse_jax.sources`, `sparse_jax.images`) writes its files the same way, under
+The data cache (`data.sources`, `sparse_jax.data.images`) writes its files the same way, under
 a name unique to the process (`part_suffix`), since several processes may prepare the same file
 at once; the parts (files or folders) that a killed process left behind are removed by the next
-writer (`remove_dead_parts`). So does the build of the CPU kernels (`sparse_jax.native`).
+writer (`remove_dead_parts`). So does the build of the CPU kernels (`sparse_jax.attention.native`).
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@
       [--top_k=K | --top_p=P] [--prompt="text" | --prompt_file=F] [--seed=S] [--output=PATH]
   python scripts/sample.py --workdir=DIR --complete=8       # image models: complete test images
 
-The tokens come from ``sparse_jax.decode.generate``, the pattern-aware key/value-cache decoder
+The tokens come from ``sparse_jax.model.decode.generate``, the pattern-aware key/value-cache decoder
 (its module docstring: the decoder and the sampling options). This module holds the prompts,
 the outputs and the ``sample`` entry point.
 
 Conventions. Text: prompts are bytes (``--prompt`` is UTF-8 text, ``--prompt_file`` is read as
 raw bytes, any values); position 0 always reads a real byte, so without a prompt sampling starts
 from a newline. Samples are of any length: past the context n the window slides (the scheme is
-``sparse_jax.decode``'s: a full window of n + 1 bytes is followed by one that re-reads its last
+``model.decode``'s: a full window of n + 1 bytes is followed by one that re-reads its last
 n // 2 bytes from position 0, so each byte is drawn from the model's distribution given the
 window before it, at least n // 2 bytes and at most n, and past the first window a byte costs
 about two cached steps). A prompt longer than n is cut to its last n bytes, with one
@@ -35,13 +35,13 @@ import time
 
 import numpy as np
 
-from sparse_jax import checkpoints, logs
-from sparse_jax import config as config_lib
-from sparse_jax import data as data_lib
-from sparse_jax import model as model_lib
-from sparse_jax import workdir as workdir_lib
-from sparse_jax.decode import check_length, check_sampling, generate
+from sparse_jax.data import datasets as data_lib
 from sparse_jax.files import atomic_write, write_error
+from sparse_jax.model import transformer as model_lib
+from sparse_jax.model.decode import check_length, check_sampling, generate
+from sparse_jax.run import checkpoints, logs
+from sparse_jax.run import config as config_lib
+from sparse_jax.run import workdir as workdir_lib
 
 DEFAULT_TEXT_LENGTH = 256
 HIDDEN = 128  # the grey that stands for the hidden bottom half in a completion grid

@@ -3,7 +3,7 @@
 The mesh has three axes: ``data``, ``fsdp`` and ``seq``. A batch's sequences are split over
 ``data`` and ``fsdp`` (``BATCH_AXES``), and each sequence's positions over ``seq`` (context
 parallelism: device s of a ``seq`` group holds positions ``[s·n/P, (s+1)·n/P)`` of its sequences'
-activations, and the attention layers exchange what the pattern needs, ``sparse_jax.context``;
+activations, and the attention layers exchange what the pattern needs, ``attention.context``;
 ``seq = 1``, the default, splits no sequence). Parameters and optimizer state are sharded over
 ``fsdp`` (fully-sharded data parallel: each device stores 1/fsdp of every large array and XLA
 gathers a layer's weights when it runs) and replicated over ``data`` and ``seq``.

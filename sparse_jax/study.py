@@ -64,15 +64,15 @@ import time
 import ml_collections
 
 import configs
-from sparse_jax import config as config_lib
-from sparse_jax import images as images_lib
 from sparse_jax import sharding
 from sparse_jax import train as train_lib
-from sparse_jax import workdir as workdir_lib
 from sparse_jax.bench import tools
+from sparse_jax.data import images as images_lib
 from sparse_jax.files import atomic_write, read_jsonl
-from sparse_jax.model import PATTERNS, model_config
-from sparse_jax.sizing import describe
+from sparse_jax.model.transformer import PATTERNS, model_config
+from sparse_jax.run import config as config_lib
+from sparse_jax.run import workdir as workdir_lib
+from sparse_jax.run.sizing import describe
 
 DEFAULT_PATTERNS = ("dense", "strided", "fixed")
 NOTE = ("s/step and tokens/s: median over the log windows after the first (which includes "
@@ -210,8 +210,8 @@ def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> 
     Meant to run in a fresh process (`python -m sparse_jax.study calibrate RUN_DIR TIME`)."""
     import jax
 
-    from sparse_jax import data as data_lib
     from sparse_jax import evaluate as eval_lib
+    from sparse_jax.data import datasets as data_lib
 
     config = config_lib.read_record(run_dir)
     cfg = model_config(config.model)

@@ -2,13 +2,13 @@
 checkpoints with exact resume.
 
 `train(config, workdir)` runs (or resumes) the run that `config` describes in `workdir`. What it
-writes there: config.json (`sparse_jax.config`), checkpoints/ (`sparse_jax.checkpoints`),
-metrics.jsonl and tensorboard/ (`sparse_jax.logs`), data_fingerprint.json and .lock
-(`sparse_jax.workdir`, which also says what a workdir may hold before a run starts there).
+writes there: config.json (`sparse_jax.run.config`), checkpoints/ (`sparse_jax.run.checkpoints`),
+metrics.jsonl and tensorboard/ (`sparse_jax.run.logs`), data_fingerprint.json and .lock
+(`sparse_jax.run.workdir`, which also says what a workdir may hold before a run starts there).
 
 A workdir that holds checkpoints is resumed from its latest readable one and continues exactly
 as the uninterrupted run would have (same batches, dropout and losses); which config changes a
-resume accepts: `sparse_jax.config`. SIGTERM / SIGINT save a checkpoint and stop; a NaN/Inf
+resume accepts: `sparse_jax.run.config`. SIGTERM / SIGINT save a checkpoint and stop; a NaN/Inf
 loss stops the run with an error and keeps the last good checkpoint.
 
 The training step is one jitted function of (state, batch, rng): the state (parameters and
@@ -37,17 +37,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparse_jax import checkpoints, context
-from sparse_jax import config as config_lib
-from sparse_jax import data as data_lib
 from sparse_jax import evaluate as eval_lib
-from sparse_jax import images as images_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax import workdir as workdir_lib
-from sparse_jax.data import Stage
-from sparse_jax.logs import Logger, Profiler, duration, warn
-from sparse_jax.model import ModelConfig, loss_bits, model_config
-from sparse_jax.optim import state_builders
+from sparse_jax.attention import context
+from sparse_jax.data import datasets as data_lib
+from sparse_jax.data import images as images_lib
+from sparse_jax.data.datasets import Stage
+from sparse_jax.model.transformer import ModelConfig, loss_bits, model_config
+from sparse_jax.run import checkpoints
+from sparse_jax.run import config as config_lib
+from sparse_jax.run import workdir as workdir_lib
+from sparse_jax.run.logs import Logger, Profiler, duration, warn
+from sparse_jax.run.optim import state_builders
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer, mesh.

@@ -69,7 +69,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def byte_file(tmp_path_factory):
     """60 KB of the generated stream as a plain file (printable bytes: never 255)."""
-    from sparse_jax import sources
+    from sparse_jax.data import sources
 
     path = tmp_path_factory.mktemp("bytes") / "data.txt"
     path.write_bytes(sources.embedded_bytes(60_000, seed=1).tobytes())
@@ -136,7 +136,7 @@ def cifar(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------
-# Folders of pictures (sparse_jax.images), written with Pillow.
+# Folders of pictures (sparse_jax.data.images), written with Pillow.
 
 
 def write_pictures(folder, names, shape=(6, 8, 3), seed=0):

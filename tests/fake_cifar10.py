@@ -8,7 +8,7 @@ pattern study (`--images=shapes`).
 writes ROOT/manual/cifar-10-binary.tar.gz and prepares it into ROOT/tfds (give that folder to the
 trainer as --config.data.data_dir). The real builder checks the archive against the official
 size and SHA-256, so `prepare` substitutes this archive's for the duration of the preparation;
-the preparation code itself is the real one. `sparse_jax.sources` holds out CIFAR10_VALID_SIZE =
+the preparation code itself is the real one. `data.sources` holds out CIFAR10_VALID_SIZE =
 2,000 training images for validation, so a dataset for the command line needs more than 2,000
 training images (5 x train_per_file); tests lower CIFAR10_VALID_SIZE instead.
 
@@ -91,7 +91,7 @@ def prepare(root, train_per_file, num_test, images="noise", seed=0):
     from tensorflow_datasets.core.download import checksums
     from tensorflow_datasets.image_classification import cifar as tfds_cifar
 
-    from sparse_jax import sources
+    from sparse_jax.data import sources
 
     manual = os.path.join(root, "manual")
     os.makedirs(manual, exist_ok=True)

@@ -116,7 +116,7 @@ def _params(workdir: str) -> list[np.ndarray]:
     import jax
     from flax import nnx
 
-    from sparse_jax import checkpoints
+    from sparse_jax.run import checkpoints
 
     model, _, step = checkpoints.restore_model(workdir)
     assert step == STEPS, f"the last checkpoint of {workdir} is step {step}, not {STEPS}"

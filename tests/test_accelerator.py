@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from conftest import files_in, one_line_error
+from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.bench import accelerator
 from sparse_jax.bench.accelerator import preset, tests, train_step
 from sparse_jax.bench.accelerator.common import TIME_UP
-from sparse_jax.patterns import PatternSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_CAP = 86_400  # s: a stage cap no machine reaches, however loaded (a day)
@@ -305,7 +305,7 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     rows.append({"name": "preset strided@pallas:chained", "step_s": 0.04, "compile_s": 16})
     assert preset.plan_steps(p, rows, train_s)[1] == "pallas:chained"
     import configs
-    from sparse_jax.model import model_config
+    from sparse_jax.model.transformer import model_config
 
     config = configs.load(p["config"], {"model.attention": "pallas", "model.kernel": "chained"})
     assert model_config(config.model).block_sizes.variant == "chained"

@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 from sparse_jax import attention as A
-from sparse_jax import patterns as P
-from sparse_jax.layers import SparseSelfAttention
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.attention import patterns as P
+from sparse_jax.attention import xla
+from sparse_jax.attention.spec import PatternSpec, layer_specs
+from sparse_jax.model.layers import SparseSelfAttention
 
 
 def qkv(shape, dtype=jnp.float32, seed=0, dv=None):
@@ -106,7 +107,7 @@ def test_summary_steps_of_several_rows_and_key_blocks_match_dense(spec, monkeypa
     padded): steps whose query rows differ within a step and whose key blocks end mid-row."""
     monkeypatch.setattr(A, "_SUMMARY_QUERIES", 16)
     monkeypatch.setattr(A, "_SUMMARY_SCORES", 100)
-    term = A._summary(spec.terms()[-1], 8, 6)
+    term = xla._summary(spec.terms()[-1], 8, 6)
     assert (term.chunk, term.key_block) == (2, 6) and len(term.pairs) > 4
     assert_matches_dense(spec, *qkv((2, 64, 3, 8)))
 
@@ -116,22 +117,22 @@ def test_steps_hold_about_step_scores_over_batch_and_heads():
     that the band then adds to); a step holds about _STEP_SCORES scores over batch × heads, as
     a divisor of the tiles where one is near (band: 5 -> 4 of 128 sub-rows)."""
     spec = PatternSpec("strided", stride=128)
-    assert [(t.axis, t.chunk) for t in A._terms(spec, 64, 4)] == [(2, 16), (1, 4)]
-    assert [(t.axis, t.chunk) for t in A._terms(spec, 64, 24)] == [(2, 2), (1, 1)]
-    step = A._STEP_SCORES
-    assert A._chunk(step // 8, 64) == 8 and A._chunk(step // 8, 20) == 8  # 5 is too far
-    assert A._chunk(step // 5, 128) == 4 and A._chunk(step * 2, 7) == 1
+    assert [(t.axis, t.chunk) for t in xla._terms(spec, 64, 4)] == [(2, 16), (1, 4)]
+    assert [(t.axis, t.chunk) for t in xla._terms(spec, 64, 24)] == [(2, 2), (1, 1)]
+    step = xla._STEP_SCORES
+    assert xla._chunk(step // 8, 64) == 8 and xla._chunk(step // 8, 20) == 8  # 5 is too far
+    assert xla._chunk(step // 5, 128) == 4 and xla._chunk(step * 2, 7) == 1
 
 
 def test_sub_rows_of_sliding_windows():
     """Strided l=128: sub-rows of 64 score 192 keys per query instead of 256 (129 kept)."""
-    from sparse_jax.patterns import BandTerm
+    from sparse_jax.attention.terms import BandTerm
 
-    assert A._sub_rows(BandTerm(128, prev=1, max_distance=128)) == 2
-    assert A._sub_rows(BandTerm(128, prev=1, max_distance=127)) == 2  # openai window
-    assert A._sub_rows(BandTerm(256, prev=1, max_distance=256)) == 4
-    assert A._sub_rows(BandTerm(96, prev=1, max_distance=96)) == 1  # 48 < _MIN_SUB_ROW
-    assert A._sub_rows(BandTerm(128, prev=0, same_row=True)) == 1  # fixed block: not distance alone
+    assert xla._sub_rows(BandTerm(128, prev=1, max_distance=128)) == 2
+    assert xla._sub_rows(BandTerm(128, prev=1, max_distance=127)) == 2  # openai window
+    assert xla._sub_rows(BandTerm(256, prev=1, max_distance=256)) == 4
+    assert xla._sub_rows(BandTerm(96, prev=1, max_distance=96)) == 1  # 48 < _MIN_SUB_ROW
+    assert xla._sub_rows(BandTerm(128, prev=0, same_row=True)) == 1  # fixed block: not by distance
 
 
 @pytest.mark.parametrize("spec", [PatternSpec("strided", stride=4),
@@ -305,7 +306,7 @@ def dense_layer(layer, x, specs):
 def test_layer_modes_match_dense_masked(base, mode, qk_dim):
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 40, 32))
     for layer_index in [0, 1]:
-        specs = P.layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
+        specs = layer_specs(base, mode, layer_index, distinct_summaries=(mode == "multihead"))
         layer = SparseSelfAttention(32, 4, specs, qk_dim=qk_dim, rngs=nnx.Rngs(0))
         got = nnx.jit(lambda layer, x: layer(x))(layer, x)
         np.testing.assert_allclose(got, nnx.jit(dense_layer, static_argnums=2)(layer, x, specs),
@@ -330,7 +331,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="PatternSpec"):
         A.sparse_attention(q, k, v, "strided")
     with pytest.raises(ValueError, match="evenly"):
-        A.multi_spec_attention(q, k, v, P.layer_specs(PatternSpec("fixed", stride=8, c=2),
+        A.multi_spec_attention(q, k, v, layer_specs(PatternSpec("fixed", stride=8, c=2),
                                                       "multihead", distinct_summaries=True)[:3])
     with pytest.raises(ValueError, match="divisible"):
         SparseSelfAttention(30, 4, [spec], rngs=nnx.Rngs(0))

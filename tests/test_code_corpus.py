@@ -9,7 +9,7 @@ import numpy as np
 
 import configs
 from conftest import one_line_error
-from sparse_jax import sources
+from sparse_jax.data import sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")

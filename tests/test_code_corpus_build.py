@@ -1,4 +1,4 @@
-"""The larger code corpus's build (`sparse_jax.code_corpus`, scripts/build_code_corpus.py), on
+"""The larger code corpus's build (`sparse_jax.data.code_corpus`, scripts/build_code_corpus.py), on
 tiny sdists made here (real .tar.gz files with a PKG-INFO, a LICENSE, .py files, tests and files
 that are not text), read from a folder, no network: the layout (headers, path order, tests and
 non-UTF-8 files left out), the checksums and the loader's check of them, the licence record,
@@ -19,7 +19,7 @@ import tarfile
 import pytest
 
 from conftest import files_in, one_line_error
-from sparse_jax import code_corpus, sources
+from sparse_jax.data import code_corpus, sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNREACHABLE = "http://127.0.0.1:9/simple/{name}/"  # the discard port: refused at once

@@ -325,15 +325,16 @@ def test_every_kernel_tells_xla_its_work_from_the_block_lists(backend):
     import jax
     import jax.numpy as jnp
 
-    from sparse_jax import kernel
-    from sparse_jax.patterns import PatternSpec
+    from sparse_jax.attention import blocks as kernel
+    from sparse_jax.attention import fused
+    from sparse_jax.attention.spec import PatternSpec
 
     spec, n, heads, d = PatternSpec("strided", stride=16), 256, 2, 32
     sizes = kernel.BlockSizes(16, 16)
     x = jax.ShapeDtypeStruct((1, heads, n, d), jnp.float32)
 
     def loss(q, k, v):
-        return kernel.sequence_attention(spec, q, k, v, sizes=sizes, backend=backend,
+        return fused.sequence_attention(spec, q, k, v, sizes=sizes, backend=backend,
                                          interpret=True).sum()
 
     calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr, [])
@@ -341,7 +342,7 @@ def test_every_kernel_tells_xla_its_work_from_the_block_lists(backend):
         f"sparse_{p}_{t}" for p in ("forward", "dq", "dkv") for t in ("rows", "columns"))
     # per scored (query, key) pair of the visited tiles: q·k and p·v forward; q·k, do·v and
     # ds·k for dq; q·k, do·v, dsᵀ·q and pᵀ·do for dk and dv; one exponential each pass
-    scored = heads * kernel.sparsity(spec, n, sizes)["scored"]
+    scored = heads * fused.sparsity(spec, n, sizes)["scored"]
     for kind, per_pair in (("forward", 4 * d), ("dq", 6 * d), ("dkv", 8 * d)):
         work = [c for name, c in calls if name.startswith(f"sparse_{kind}_")]
         assert sum(c.flops for c in work) == per_pair * scored
@@ -391,12 +392,13 @@ def test_default_kernels_compile_for_a_tpu_v5e(tmp_path):
         tmp_path / "results.md").read_text()
     # XLA's cost analysis counts the kernels' work (their pl.CostEstimate): at least their
     # matrix products over the visited tiles, 2304 flops per scored pair and head at d = 128
-    from sparse_jax import kernel
+    from sparse_jax.attention import blocks as kernel
+    from sparse_jax.attention import fused
     from sparse_jax.bench.attention import parse_pattern
 
     for row, program in zip(rows, compiled_tpu.select(["ci"])):
         spec = parse_pattern(program["pattern"], program["seq_len"])[0]
-        scored = kernel.sparsity(spec, program["seq_len"],
+        scored = fused.sparsity(spec, program["seq_len"],
                                  kernel.BlockSizes.for_backend("mosaic"))["scored"]
         assert row["flops"] >= 2304 * program["heads"] * scored, row["name"]
 

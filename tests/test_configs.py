@@ -14,8 +14,8 @@ from ml_collections import config_flags
 
 import configs
 from sparse_jax import cli
-from sparse_jax.config import check_config, follow_total_steps, scaled_warmup
-from sparse_jax.model import ModelConfig, model_config
+from sparse_jax.model.transformer import ModelConfig, model_config
+from sparse_jax.run.config import check_config, follow_total_steps, scaled_warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -175,7 +175,7 @@ def test_command_line_overrides_reject_typos_and_wrong_types():
 def test_the_attention_implementation_may_change_on_resume(tmp_path):
     """The kernel and the XLA path compute the same numbers: a run trained on a GPU with the
     kernel resumes on a CPU with XLA; the pattern may not change."""
-    from sparse_jax.config import resume_changes
+    from sparse_jax.run.config import resume_changes
 
     saved = configs.load("quickstart:data=embedded", {"model.attention": "pallas"})
     assert resume_changes(saved, configs.load("quickstart:data=embedded"), str(tmp_path)) == {

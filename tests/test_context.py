@@ -1,4 +1,4 @@
-"""Context parallelism (sparse_jax.context): one sequence split over a `seq` mesh axis.
+"""Context parallelism (sparse_jax.attention.context): one sequence split over a `seq` mesh axis.
 
 The pytest process has one CPU device. The split runs use a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (as test_sharding's): one child runs every
@@ -18,9 +18,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import attention, kernel, pallas_kernels
-from sparse_jax import context as C
-from sparse_jax.patterns import PatternSpec, layer_specs
+from sparse_jax import attention
+from sparse_jax.attention import blocks as kernel
+from sparse_jax.attention import context as C
+from sparse_jax.attention import pallas, shards, tiles
+from sparse_jax.attention.spec import PatternSpec, layer_specs
+from sparse_jax.bench import context_costs
 from test_sharding import TESTS, child_env
 
 SPECS = {"strided": PatternSpec("strided", stride=16),
@@ -126,19 +129,20 @@ def _child():
     """Runs in a subprocess with 8 devices: one line of JSON per case."""
     assert jax.device_count() == 8
     for case in CASES:  # at seq=8 a head at a time (its fori_loop), else both heads at once
-        C._HEAD_STEP_BYTES = 1 if case[1] == 8 or case[2] in ("pallas", "pallas-h2") else 1 << 22
+        one_head = case[1] == 8 or case[2] in ("pallas", "pallas-h2")
+        shards._HEAD_STEP_BYTES = 1 if one_head else 1 << 22
         print("CASE", json.dumps([*case, _differences(*case)]), flush=True)
-    C._HEAD_STEP_BYTES = 1 << 20
+    shards._HEAD_STEP_BYTES = 1 << 20
     for name in ("strided", "fixed"):
         print("BF16", json.dumps([name, _bfloat16_errors(name)]), flush=True)
     for name in ("strided", "fixed", "dense", "strided_wide"):
-        count = [C.communication_bytes(SPECS[name], N, 8, HEADS, HEAD_DIM, 4, BATCH,
+        count = [context_costs.communication_bytes(SPECS[name], N, 8, HEADS, HEAD_DIM, 4, BATCH,
                                        backward=backward)["total"] for backward in (False, True)]
         print("SENT", json.dumps([name, [count[0], sum(count)],
                                   [_bytes_in_hlo(SPECS[name], 8, b) for b in (False, True)]]),
               flush=True)
     strided = PatternSpec("strided", stride=128)
-    memory = [C.planned_memory(strided, 65_536, p, 8, 64)["total"] for p in (1, 8)]
+    memory = [context_costs.planned_memory(strided, 65_536, p, 8, 64)["total"] for p in (1, 8)]
     print("MEMORY", json.dumps(memory), flush=True)
 
 
@@ -227,15 +231,15 @@ def test_a_seq_axis_without_devices_or_without_a_shard_map_is_refused():
 
 def test_strided_sends_fewer_bytes_than_the_dense_ring():
     n, heads, head_dim = 65_536, 8, 64
-    ring = C.communication_bytes(SPECS["dense"], n, 8, heads, head_dim)["total"]
+    ring = context_costs.communication_bytes(SPECS["dense"], n, 8, heads, head_dim)["total"]
     for spec in (PatternSpec("strided", stride=128), PatternSpec("fixed", stride=128, c=32)):
-        sent = C.communication_bytes(spec, n, 8, heads, head_dim)
+        sent = context_costs.communication_bytes(spec, n, 8, heads, head_dim)
         assert 0 < sent["total"] < ring / 2, (spec, sent, ring)
     # the ring's bytes grow with the devices, the strided all_to_all's do not
     strided = PatternSpec("strided", stride=128)
-    assert (C.communication_bytes(strided, n, 64, heads, head_dim)["total"]
-            < C.communication_bytes(strided, n, 8, heads, head_dim)["total"])
-    assert C.communication_bytes(SPECS["dense"], n, 1, heads, head_dim)["total"] == 0
+    assert (context_costs.communication_bytes(strided, n, 64, heads, head_dim)["total"]
+            < context_costs.communication_bytes(strided, n, 8, heads, head_dim)["total"])
+    assert context_costs.communication_bytes(SPECS["dense"], n, 1, heads, head_dim)["total"] == 0
 
 
 def test_auto_resolves_as_sparse_attention_and_block_sizes_are_checked():
@@ -243,9 +247,9 @@ def test_auto_resolves_as_sparse_attention_and_block_sizes_are_checked():
     they build (or XLA), as ``attention.resolve_implementation``; "pallas" on a CPU runs the
     kernels in interpret mode; ``block_sizes`` must be a ``kernel.BlockSizes``."""
     for platform in ("gpu", "tpu"):
-        with pallas_kernels.compiling_for(platform):
+        with tiles.compiling_for(platform):
             how = C._how("auto", TILES if platform == "gpu" else None)
-            assert isinstance(how, pallas_kernels.Compiler) and not how.interpret, how
+            assert isinstance(how, pallas.Compiler) and not how.interpret, how
     assert C._how("auto") is (attention.resolve_implementation("auto") == "native")
     assert C._how("xla", TILES) is False
     assert C._how("pallas", TILES).interpret

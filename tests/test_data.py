@@ -21,8 +21,9 @@ from conftest import (
     gz_with_sums,
     one_line_error,
 )
-from sparse_jax import data as D
-from sparse_jax import files, sources
+from sparse_jax import files
+from sparse_jax.data import datasets as D
+from sparse_jax.data import sources
 
 # ---------------------------------------------------------------------------------------------
 # enwik8 and byte files.

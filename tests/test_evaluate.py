@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparse_jax import baselines as B
-from sparse_jax import checkpoints, optim, sources, train
-from sparse_jax import config as config_lib
-from sparse_jax import data as D
 from sparse_jax import evaluate as E
-from sparse_jax.model import SparseTransformer, model_config
+from sparse_jax import train
+from sparse_jax.data import baselines as B
+from sparse_jax.data import datasets as D
+from sparse_jax.data import sources
+from sparse_jax.model.transformer import SparseTransformer, model_config
+from sparse_jax.run import checkpoints, optim
+from sparse_jax.run import config as config_lib
 from test_train import ROOT, TINY_TEXT, get_config  # noqa: F401  (also used by test_sample)
 
 

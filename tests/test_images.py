@@ -1,4 +1,4 @@
-"""Folders of pictures (`sparse_jax.images`), written here with Pillow: H, W and C from the
+"""Folders of pictures (`sparse_jax.data.images`), written here with Pillow: H, W and C from the
 pictures, train/ and test/ folders or a fixed-seed split (recorded, reproducible), the decoded
 cache, one-line errors naming the file, train -> evaluate -> completion grid on a folder, and the
 lossless baselines."""
@@ -11,10 +11,11 @@ import pytest
 from PIL import Image
 
 from conftest import one_line_error, write_pictures
-from sparse_jax import baselines, images, train
-from sparse_jax import data as D
 from sparse_jax import evaluate as E
 from sparse_jax import sample as S
+from sparse_jax import train
+from sparse_jax.data import baselines, images
+from sparse_jax.data import datasets as D
 from test_train import get_config
 
 

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from conftest import one_line_error
-from sparse_jax import cli, sources
-from sparse_jax import data as D
+from sparse_jax import cli
+from sparse_jax.data import datasets as D
+from sparse_jax.data import sources
 from test_train import ROOT
 
 

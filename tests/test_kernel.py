@@ -1,4 +1,4 @@
-"""The Pallas block-sparse kernels (``sparse_jax.kernel``, ``sparse_jax.pallas_kernels``) against
+"""The Pallas block-sparse kernels (``attention.blocks``, ``sparse_jax.attention.pallas``) against
 the dense masked reference: the block lists on the host, then output, log-sum-exp and gradients,
 and the lowering of every kernel for a GPU (Triton) and a TPU (Mosaic), which needs neither. On a
 CPU the kernels run in Pallas interpret mode; on a GPU the same tests compile them with Triton
@@ -22,10 +22,10 @@ import pytest
 from flax import nnx
 
 from sparse_jax import attention as A
-from sparse_jax import kernel as K
-from sparse_jax import patterns as P
-from sparse_jax.model import ModelConfig, SparseTransformer
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.attention import blocks as K
+from sparse_jax.attention import patterns as P
+from sparse_jax.attention.spec import PatternSpec
+from sparse_jax.model.transformer import ModelConfig, SparseTransformer
 
 SMALL = K.BlockSizes(16, 16)  # many blocks at test lengths: skipped, partial and full ones
 
@@ -444,7 +444,7 @@ def test_log_sum_exp_and_half_size_values():
 
 
 def test_implementation_choice():
-    from sparse_jax import native
+    from sparse_jax.attention import native
 
     assert A.resolve_implementation("auto") == (
         "pallas" if jax.default_backend() in ("gpu", "tpu")
@@ -584,8 +584,8 @@ def test_heads_per_program_are_checked_against_each_head_group():
 def test_kernel_options_are_checked_for_the_platform_traced_for():
     """The tiles and Triton-only options against the backend of ``target_platform``; where the
     options cannot apply, ``kernel_unused`` is the one line that says so (None where they do)."""
-    from sparse_jax import native
-    from sparse_jax.pallas_kernels import compiling_for
+    from sparse_jax.attention import native
+    from sparse_jax.attention.tiles import compiling_for
 
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8)
     with compiling_for("gpu"):
@@ -611,7 +611,7 @@ def test_kernel_options_are_checked_for_the_platform_traced_for():
         runs = "the CPU kernels" if native.available() else "the XLA path"
         assert ModelConfig(**base, attention="auto", kernel="chained").kernel_unused == (
             f"model.kernel='chained' is not used: attention='auto' runs {runs}"
-            + (" (sparse_jax.native)" if native.available() else "") + " on this cpu, and the "
+            + (" (attention.native)" if native.available() else "") + " on this cpu, and the "
             "options are the Pallas kernel's (attention='pallas', or 'auto' on a GPU or TPU)")
         assert ModelConfig(**base, attention="pallas", kernel="chained").kernel_unused is None
         assert ModelConfig(**base, attention="auto").kernel_unused is None

@@ -1,4 +1,4 @@
-"""Console progress and the profiler trace (`sparse_jax.logs`): the evaluation progress writes a
+"""Console progress and the profiler trace (`sparse_jax.run.logs`): the evaluation progress writes a
 line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
 steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
 ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, a torn log line is
@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import files, logs
+from sparse_jax import files
+from sparse_jax.run import logs
 
 
 def test_progress_writes_a_line_every_tenth_to_a_log_file(capsys):
@@ -109,7 +110,7 @@ def test_a_part_left_by_a_killed_writer_is_removed_by_the_next(tmp_path):
 
 
 def test_a_write_probe_left_by_a_killed_process_is_removed_by_the_next(tmp_path):
-    from sparse_jax import workdir
+    from sparse_jax.run import workdir
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import attention, baselines
+from sparse_jax import attention
+from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.bench import long_study
 from sparse_jax.bench.accelerator import study as study_stage
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.data import baselines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

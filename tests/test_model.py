@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 from sparse_jax.attention import dense_attention
-from sparse_jax.model import ModelConfig, SparseTransformer, loss_bits, model_config
-from sparse_jax.sizing import describe, describe_text, param_count
+from sparse_jax.model.transformer import ModelConfig, SparseTransformer, loss_bits, model_config
+from sparse_jax.run.sizing import describe, describe_text, param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(seq_len=16, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)
@@ -305,7 +305,7 @@ def test_shifted_heads_reach_every_earlier_byte_in_one_hop(mode):
 def test_rotary_scores_depend_on_distance_alone():
     """A rotated query and key score the same wherever the pair sits (only i - j counts), and
     differ between distances; an odd query/key width per head is refused."""
-    from sparse_jax.layers import rotate
+    from sparse_jax.model.layers import rotate
     q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 16))
     score = lambda i, j: float((rotate(q, jnp.array([i])) * rotate(k, jnp.array([j]))).sum())  # noqa: E731
     for i, j in [(5, 2), (40, 0), (3000, 2999)]:

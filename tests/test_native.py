@@ -1,5 +1,5 @@
-"""The fused CPU kernels (``implementation="native"``, ``sparse_jax/cpu_kernels.cc``) against the
-dense reference, and how they are built, cached, chosen and refused."""
+"""The fused CPU kernels (``implementation="native"``, ``sparse_jax/attention/cpu_kernels.cc``)
+against the dense reference, and how they are built, cached, chosen and refused."""
 
 import os
 import shutil
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from sparse_jax import attention as A
-from sparse_jax import native
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.attention import native
+from sparse_jax.attention.spec import PatternSpec
 from test_attention import SPECS, assert_matches_dense, dense_ref, qkv
 from test_kernel import assert_model_matches_xla
 
@@ -194,7 +194,7 @@ def test_model_with_native_attention_on_a_mesh():
     half-size q/k), also inside ``shard_map`` on a mesh, and its program holds the kernels."""
     from flax import nnx
 
-    from sparse_jax.model import ModelConfig, SparseTransformer
+    from sparse_jax.model.transformer import ModelConfig, SparseTransformer
 
     base = dict(seq_len=64, num_layers=1, d_model=64, num_heads=2, pattern="strided", stride=8,
                 qk_ratio=0.5)

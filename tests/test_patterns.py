@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_jax import patterns as P
+from sparse_jax.attention import patterns as P
+from sparse_jax.attention.spec import PatternSpec, layer_specs
+from sparse_jax.attention.terms import (
+    pattern_terms,
+    term_candidates,
+    term_key_count,
+    terms_to_indices,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Brute force: loop over every (i, j <= i) and test the formula.
@@ -188,11 +195,11 @@ def term_specs(l):
 @pytest.mark.parametrize("n,l", [(16, 4), (17, 4), (3, 8), (40, 6), (25, 1)])
 def test_terms_are_disjoint_and_cover_pattern(n, l):
     for kind, spec in term_specs(l):
-        terms = P.pattern_terms(kind, **spec)
+        terms = pattern_terms(kind, **spec)
         expected = P.indices_to_mask(P.pattern_indices(kind, n, **spec), n)
         total = np.zeros((n, n), dtype=np.int32)
         for term in terms:
-            total += P.indices_to_mask(P.terms_to_indices([term], n), n)
+            total += P.indices_to_mask(terms_to_indices([term], n), n)
         assert total.max() <= 1, f"terms overlap for {kind} {spec}"
         assert np.array_equal(total.astype(bool), expected), f"{kind} {spec}"
 
@@ -201,7 +208,7 @@ def test_terms_are_disjoint_and_cover_pattern(n, l):
 def test_row_keys_are_the_rows_of_the_index_arrays(n, l):
     """The cached decoder's keys of query i, computed from i (NumPy for all rows at once, and
     jax.numpy inside jit for a traced i), list the same keys as row i of ``indices``."""
-    specs = [P.PatternSpec("dense")] + [P.PatternSpec(kind, **spec) for kind, spec in
+    specs = [PatternSpec("dense")] + [PatternSpec(kind, **spec) for kind, spec in
                                         term_specs(l)]  # every part and convention
     for k, spec in enumerate(specs):
         expected = spec.indices(n)
@@ -218,7 +225,7 @@ def test_decoder_keys_at_long_context_build_no_index_array(monkeypatch):
     """Fixed, l=256, c=64, at 65,536 positions: a step's candidates are the own block's 256
     keys and the 16,384 summary keys, where ``indices`` would be a 4 GB array."""
     monkeypatch.setattr(P, "pattern_indices", lambda *a, **k: pytest.fail("built an index array"))
-    spec, i = P.PatternSpec("fixed", stride=256, c=64), 40_000
+    spec, i = PatternSpec("fixed", stride=256, c=64), 40_000
     keys = np.asarray(jax.jit(lambda i: spec.row_keys(i, 65536, jax.numpy))(i))
     assert keys.shape == (256 + 256 * 64,)
     kept = np.sort(keys[keys >= 0])
@@ -235,9 +242,9 @@ def test_key_counts_from_terms_equal_the_index_arrays(n, l):
     """mean_keys counts each term's keys in O(n) (no [n, K] array): equal to the index array's
     count for every pattern, part and convention, n a multiple of l or not."""
     for kind, spec in term_specs(l):
-        for term in P.pattern_terms(kind, **spec):
-            assert P.term_key_count(term, n) == (P.term_candidates(term, n) >= 0).sum(), term
-        assert P.PatternSpec(kind, **spec).mean_keys(n) == \
+        for term in pattern_terms(kind, **spec):
+            assert term_key_count(term, n) == (term_candidates(term, n) >= 0).sum(), term
+        assert PatternSpec(kind, **spec).mean_keys(n) == \
             P.mean_keys_per_query(P.pattern_indices(kind, n, **spec)), (kind, spec)
 
 
@@ -249,7 +256,7 @@ def test_mean_keys_at_long_context_builds_no_index_array(monkeypatch):
 
     monkeypatch.setattr(P, "pattern_indices", no_array)
     monkeypatch.setattr(P, "term_candidates", no_array)
-    spec = P.PatternSpec("fixed", stride=256, c=64)
+    spec = PatternSpec("fixed", stride=256, c=64)
     # block: 256·257/2 keys per row; summary: 64 per earlier row, rows 0..255 of 256
     assert spec.mean_keys(65536) == (256 * 257 / 2 * 256 + 64 * 256 * 255 / 2 * 256) / 65536
 
@@ -261,8 +268,8 @@ def test_strided_property(n, l, w, part):
     got = P.strided_indices(n, l, part=part, local_width=w)
     check_format(got, n)
     assert rows(got) == brute_strided(n, l, part, w)
-    terms = P.pattern_terms("strided", stride=l, part=part, local_width=w)
-    assert rows(P.terms_to_indices(terms, n)) == rows(got)
+    terms = pattern_terms("strided", stride=l, part=part, local_width=w)
+    assert rows(terms_to_indices(terms, n)) == rows(got)
 
 
 @settings(max_examples=60, deadline=None)
@@ -274,8 +281,8 @@ def test_fixed_property(data, n, l, part, summary):
     got = P.fixed_indices(n, l, c, part=part, summary_block=b, summary=summary)
     check_format(got, n)
     assert rows(got) == brute_fixed(n, l, c, part, b, summary)
-    terms = P.pattern_terms("fixed", stride=l, c=c, part=part, summary_block=b, summary=summary)
-    assert rows(P.terms_to_indices(terms, n)) == rows(got)
+    terms = pattern_terms("fixed", stride=l, c=c, part=part, summary_block=b, summary=summary)
+    assert rows(terms_to_indices(terms, n)) == rows(got)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,17 +354,17 @@ def test_long_sequences_never_build_a_dense_mask():
 
 
 def test_layer_specs():
-    strided = P.PatternSpec("strided", stride=8)
-    assert P.layer_specs(strided, "merged") == (strided,)
-    interleaved = (P.layer_specs(strided, "interleaved", i)[0] for i in range(3))
+    strided = PatternSpec("strided", stride=8)
+    assert layer_specs(strided, "merged") == (strided,)
+    interleaved = (layer_specs(strided, "interleaved", i)[0] for i in range(3))
     assert [s.part for s in interleaved] == ["local", "strided", "local"]
-    assert [s.part for s in P.layer_specs(strided, "multihead")] == ["local", "strided"]
-    fixed = P.PatternSpec("fixed", stride=8, c=2)
-    distinct = P.layer_specs(fixed, "multihead", distinct_summaries=True)
+    assert [s.part for s in layer_specs(strided, "multihead")] == ["local", "strided"]
+    fixed = PatternSpec("fixed", stride=8, c=2)
+    distinct = layer_specs(fixed, "multihead", distinct_summaries=True)
     assert [s.summary_block for s in distinct] == [0, 1, 2, 3]
-    assert P.layer_specs(P.PatternSpec("dense"), "interleaved", 1) == (P.PatternSpec("dense"),)
+    assert layer_specs(PatternSpec("dense"), "interleaved", 1) == (PatternSpec("dense"),)
     with pytest.raises(ValueError, match="mode"):
-        P.layer_specs(strided, "mixed")
+        layer_specs(strided, "mixed")
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -372,11 +379,11 @@ def test_layer_specs():
 ])
 def test_spec_validation(fields, match):
     with pytest.raises(ValueError, match=match):
-        P.PatternSpec(**fields)
+        PatternSpec(**fields)
 
 
 def test_spec_is_hashable_ordered_and_describes_itself():
-    spec = P.PatternSpec("fixed", stride=128, c=32)
+    spec = PatternSpec("fixed", stride=128, c=32)
     assert hash(spec) == hash(dataclasses.replace(spec))
     assert str(spec) == "fixed(stride=128, c=32)"
     assert str(dataclasses.replace(spec, summary_block=1)) == \
@@ -384,7 +391,7 @@ def test_spec_is_hashable_ordered_and_describes_itself():
     assert spec.block == 128
     assert abs(spec.mean_keys(1024) - (spec.indices(1024) >= 0).sum() / 1024) < 1e-9
     # Ordered by name, so specs can key a dict that jax.jit takes as an argument.
-    specs = [P.PatternSpec("strided", stride=4, c=2), P.PatternSpec("strided", stride=4), spec]
+    specs = [PatternSpec("strided", stride=4, c=2), PatternSpec("strided", stride=4), spec]
     assert sorted(specs) == sorted(specs, key=str)
     tables = {s: s.indices(8) for s in specs}
     out = jax.jit(lambda t: {s: x + 1 for s, x in t.items()})(tables)

@@ -14,10 +14,12 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from sparse_jax import checkpoints, decode, sources
 from sparse_jax import sample as S
-from sparse_jax.model import ModelConfig, SparseTransformer
-from sparse_jax.patterns import PatternSpec
+from sparse_jax.attention.spec import PatternSpec
+from sparse_jax.data import sources
+from sparse_jax.model import decode
+from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+from sparse_jax.run import checkpoints
 from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
 
 TINY = dict(seq_len=32, num_layers=2, d_model=16, num_heads=2, stride=4, c=1)

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import model as M
-from sparse_jax import optim, train
 from sparse_jax import sharding as S
+from sparse_jax import train
+from sparse_jax.model import transformer as M
+from sparse_jax.run import optim
 from test_train import ROOT, get_config, read_metrics
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from sparse_jax import config as config_lib
 from sparse_jax import study
-from sparse_jax.model import model_config
-from sparse_jax.sizing import describe
+from sparse_jax.model.transformer import model_config
+from sparse_jax.run import config as config_lib
+from sparse_jax.run.sizing import describe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py") + ":data=embedded"

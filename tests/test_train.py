@@ -18,11 +18,13 @@ import pytest
 
 import configs
 from conftest import fake_enwik8
-from sparse_jax import config as config_lib
-from sparse_jax import data as D
-from sparse_jax import files, optim, sources, train
-from sparse_jax import workdir as workdir_lib
-from sparse_jax.data import Stage
+from sparse_jax import files, train
+from sparse_jax.data import datasets as D
+from sparse_jax.data import sources
+from sparse_jax.data.datasets import Stage
+from sparse_jax.run import config as config_lib
+from sparse_jax.run import optim
+from sparse_jax.run import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -416,7 +418,7 @@ def test_a_torn_last_metrics_line_is_dropped_when_the_run_resumes(tmp_path):
 
 
 def test_a_second_trainer_on_a_workdir_in_use_is_refused(tmp_path):
-    from sparse_jax import workdir as workdir_lib
+    from sparse_jax.run import workdir as workdir_lib
 
     workdir = str(tmp_path / "run")
     os.makedirs(workdir)

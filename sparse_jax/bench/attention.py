@@ -40,8 +40,8 @@ def parse_pattern(name: str, seq_len: int, backend: str | None = None):
     ``bandTxG`` (Mosaic's band kernels; ``band0``: none); e.g. ``strided:128@pallas:128x64``,
     ``strided:128@pallas:64x64:chained:h2``, ``fixed:128:32@pallas:chained:w8:s3``."""
     from sparse_jax.attention import IMPLEMENTATIONS
-    from sparse_jax.kernel import BlockSizes
-    from sparse_jax.patterns import PatternSpec
+    from sparse_jax.attention.blocks import BlockSizes
+    from sparse_jax.attention.spec import PatternSpec
 
     name, _, implementation = name.partition("@")
     implementation, *options = implementation.split(":")
@@ -56,7 +56,7 @@ def parse_pattern(name: str, seq_len: int, backend: str | None = None):
         try:
             if implementation != "pallas":
                 raise ValueError("kernel options apply to @pallas only")
-            from sparse_jax.model import kernel_backend
+            from sparse_jax.model.transformer import kernel_backend
 
             sizes = BlockSizes.parse(":".join(options),
                                      BlockSizes.for_backend(backend or kernel_backend()))

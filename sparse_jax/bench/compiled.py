@@ -9,12 +9,12 @@ How: jaxlib's CUDA plugin (``jax-cuda12-plugin``/``-pjrt``) and NVIDIA's ``ptxas
 a child process only, so the project's own environment stays a CPU one;
 ``jax.experimental.topologies`` builds the device from XLA's target description
 (``targets/*.txtpb``) and ``jax.jit(f).lower(...).compile()`` performs a deviceless compile,
-every program in its own process (``pallas_kernels.compiling_for("gpu")`` makes the kernels
+every program in its own process (``tiles.compiling_for("gpu")`` makes the kernels
 Triton's, not interpret mode). From each compile:
 
   ptxas -v        (XLA's own call, in its log) registers per thread and spilled bytes per kernel
   thunk sequence  (``--xla_dump_to``) each kernel's grid, threads and dynamic shared memory
-  block lists     (``sparse_jax.kernel``) the key tiles each program visits
+  block lists     (``sparse_jax.attention.blocks``) the key tiles each program visits
   memory          ``compiled.memory_analysis()``: XLA's planned arguments, outputs, temporaries
 
 and from those: blocks per SM and what bounds them (registers, shared memory, threads), the
@@ -28,6 +28,10 @@ these are the compiler's figures, not measurements.
   compile_program(...)   one program compiled in a child process: its figures as a dict
   occupancy(...)         blocks per SM, occupancy and the bounding resource of one kernel
   report(...)            every chosen program: rows, kernel tables, markdown
+
+The reading of the compiler's output (``parse_ptxas``, ``parse_thunks``, ``xla_kernel_bytes``,
+``occupancy``) lives in ``compiled_output``, the report's tables (``rank``, ``markdown``,
+``problems``) in ``compiled_tables``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from sparse_jax.bench.compiled_output import (  # noqa: F401  re-exported
+    occupancy,
+    parse_ptxas,
+    parse_thunks,
+    xla_kernel_bytes,
+)
+from sparse_jax.bench.compiled_tables import markdown, problems, rank  # noqa: F401
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TOOLS_ENV = "SPARSE_JAX_GPU_TOOLS"  # where the CUDA plugin and ptxas are installed
@@ -92,15 +104,18 @@ CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@p
 
 def programs() -> list[dict]:
     """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
-    16k (baselines, then the kernel variants) and 64k, the training steps (train_step's cases)
-    and the long-context study's runs. Each: name, group, kind and what to build."""
+    16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), the training
+    steps (train_step's cases) and the long-context study's runs. Each: name, group, kind and
+    what to build."""
     from sparse_jax.bench.accelerator import attention, train_step
     from sparse_jax.bench.long_study import plan as study_plan
 
     out = []
     for group, n, names in (("attention16k", 16384, attention.BASELINES + attention.VARIANTS_16K),
                             ("attention64k", 65536,
-                             attention.BASELINES + attention.VARIANTS_64K)):
+                             attention.BASELINES + attention.VARIANTS_64K),
+                            ("attention8k", 8192, attention.BASELINES),
+                            ("attention32k", 32768, attention.BASELINES)):
         for pattern in names:
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
@@ -122,9 +137,9 @@ def programs() -> list[dict]:
 
 
 def select(names: list[str] | None) -> list[dict]:
-    """The programs named, or of the groups named ("attention16k", "attention64k", "reference16k",
-    "steps", "study", "million", "ci" for the CI check's three, "all"); ValueError naming an
-    unknown one."""
+    """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
+    "attention32k", "reference16k", "steps", "study", "million", "ci" for the CI check's three,
+    "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -136,7 +151,8 @@ def select(names: list[str] | None) -> list[dict]:
             matches = [p for p in every if name in (p["group"], p["name"])]
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
-                             f"attention16k, attention64k, reference16k, steps, study, million "
+                             f"attention16k, attention64k, attention8k, attention32k, "
+                             f"reference16k, steps, study, million "
                              f"or a "
                              f"name "
                              f"(--list prints them)")
@@ -150,21 +166,22 @@ def select(names: list[str] | None) -> list[dict]:
 
 def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2) -> dict:
     """Per kernel name (``sparse_{forward,dq,dkv}_{kind}``): the key (or query) tiles each
-    program visits (mean, max), its programs and an estimate of the HBM bytes it moves
-    (own tiles in, listed tiles in per visit, outputs out; float32 partial results; no reuse
-    through L2)."""
-    from sparse_jax import kernel
+    program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
+    keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
+    outputs out; float32 partial results; no reuse through L2)."""
+    from sparse_jax.attention import blocks as kernel
+    from sparse_jax.attention import fused
 
     sizes = sizes and dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
-    compiler = kernel.compiler_for(sizes, "triton", interpret=False)
+    compiler = fused.compiler_for(sizes, "triton", interpret=False)
     rows = -(-n // spec.block)
     chained = (sizes or kernel.BlockSizes()).variant == "chained"
     if chained:
-        _, plan = kernel._chain(spec, rows, compiler)
+        _, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
     else:
         terms = [(layout, lists, compiler) for layout, _, lists, _ in
-                 kernel._terms(spec, rows, compiler)]
+                 fused._terms(spec, rows, compiler)]
     d = max(16, 1 << (head_dim - 1).bit_length())
     h = compiler.heads_per_program
     groups = heads // h
@@ -194,7 +211,8 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
             per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
             out[f"sparse_{name}_{layout.kind}"] = {
                 "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
-                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads)}
+                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
+                "block_q": bq, "block_k": bk}
     return out
 
 
@@ -229,11 +247,11 @@ def build_program(program: dict, mesh):
     from flax import nnx
 
     from sparse_jax.bench.model import _grad_fn
-    from sparse_jax.model import ModelConfig
+    from sparse_jax.model.transformer import ModelConfig
 
     if program["kind"] == "config":
         import configs
-        from sparse_jax import config as config_lib
+        from sparse_jax.run import config as config_lib
 
         config = configs.load(program["config"], program["overrides"])
         cfg = config_lib.check_config(config)
@@ -255,14 +273,14 @@ def _child(program: dict, target: str) -> None:
     import jax
     from jax.experimental import topologies
 
-    from sparse_jax import pallas_kernels
+    from sparse_jax.attention import tiles
 
     t = TARGETS[target]
     topology = topologies.get_topology_desc(platform="cuda", target_config=t.config_text(),
                                             topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     result = {}
-    with pallas_kernels.compiling_for("gpu"):
+    with tiles.compiling_for("gpu"):
         fn, args, work = build_program(program, mesh)
         start = time.perf_counter()
         lowered = jax.jit(fn).lower(*args)
@@ -274,101 +292,6 @@ def _child(program: dict, target: str) -> None:
     result["tile_work"] = work
     result["xla_kernel_bytes"] = xla_kernel_bytes(compiled.as_text())
     print("RESULT " + json.dumps(result), flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the compiler printed.
-
-_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
-_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
-                          r"loads")
-_PTXAS_USED = re.compile(r"Used (\d+) registers")
-_THUNK = re.compile(r"\b(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
-                    r"shared_memory: (\d+) bytes")
-
-
-def parse_ptxas(log: str) -> dict[str, dict]:
-    """Per entry function in ``ptxas -v`` output: arch, registers, stack frame and spilled
-    bytes (stores + loads)."""
-    out, current = {}, None
-    for line in log.splitlines():
-        if m := _PTXAS_ENTRY.search(line):
-            current = out.setdefault(m.group(1), {"arch": m.group(2)})
-        elif current is None:
-            continue
-        elif m := _PTXAS_SPILL.search(line):
-            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                           spill_loads=int(m.group(3)))
-        elif m := _PTXAS_USED.search(line):
-            current["registers"] = int(m.group(1))
-    return out
-
-
-def parse_thunks(text: str) -> list[dict]:
-    """Each kernel launch of an XLA thunk sequence: name, grid, threads and dynamic shared
-    memory (a kernel inside a loop appears once)."""
-    return [{"name": m.group(1), "grid": [int(m.group(i)) for i in (2, 3, 4)],
-             "threads": int(m.group(5)) * int(m.group(6)) * int(m.group(7)),
-             "shared_memory": int(m.group(8))} for m in _THUNK.finditer(text)]
-
-
-_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
-                "conditional", "call", "after-all", "partition-id", "replica-id"}
-
-
-def _shape_bytes(text: str) -> int:
-    return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in _SHAPE.findall(text))
-
-
-def xla_kernel_bytes(hlo: str) -> dict:
-    """XLA's own kernels in the entry computation of compiled HLO text, Pallas calls apart:
-    how many, and the bytes they read and write (each one's operands and outputs: an upper
-    bound for fusions that read a slice)."""
-    shapes, entry, in_entry = {}, [], False
-    for line in hlo.splitlines():
-        if line.startswith("ENTRY"):
-            in_entry = True
-            continue
-        if in_entry and line.startswith("}"):
-            in_entry = False
-        m = _HLO_LINE.match(line)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
-        shapes[name] = _shape_bytes(shape)
-        if in_entry:
-            entry.append((name, op, rest))
-    count = total = 0
-    for name, op, rest in entry:
-        if op in _NOT_KERNELS or (op == "custom-call" and "triton" in rest):
-            continue
-        args = rest.split("), ")[0]
-        count += 1
-        total += shapes[name] + sum(shapes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
-    return {"kernels": count, "bytes": total}
-
-
-def occupancy(target: Target, registers: int, threads: int, shared_memory: int) -> dict:
-    """Blocks of ``threads`` per SM with ``registers`` per thread and ``shared_memory`` bytes
-    each (the CUDA occupancy calculator's rules: registers allocated per warp in units of 256,
-    a per-block shared-memory reservation), the resident share of the SM's warps and the
-    resource that bounds it."""
-    warps = -(-threads // 32)
-    per_warp = -(-registers * 32 // 256) * 256
-    limits = {"registers": (target.regs_per_sm // per_warp) // warps if per_warp else 10**9,
-              "shared memory": target.smem_per_sm // (shared_memory
-                                                      + target.smem_reserved_per_block),
-              "threads": target.max_warps_per_sm // warps,
-              "blocks": target.max_blocks_per_sm}
-    bound = min(limits, key=limits.get)
-    blocks = limits[bound]
-    return {"blocks_per_sm": blocks, "bound": bound,
-            "occupancy": blocks * warps / target.max_warps_per_sm}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,7 +425,8 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
             kernel["waves"] = programs / (kernel["blocks_per_sm"] * t.sms)
         if base in work:
             kernel.update(tiles_mean=work[base]["tiles_mean"], tiles_max=work[base]["tiles_max"],
-                          hbm_bytes=work[base]["hbm_bytes"])
+                          hbm_bytes=work[base]["hbm_bytes"], block_q=work[base]["block_q"],
+                          block_k=work[base]["block_k"])
         kernels.append(kernel)
     row["kernels"] = kernels
     row["max_spill_bytes"] = max((k["spill_bytes"] for k in kernels), default=0)
@@ -546,97 +470,6 @@ def least_bytes(n: int, batch: int = 1, heads: int = 8, head_dim: int = 64) -> f
     """The least bytes any attention fwd+bwd in bfloat16 must move: q, k, v read by both passes,
     o written and read, do read, dq, dk, dv written (12 arrays)."""
     return 12 * batch * n * heads * head_dim * 2
-
-
-# ---------------------------------------------------------------------------------------------
-# The report.
-
-
-def rank(rows: list[dict]) -> list[dict]:
-    """The Pallas attention rows of each length and pattern ("16k strided") in the order the
-    static figures promise: fewest spilled bytes, then the fewest estimated bytes per resident
-    warp (GB moved over the worst kernel's occupancy: a kernel that waits on memory moves bytes
-    at a rate its warps in flight set, Little's law). On the H100 the spills ordered the 64 x 64,
-    128 x 64 and 128 x 128 tiles as their measured times did (0.912, 1.18, 1.52 ms), which the
-    bytes alone ordered backwards (docs/gpu_compile.md)."""
-    rows = [r for r in rows if r.get("hbm_gb") is not None]
-    return sorted(rows, key=lambda r: (_family(r), r["max_spill_bytes"], _per_warp(r)))
-
-
-def _per_warp(row: dict) -> float:
-    return row["hbm_gb"] / max(1e-9, min(k.get("occupancy", 0) for k in row["kernels"]))
-
-
-def _family(row: dict) -> str:
-    """"16k strided" of "attention 16k strided:128@pallas:chained"."""
-    _, length, pattern = row["name"].split(" ", 2)
-    return f"{length} {pattern.split(':')[0]}"
-
-
-def markdown(rows: list[dict], target: str, header: list[str]) -> str:
-    """results.md: one row per program, the attention programs ranked by their static figures,
-    then one row per Triton kernel."""
-    t = TARGETS[target]
-    f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
-    lines = [*header, "", f"Target: {t.name} ({t.arch}, {t.sms} SMs, {t.hbm_gb:.1f} GB, "
-             f"{t.hbm_gbps:,.0f} GB/s).", "",
-             "| program | compile s | planned GB | fits | Triton kernels (launches) | "
-             "max spill B | est. GB moved | at full bandwidth ms | result |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kernels = r.get("kernels")
-        count = "—" if kernels is None else f"{len(kernels)} ({r['triton_launches']})"
-        lines.append(
-            f"| {r['name']} | {f(r.get('compile_s'), '.1f')} | {f(r.get('planned_gb'), '.2f')} "
-            f"| {'—' if 'fits' not in r else ('yes' if r['fits'] else '**no**')} | {count} "
-            f"| {f(r.get('max_spill_bytes'), 'd')} | {f(r.get('hbm_gb'), '.3f')} "
-            f"| {f(r.get('hbm_floor_ms'), '.3f')} | {r.get('error', 'ok')}"
-            + (f" ({r['note']})" if "note" in r else "") + " |")
-    ranked = rank(rows)
-    if ranked:
-        lines += ["", "The Pallas attention programs of each length and pattern as their static "
-                  "figures rank them (fewest spilled bytes, then the fewest bytes moved per "
-                  "resident warp: GB over the worst kernel's occupancy):", "",
-                  "| length, pattern | rank | program | max spill B | lowest occupancy | "
-                  "est. GB moved | GB / occupancy |", "|---|---|---|---|---|---|---|"]
-        place = {}
-        for r in ranked:
-            place[_family(r)] = place.get(_family(r), 0) + 1
-            lines.append(f"| {_family(r)} | {place[_family(r)]} | {r['name']} | "
-                         f"{r['max_spill_bytes']} | "
-                         f"{min(k.get('occupancy', 0) for k in r['kernels']):.1%} | "
-                         f"{r['hbm_gb']:.3f} | {_per_warp(r):.1f} |")
-    lines += ["", "Per Triton kernel (a kernel repeated in other layers is listed once, with its "
-              "launches; tiles: the key tiles a program visits, query tiles for dkv; est. GB: "
-              "its tiles' loads and stores with no reuse through L2):", "",
-              "| program | kernel | launches | grid | threads | regs | spill B | smem KB | "
-              "blocks/SM | occupancy | bound | waves | tiles mean / max | est. GB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        for k in r.get("kernels", []):
-            lines.append(
-                f"| {r['name']} | {k['name']} | {k['launches']} | "
-                f"{'×'.join(map(str, k['grid']))} | "
-                f"{k['threads']} | {f(k.get('registers'), 'd')} | {k['spill_bytes']} | "
-                f"{k['shared_memory'] / 1024:.1f} | {f(k.get('blocks_per_sm'), 'd')} | "
-                f"{f(k.get('occupancy'), '.1%')} | {k.get('bound', '—')} | "
-                f"{f(k.get('waves'), '.1f')} | "
-                + (f"{k['tiles_mean']:.2f} / {k['tiles_max']}" if "tiles_mean" in k else "—")
-                + f" | {f(k['hbm_bytes'] / 1e9 if 'hbm_bytes' in k else None, '.4f')} |")
-    return "\n".join(lines) + "\n"
-
-
-def problems(rows: list[dict]) -> list[str]:
-    """What fails the check: a program that did not compile, a Triton kernel that spills."""
-    out = []
-    for r in rows:
-        if "error" in r:
-            out.append(f"{r['name']}: {r['error']}")
-        for k in r.get("kernels", []):
-            if k["spill_bytes"]:
-                out.append(f"{r['name']}: {k['name']} spills {k['spill_bytes']} bytes "
-                           f"({k.get('registers')} registers)")
-    return out
 
 
 if __name__ == "__main__":  # the child: python -m sparse_jax.bench.compiled PROGRAM_JSON TARGET

@@ -9,7 +9,7 @@ How: libtpu (at the version jax's ``tpu`` extra pins) installed into a folder of
 CPU one; jax finds it by importing the ``libtpu`` package, and the child also names its
 ``libtpu.so`` in ``TPU_LIBRARY_PATH``. ``jax.experimental.topologies.get_topology_desc`` builds
 the chip from its name ("v5e:1x1"), and ``jax.jit(f).lower(...).compile()`` performs a
-deviceless compile, every program in its own process (``pallas_kernels.compiling_for("tpu")``
+deviceless compile, every program in its own process (``tiles.compiling_for("tpu")``
 makes the kernels Mosaic's, compiled, not interpret mode; "auto" picks them). As in
 ``sparse_jax.bench.compiled`` (the GPU's; its programs' builder is reused), from each compile:
 
@@ -44,6 +44,10 @@ and is reported with the compiler's line.
   compile_program(...)   one program compiled in a child process: its row
   markdown, problems     the report's table (ours beside splash: ``beside_splash``); what fails
                          the check
+
+The reading of the compiler's output lives in ``compiled_tpu_output``, the report's tables in
+``compiled_tpu_tables``, splash attention's programs in ``compiled_tpu_splash``; their names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -59,6 +63,26 @@ import tempfile
 import time
 
 from sparse_jax.bench import compiled
+from sparse_jax.bench.compiled_tpu_output import (  # noqa: F401  re-exported
+    VMEM,
+    attach_cycles,
+    loop_trips,
+    parse_mosaic_kernels,
+    parse_static_profile,
+    read_static_profile,
+)
+from sparse_jax.bench.compiled_tpu_splash import (  # noqa: F401  re-exported
+    NUMPY_MASK_MAX,
+    nonzero_blocks,
+    splash_mask,
+    splash_program,
+)
+from sparse_jax.bench.compiled_tpu_tables import (  # noqa: F401  re-exported
+    beside_splash,
+    markdown,
+    mask_of,
+    problems,
+)
 
 TOOLS_ENV = "SPARSE_JAX_TPU_TOOLS"  # where libtpu is installed
 DEFAULT_TOOLS = ".tpu_tools"
@@ -165,7 +189,7 @@ def programs() -> list[dict]:
     return out
 
 
-# Context parallelism (``sparse_jax.context``): one sequence split over the chips of a v5p
+# Context parallelism (``sparse_jax.attention.context``): one sequence split over the chips of a v5p
 # slice, the Pallas kernels on each chip's shard. 64k as the one-chip rows (one chip's share of
 # the same work, and what the collectives add), and a million bytes at the million preset's
 # stride (l = 1,024) over 8 chips.
@@ -207,64 +231,6 @@ def select(names: list[str] | None) -> list[dict]:
     return chosen
 
 
-NUMPY_MASK_MAX = 16384  # longer: the pattern's rule as a mask splash computes (n x n bytes)
-
-
-def splash_mask(pattern: str, n: int):
-    """Splash attention's mask for ``pattern`` at length ``n``, one head's: the pattern's exact
-    boolean mask (``PatternSpec.mask``) as a ``NumpyMask`` up to ``NUMPY_MASK_MAX``, beyond it
-    the pattern's rule (``kernel.mask_rule``) as a computable mask, which
-    splash evaluates per block on the host and in its kernels (as its own causal and local
-    masks); for "dense" splash's ``CausalMask``."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
-    from sparse_jax import kernel
-    from sparse_jax.bench.attention import parse_pattern
-
-    spec = parse_pattern(pattern, n)[0]
-    if spec.kind == "dense":
-        return masks.CausalMask((n, n))
-    if n <= NUMPY_MASK_MAX:
-        return masks.NumpyMask(spec.mask(n))
-    class PatternMask(masks._ComputableMask):  # hashable, as splash's own masks are
-        def __eq__(self, other):
-            return type(other) is type(self) and (other.shape, other.spec) == (self.shape,
-                                                                              self.spec)
-
-        def __hash__(self):
-            return hash((type(self), self.shape, self.spec))
-
-    mask = PatternMask((n, n), kernel.mask_rule(spec))
-    mask.spec = spec
-    return mask
-
-
-def _splash_program(program: dict, mesh):
-    """(loss gradient or forward, abstract q, k, v) of splash attention over ``program``'s mask
-    and block size, [H, n, d] bfloat16 (one sequence: B = 1)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n, heads, d, b = program["seq_len"], program["heads"], program["head_dim"], program["block"]
-    if program["batch"] != 1:
-        raise ValueError("splash programs take one sequence (batch 1)")
-    mask = masks.MultiHeadMask([splash_mask(program["pattern"], n)] * heads)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                              block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
-                              block_kv_dq=b)
-    attend = splash.make_splash_mha_single_device(mask=mask, block_sizes=sizes)
-    x = jax.ShapeDtypeStruct((heads, n, d), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
-
-    def loss(q, k, v):
-        return attend(q, k, v).astype(jnp.float32).sum()
-
-    return (loss if program.get("forward") else jax.grad(loss, argnums=(0, 1, 2))), (x, x, x)
-
-
 def _context_program(program: dict, mesh):
     """(loss gradient, abstract q, k, v) of ``context.context_parallel_attention`` with the
     sequence split over ``mesh``'s axis "seq": [B, n, H, d] bfloat16, sharded by position."""
@@ -273,7 +239,7 @@ def _context_program(program: dict, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from sparse_jax import context
+    from sparse_jax.attention import context
     from sparse_jax.bench.attention import parse_pattern
 
     n = program["seq_len"]
@@ -294,7 +260,7 @@ def build(program: dict, mesh):
     parallelism's, or ``compiled.build_program``'s (its forward alone, the loss, where
     ``program["forward"]``)."""
     if program["kind"] == "splash":
-        return _splash_program(program, mesh)
+        return splash_program(program, mesh)
     if program["kind"] == "context":
         return _context_program(program, mesh)
     fn, args, _ = compiled.build_program(program, mesh)  # the GPU's tile work does not apply
@@ -305,8 +271,9 @@ def tile_flops(program: dict) -> float:
     """The matrix products' flops over every tile the kernels visit (masked pairs too): per
     scored (query, key) pair and head 2 d multiply-adds forward (q·k, p·v), 3 d for dq and 4 d
     for dk, dv (ours and splash's alike), 2 flops each. Ours: the block lists' scored pairs
-    (``kernel.sparsity``); splash: its nonzero mask blocks, whole."""
-    from sparse_jax import kernel
+    (``fused.sparsity``); splash: its nonzero mask blocks, whole."""
+    from sparse_jax.attention import blocks as kernel
+    from sparse_jax.attention import fused
     from sparse_jax.bench.attention import parse_pattern
 
     n, heads, d = program["seq_len"], program["batch"] * program["heads"], program["head_dim"]
@@ -314,24 +281,12 @@ def tile_flops(program: dict) -> float:
     if program["kind"] == "splash":
         b, blocks = program["block"], n // program["block"]
         nonzero = (blocks * (blocks + 1) // 2 if spec.kind == "dense" else
-                   _nonzero_blocks(spec, n, b))
+                   nonzero_blocks(spec, n, b))
         scored = nonzero * b * b
     else:
-        scored = kernel.sparsity(spec, n, sizes or kernel.BlockSizes.for_backend("mosaic"))[
+        scored = fused.sparsity(spec, n, sizes or kernel.BlockSizes.for_backend("mosaic"))[
             "scored"]
     return 2.0 * d * heads * scored * (2 if program.get("forward") else 9)
-
-
-def _nonzero_blocks(spec, n: int, b: int) -> int:
-    """Blocks of ``b`` × ``b`` of the pattern's n × n mask holding a kept pair (a block row of
-    the mask at a time, by the pattern's rule)."""
-    import numpy as np
-
-    from sparse_jax import kernel
-
-    keep, keys = kernel.mask_rule(spec), np.arange(n)[None]
-    return sum(int(keep(np.arange(i, i + b)[:, None], keys).reshape(b, -1, b).any(
-        axis=(0, 2)).sum()) for i in range(0, n, b))
 
 
 def _forward_of(program: dict):
@@ -358,7 +313,8 @@ def _child(program: dict, target: str) -> None:
     from jax._src import cloud_tpu_init
     from jax.experimental import topologies
 
-    from sparse_jax import kernel, pallas_kernels
+    from sparse_jax.attention import blocks as kernel
+    from sparse_jax.attention import tiles
 
     if program.get("unchecked_tiles"):
         check = kernel.BlockSizes.check_backend
@@ -373,7 +329,7 @@ def _child(program: dict, target: str) -> None:
                                             chips_per_host_bounds=(shape + (1,))[:3])
     mesh = topologies.make_mesh(topology, (chips,), ("seq",))
     result = {"libtpu": library}
-    with pallas_kernels.compiling_for("tpu"):
+    with tiles.compiling_for("tpu"):
         fn, args = build(program, mesh)
         start = time.perf_counter()
         # splash's kernels may ask which chip they are for (a mask it computes): the mesh's
@@ -397,183 +353,6 @@ def _child(program: dict, target: str) -> None:
     if program["kind"] in ("attention", "splash"):  # a step's products are not the tiles'
         result["tile_flops"] = tile_flops(program)
     print("RESULT " + json.dumps(result), flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the compiler wrote.
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) custom-call\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_SCOPED = re.compile(r'"used_scoped_memory_configs":\[(.*?)\]')
-_SCOPED_ENTRY = re.compile(r'"memory_space":"(\d+)","offset":"\d+","size":"(\d+)"')
-VMEM = "1"  # Mosaic's memory space number of VMEM
-
-
-def _kernel_name(op_name: str, instruction: str) -> str:
-    """The pallas_call's name: innermost of its op_name's transforms
-    ("jit(loss)/transpose(jvp(sparse_dq_rows))/pallas_call" gives "sparse_dq_rows")."""
-    path = op_name.removesuffix("/pallas_call").split("/")[-1]
-    m = re.search(r"([\w.\-]+)\)*$", path)
-    return m.group(1) if m and op_name.endswith("/pallas_call") else instruction
-
-
-_STARTS = re.compile(r"^(\s+(ROOT )?%|%|ENTRY|HloModule|\}$|$)")
-
-
-def _instructions(hlo: str) -> list[str]:
-    """HLO text's lines, each instruction on one: an attribute that holds a newline (splash
-    attention's ``kernel_metadata``) continues on lines of its own, joined back here."""
-    out = []
-    for line in hlo.splitlines():
-        if out and not _STARTS.match(line):
-            out[-1] += line
-        else:
-            out.append(line)
-    return out
-
-
-def parse_mosaic_kernels(hlo: str) -> list[dict]:
-    """Each Mosaic kernel (``tpu_custom_call``) of compiled HLO text, in order of first
-    appearance: name, VMEM bytes (its used scoped memory in VMEM), whether an output of it
-    sits in VMEM whole (``S(1)`` in its shape: no pipeline window for it), and calls (the same
-    kernel with the same VMEM in several computations, as a model's layers, is listed once)."""
-    out, seen = [], {}
-    for line in _instructions(hlo):
-        if 'custom_call_target="tpu_custom_call"' not in line:
-            continue
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        instruction, shape = m.groups()
-        op = _OP_NAME.search(line)
-        name = _kernel_name(op.group(1) if op else "", instruction)
-        scoped = _SCOPED.search(line)
-        vmem = sum(int(size) for space, size in _SCOPED_ENTRY.findall(scoped.group(1))
-                   if space == VMEM) if scoped else 0
-        key = (name, vmem)
-        if key in seen:
-            seen[key]["calls"] += 1
-            seen[key]["instructions"].append(instruction)
-            continue
-        seen[key] = {"name": name, "vmem_bytes": vmem, "output_in_vmem": "S(1)" in shape,
-                     "calls": 1, "instructions": [instruction]}
-        out.append(seen[key])
-    return out
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
-_ANY_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = ")
-_WHILE = re.compile(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
-_CONSTANT = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
-_LESS_THAN = re.compile(r"^\s+ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, "
-                        r"%?([\w.\-]+)\), direction=LT")
-
-
-def loop_trips(hlo: str) -> dict[str, int | None]:
-    """How many times each instruction of compiled HLO text runs, where not once: those of a
-    while loop's body and condition run its trip count, times that of the loops around it (a
-    scan over layers: its count is the s32 constant its condition compares the counter with,
-    ``i < N``, the counter starting at 0; None where a loop's count cannot be read so).
-    libtpu's static profile gives an op's cycles for one run."""
-    where, loops, constants, limit = {}, {}, {}, {}  # instruction -> computation; ...
-    computation = None
-    for line in _instructions(hlo):
-        if not line.startswith(" "):
-            found = _COMPUTATION.match(line)
-            computation = found.group(1) if found and line.rstrip().endswith("{") else None
-            continue
-        found = _ANY_INSTRUCTION.match(line)
-        if not found or computation is None:
-            continue
-        where[found.group(1)] = computation
-        if (loop := _WHILE.search(line)):
-            loops[found.group(1)] = loop.groups()
-        if (constant := _CONSTANT.match(line)):
-            constants[constant.group(1)] = int(constant.group(2))
-        if (compare := _LESS_THAN.match(line)):
-            limit[computation] = compare.group(1)
-    inside = {}  # body or condition computation -> (the while instruction, its trips)
-    for name, (condition, body) in loops.items():
-        inside[body] = inside[condition] = (name, constants.get(limit.get(condition)))
-
-    def runs(computation):
-        if computation not in inside:
-            return 1
-        loop, trips = inside[computation]
-        outer = runs(where[loop])
-        return None if trips is None or outer is None else trips * outer
-
-    return {name: n for name, c in where.items() if (n := runs(c)) != 1}
-
-
-_ESTIMATE = re.compile(r"^hlo_op_estimate \{$", re.M)
-_FIELD = re.compile(r"^  (hlo_op_name|estimated_cycles|num_equivalent_hlos): \"?([^\"\n]*)\"?$",
-                    re.M)
-
-
-def parse_static_profile(text: str) -> dict[str, dict]:
-    """libtpu's static profile (``PROFILE_FLAG``: a ``NAME_static_llo_profile.textproto`` per
-    HLO op, ``hlo_op_estimate`` messages in protobuf text) read into ``{op name: {"cycles",
-    "equivalent"}}``: the compiler's estimate of the op's cycles, and how many equivalent ops of
-    the program it stands for (one file is written for them all). Only each message's own
-    fields count (the op's HLO, nested in it, is indented deeper); a field left out is 0, as
-    protobuf omits zeros."""
-    out = {}
-    starts = [m.start() for m in _ESTIMATE.finditer(text)] + [len(text)]
-    for start, end in zip(starts, starts[1:]):
-        fields = dict(_FIELD.findall(text[start:end]))
-        if "hlo_op_name" in fields:
-            out[fields["hlo_op_name"]] = {
-                "cycles": int(fields.get("estimated_cycles", 0)),
-                "equivalent": int(fields.get("num_equivalent_hlos", 1))}
-    return out
-
-
-def read_static_profile(folder: str) -> dict[str, dict]:
-    """``parse_static_profile`` of every file libtpu wrote into ``folder``."""
-    text = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        if name.endswith("_static_llo_profile.textproto"):
-            with open(os.path.join(folder, name)) as f:
-                text.append(f.read())
-    return parse_static_profile("\n".join(text))
-
-
-def attach_cycles(row: dict, profile: dict[str, dict], clock_ghz: float,
-                  peak_tflops: float = 0.0, trips: dict[str, int | None] | None = None) -> None:
-    """Each Mosaic kernel of ``row`` gets its static cycles (summed over its calls; None where
-    the profile lacks one or gives it 0 cycles: no estimate, as for a kernel whose blocks span
-    several heads, whose copies libtpu counts as remote DMA), the row the kernels' sum
-    ("cycles"), its time at ``clock_ghz`` ("estimated_us") and the sum over every op of the
-    program, XLA's too ("all_op_cycles", each op's cycles times the equivalent ops it stands
-    for), each op's cycles times its runs (``trips``, ``loop_trips``: a scanned layer's
-    ops run once a layer; an unknown count leaves the sums None). With the row's "tile_flops"
-    and the chip's ``peak_tflops``: the cycles its MXUs need at the least for them
-    ("mxu_floor_cycles"), and the kernels' cycles raised to that floor ("bounded_cycles"): for
-    tiles of 512 and more the profile's estimate falls below that floor (it seems not to count
-    a loop inside a kernel's body by its trips), so only the bounded figure compares large
-    tiles with small."""
-    trips = trips or {}
-
-    def cycles(names):  # of ops and the equivalent ops each stands for, over their runs
-        runs = [trips.get(n, 1) for n in names]
-        return None if None in runs else sum(
-            profile[n]["cycles"] * profile[n]["equivalent"] * r for n, r in zip(names, runs))
-
-    total = 0
-    for k in row["kernels"]:
-        # a profile names one of several equivalent ops (a kernel's calls in two loops)
-        found = [i for i in k["instructions"] if profile.get(i, {}).get("cycles")]
-        whole = sum(profile[i]["equivalent"] for i in found) == len(k["instructions"])
-        known = None not in (trips.get(i, 1) for i in k["instructions"])
-        k["cycles"] = cycles(found) if whole and known else None
-        total = None if total is None or k["cycles"] is None else total + k["cycles"]
-    row["cycles"] = total
-    row["estimated_us"] = None if total is None else total / (clock_ghz * 1e3)
-    if "tile_flops" in row and peak_tflops:
-        row["mxu_floor_cycles"] = row["tile_flops"] / (peak_tflops * 1e3 / clock_ghz)
-        row["bounded_cycles"] = None if total is None else max(total, row["mxu_floor_cycles"])
-    row["all_op_cycles"] = cycles(list(profile))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,131 +442,6 @@ def progress(row: dict) -> str:
     return (f"{row['compile_s']:.1f} s, {row['planned_gib']:.3f} GiB planned, "
             f"{len(row['kernels'])} Mosaic kernels, max VMEM "
             f"{row['max_vmem_bytes'] / 1024:.0f} KiB{cycles}")
-
-
-def mask_of(row: dict) -> str:
-    """The mask a row computes ("strided:128", "fixed:128:32", "dense"): its pattern less the
-    implementation and kernel options."""
-    return row["name"].split(" ")[2].partition("@")[0]
-
-
-def _length(row: dict) -> str:
-    return row["name"].split(" ")[1]
-
-
-def _forward(row: dict) -> bool:
-    return " fwd" in row["name"]
-
-
-def _heads(row: dict) -> int:
-    """The heads a row's name gives (" h1": 1), else the usual 8."""
-    found = re.search(r" h(\d+)$", row["name"])
-    return int(found.group(1)) if found else ATTENTION_SHAPE["heads"]
-
-
-def beside_splash(rows: list[dict]) -> list[dict]:
-    """Per (length, mask, forward only or not) that has our kernels and splash attention's with
-    static cycles: our fewest cycles, splash's fewest (its best block size) and their ratio,
-    per head (the kernels' grids step over heads, so their cycles grow with the heads: at 64k
-    the profiler and splash's compile fit this machine with different heads)."""
-    out = []
-    ours = [r for r in rows if r["name"].startswith("attention ") and r.get("cycles")]
-    splash = [r for r in rows if r["name"].startswith("splash ") and r.get("cycles")]
-    kind = lambda r: (_length(r), mask_of(r), _forward(r))  # noqa: E731
-
-    def per_head(r, field):
-        return r[field] / _heads(r)
-
-    def fewest(group, field):
-        best = min(group, key=lambda r: per_head(r, field))
-        return best, per_head(best, field)
-
-    for key in dict.fromkeys(map(kind, ours)):
-        mine, theirs = ([r for r in group if kind(r) == key] for group in (ours, splash))
-        if mine and theirs:
-            (best, cycles), (rival, rival_cycles) = (fewest(g, "cycles") for g in (mine, theirs))
-            out.append({"length": key[0], "mask": key[1], "forward": key[2], "ours": best["name"],
-                        "ours_cycles": best["cycles"], "splash": rival["name"],
-                        "splash_cycles": rival["cycles"], "ratio": rival_cycles / cycles,
-                        "all_op_ratio": per_head(rival, "all_op_cycles")
-                        / per_head(best, "all_op_cycles")})
-            if all(r.get("bounded_cycles") for r in mine + theirs):
-                (best, cycles), (rival, rival_cycles) = (fewest(g, "bounded_cycles")
-                                                         for g in (mine, theirs))
-                out[-1].update(bounded_ours=best["name"], bounded_splash=rival["name"],
-                               bounded_ratio=rival_cycles / cycles)
-    return out
-
-
-def markdown(rows: list[dict], target: str, header: list[str]) -> str:
-    """One row per program, then one per Mosaic kernel; with static cycles, ours beside splash
-    attention's on the same masks."""
-    t = TARGETS[target]
-    f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
-    cycles = "static cycles: libtpu's static profile (estimates; the sum over the Mosaic " \
-        f"kernels, and over every op of the program), time at {t.clock_ghz:g} GHz; MXU floor: " \
-        f"the visited tiles' matrix products at the chip's {t.peak_tflops:g} bf16 TFLOP/s " \
-        "(the profile's estimate falls below it for large tiles; bounded: the larger of the " \
-        "two)" if t.cycles else "no static cycles: libtpu's static profiler aborts for this chip"
-    lines = [*header, "", f"Target: {t.name}, topology {t.topology}, {t.hbm_gib:g} GiB HBM; "
-             f"{cycles}.", "",
-             "| program | compile s | planned GiB | fits | Mosaic kernels | max VMEM KiB | "
-             "XLA flops | kernel Mcycles | est. µs | all-op Mcycles | MXU floor Mcycles | "
-             "result |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kernels = r.get("kernels")
-        mega = lambda v: f(None if v is None else v / 1e6, ".3f")  # noqa: E731
-        lines.append(
-            f"| {r['name']} | {f(r.get('compile_s'), '.1f')} | {f(r.get('planned_gib'), '.3f')} "
-            f"| {'—' if 'fits' not in r else ('yes' if r['fits'] else '**no**')} "
-            f"| {'—' if kernels is None else len(kernels)} "
-            f"| {f(r['max_vmem_bytes'] / 1024 if 'max_vmem_bytes' in r else None, '.0f')} "
-            f"| {f(r.get('flops'), '.3g')} | {mega(r.get('cycles'))} "
-            f"| {f(r.get('estimated_us'), '.0f')} | {mega(r.get('all_op_cycles'))} "
-            f"| {mega(r.get('mxu_floor_cycles'))} | {r.get('error', 'ok')} |")
-    pairs = beside_splash(rows)
-    if pairs:
-        lines += ["", "Beside splash attention on the same mask (fewest kernel cycles of each; "
-                  "ratio: splash's kernel cycles over ours, per head where the heads differ "
-                  "(a name's hN: N heads, else 8); all ops: the same for every op of "
-                  "the two programs, XLA's layout transposes and merges too):", "",
-                  "| length | mask | pass | ours | Mcycles | splash | Mcycles | ratio | "
-                  "all-op ratio | bounded: ours, splash, ratio |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for p in pairs:
-            bounded = "—" if "bounded_ratio" not in p else (
-                f"{p['bounded_ours']}, {p['bounded_splash']}, {p['bounded_ratio']:.2f}")
-            lines.append(f"| {p['length']} | {p['mask']} | "
-                         f"{'forward' if p['forward'] else 'fwd+bwd'} | {p['ours']} | "
-                         f"{p['ours_cycles'] / 1e6:.3f} | {p['splash']} | "
-                         f"{p['splash_cycles'] / 1e6:.3f} | {p['ratio']:.2f} | "
-                         f"{p['all_op_ratio']:.2f} | {bounded} |")
-    lines += ["", "Per Mosaic kernel (VMEM: its scoped allocation, scratch and pipeline windows; "
-              "output in VMEM: XLA keeps one there whole, with no window; static cycles over "
-              "its calls):", "",
-              "| program | kernel | calls | VMEM KiB | output in VMEM | static cycles |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        for k in r.get("kernels", []):
-            lines.append(f"| {r['name']} | {k['name']} | {k['calls']} | "
-                         f"{k['vmem_bytes'] / 1024:.0f} | {'yes' if k['output_in_vmem'] else 'no'}"
-                         f" | {f(k.get('cycles'), ',')} |")
-    return "\n".join(lines) + "\n"
-
-
-def problems(rows: list[dict]) -> list[str]:
-    """What fails the check: a program that did not compile, a Pallas program with no Mosaic
-    kernel (traced for another platform), one that does not fit the chip's HBM."""
-    out = []
-    for r in rows:
-        if "error" in r:
-            out.append(f"{r['name']}: {r['error']}")
-        elif "@pallas" in r["name"] and not r["kernels"]:
-            out.append(f"{r['name']}: no Mosaic kernel in the compiled program")
-        elif not r["fits"]:
-            out.append(f"{r['name']}: plans {r['planned_gib']:.2f} GiB, more than the chip's "
-                       f"{TARGETS[r['target']].hbm_gib:g} GiB")
-    return out
 
 
 if __name__ == "__main__":  # the child: python -m sparse_jax.bench.compiled_tpu PROGRAM TARGET

@@ -134,7 +134,7 @@ def plan(dry_run: bool) -> dict:
 def run_config(p: dict, spec: dict, data_path: str):
     """The checked config of one planned run (ValueError before anything trains)."""
     import configs
-    from sparse_jax import config as config_lib
+    from sparse_jax.run import config as config_lib
 
     config = configs.load(p["config"], {**spec["overrides"], "data.path": data_path})
     config_lib.check_config(config)
@@ -155,7 +155,7 @@ def run(plan: dict, emit) -> dict:
     os.makedirs(workdir, exist_ok=True)
     data_path = os.path.join(REPO, CODE_CORPUS)
     if p["data_bytes"]:  # the dry run: the corpus's first bytes, so every pass is short
-        from sparse_jax import sources
+        from sparse_jax.data import sources
 
         data_path = os.path.join(workdir, "code_head.py")
         with open(data_path, "wb") as f:
@@ -177,7 +177,7 @@ def run(plan: dict, emit) -> dict:
                 f"{TIME_UP} ({left:.0f} s left, a run needs ~{p['need_s']:.0f} s)")
             emit(result)
             continue
-        from sparse_jax import config as config_lib
+        from sparse_jax.run import config as config_lib
 
         run_dir = os.path.join(workdir, slug(spec["name"]))
         os.makedirs(run_dir, exist_ok=True)
@@ -272,11 +272,11 @@ def _worker(run_dir: str, job: dict) -> None:
 def _train_and_score(run_dir: str, job: dict, emit) -> None:
     from absl import logging
 
-    from sparse_jax import config as config_lib
     from sparse_jax import evaluate as eval_lib
     from sparse_jax import study
     from sparse_jax import train as train_lib
     from sparse_jax.bench import tools
+    from sparse_jax.run import config as config_lib
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     emit(phase="calibrating")

@@ -35,7 +35,7 @@ def _grad_fn(cfg, update: bool = False, activation_sharding=None):
     import optax
     from flax import nnx
 
-    from sparse_jax import model as model_lib
+    from sparse_jax.model import transformer as model_lib
 
     abstract = nnx.eval_shape(lambda: model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)
@@ -80,8 +80,8 @@ def run_model_case(case: dict) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparse_jax import model as model_lib
-    from sparse_jax import sizing
+    from sparse_jax.model import transformer as model_lib
+    from sparse_jax.run import sizing
 
     cfg = model_lib.ModelConfig(**case["model"])
     update = case.get("update", False)

@@ -41,11 +41,11 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     import numpy as np
     from flax import nnx
 
-    from sparse_jax import decode
-    from sparse_jax.model import ModelConfig, SparseTransformer
+    from sparse_jax.model import decode
+    from sparse_jax.model.transformer import ModelConfig, SparseTransformer
 
     if workdir is not None:
-        from sparse_jax import checkpoints
+        from sparse_jax.run import checkpoints
 
         model, _, step = checkpoints.restore_model(workdir)
         cfg, trained = model.cfg, {"workdir": workdir, "step": int(step)}
@@ -113,8 +113,9 @@ def evaluation_speed(workdir: str, eval_mib: int = 1) -> dict:
     from flax import nnx
 
     import configs
-    from sparse_jax import checkpoints, evaluate, train
-    from sparse_jax.model import loss_bits
+    from sparse_jax import evaluate, train
+    from sparse_jax.model.transformer import loss_bits
+    from sparse_jax.run import checkpoints
 
     config = configs.load(EVAL_CONFIG, {
         "data.embedded_bytes": 20 * eval_mib * 2**20,  # 5% test split = eval_mib MiB

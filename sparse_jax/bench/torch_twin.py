@@ -2,7 +2,7 @@
 
 What a user would otherwise train on a CPU: the nanoGPT-style loop in PyTorch eager mode (one
 `scaled_dot_product_attention` call per layer, `torch.optim.AdamW`). The module mirrors
-`sparse_jax.model` for a dense-attention `ModelConfig` exactly: the same embeddings (token plus
+`model.transformer` for a dense-attention `ModelConfig` exactly: the same embeddings (token plus
 the position tables of `pos_emb`), pre-activation blocks (LayerNorm eps 1e-6, tanh GeLU, biases
 everywhere), final norm and head, and the same optimizer (global-norm clipping, AdamW with
 decay on matrices only, warmup + cosine decay). `load_jax_params` copies a JAX model's weights
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparse_jax import model as model_lib
+from sparse_jax.model import transformer as model_lib
 
 
 class Block(nn.Module):
@@ -110,7 +110,7 @@ def load_jax_params(module: Transformer, params) -> None:
 
 
 def make_optimizer(module: Transformer, opt, total_steps: int):
-    """(AdamW, LambdaLR scheduler, clip norm) equal to `sparse_jax.optim.make_optimizer`."""
+    """(AdamW, LambdaLR scheduler, clip norm) equal to `sparse_jax.run.optim.make_optimizer`."""
     decay = [p for p in module.parameters() if p.ndim >= 2]
     rest = [p for p in module.parameters() if p.ndim < 2]
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},

@@ -56,10 +56,10 @@ def run_training_case(case: dict) -> dict:
     from flax import nnx
 
     import configs
-    from sparse_jax import data as data_lib
-    from sparse_jax import model as model_lib
     from sparse_jax import train as train_lib
-    from sparse_jax.config import check_config
+    from sparse_jax.data import datasets as data_lib
+    from sparse_jax.model import transformer as model_lib
+    from sparse_jax.run.config import check_config
 
     config = configs.load(TRAINING_CONFIG, case["overrides"])
     cfg = check_config(config)

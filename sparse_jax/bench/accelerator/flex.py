@@ -32,7 +32,7 @@ def plan(dry_run: bool) -> dict:
 def flex_mask_mod(spec):
     """``spec``'s mask as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` (the same rule as
     the Pallas kernel's block lists: ``kernel.mask_rule``)."""
-    from sparse_jax import kernel
+    from sparse_jax.attention import blocks as kernel
 
     rule = kernel.mask_rule(spec)
     return lambda b, h, q_idx, kv_idx: rule(q_idx, kv_idx)

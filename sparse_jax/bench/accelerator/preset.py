@@ -76,7 +76,7 @@ def run(plan: dict) -> dict:
     steps, implementation, timed, how = plan_steps(p, plan.get("train_step_rows", []), train_s)
     data_path = CODE_CORPUS
     if p["data_bytes"]:  # the dry run: the corpus's first bytes, so that every pass is short
-        from sparse_jax import sources
+        from sparse_jax.data import sources
 
         data_path = os.path.join(os.path.dirname(workdir), "code_head.py")
         with open(data_path, "wb") as f:
@@ -143,7 +143,7 @@ def run(plan: dict) -> dict:
 def _test_prompt(size: int) -> bytes:
     """``size`` bytes of the code corpus's test part, starting at a line: the start of the
     test part's second file, so the prompt is code the model never trained on."""
-    from sparse_jax import sources
+    from sparse_jax.data import sources
 
     data = sources.load_bytes(os.path.join(REPO, CODE_CORPUS))
     test = bytes(data[int(len(data) * 0.95):int(len(data) * 0.95) + 200_000])

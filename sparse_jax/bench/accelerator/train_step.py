@@ -54,9 +54,9 @@ def plan(dry_run: bool) -> dict:
 def run(plan: dict) -> dict:
     import jax
 
-    from sparse_jax import sizing
     from sparse_jax.bench.model import run_model_case
-    from sparse_jax.model import ModelConfig
+    from sparse_jax.model.transformer import ModelConfig
+    from sparse_jax.run import sizing
 
     p = plan["train_step"]
     peak = peak_tflops(jax.devices()[0].device_kind)
@@ -109,8 +109,8 @@ def _profile(case: dict, folder: str, steps: int) -> str:
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparse_jax import model as model_lib
     from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.model import transformer as model_lib
 
     cfg = model_lib.ModelConfig(**case["model"])
     step, _, tx = _grad_fn(cfg, update=True)
