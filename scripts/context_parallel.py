@@ -30,6 +30,7 @@ import sys
 from absl import app, flags
 
 from sparse_jax import sharding
+from sparse_jax.model.config import model_config
 
 _PATTERNS = flags.DEFINE_list("patterns", ["strided", "fixed", "dense"], "Pattern kinds.")
 _STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.")
@@ -62,12 +63,11 @@ def _train_steps(pattern, seq, devices, steps):
 
     import configs
     from sparse_jax import train
-    from sparse_jax.model import transformer as model
 
     config = configs.load("bytes:size=tiny", {
         "model.pattern": pattern, "mesh.seq": seq, "batch_size": 8, "total_steps": steps + 1,
         "optimizer.warmup_steps": 1})
-    cfg = model.model_config(config.model)
+    cfg = model_config(config.model)
     mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
     if seq > 1:
         train.make_mesh(config)  # the run's checks (the split fits the patterns)

@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from sparse_jax import cli, sharding
-from sparse_jax.model import transformer as model_lib
+from sparse_jax.model.config import model_config
 from sparse_jax.run import sizing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses config.model.",
@@ -40,7 +40,7 @@ def main(argv):
         from sparse_jax.data import images
 
         images.fill_model_shape(config)
-    cfg = model_lib.model_config(config.model)
+    cfg = model_config(config.model)
     batch_size = _BATCH_SIZE.value or config.get("batch_size", 1)
     info = sizing.describe(cfg, batch_size)
     if "optimizer" in config and "mesh" in config:  # a training config

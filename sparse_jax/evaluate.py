@@ -56,8 +56,10 @@ from flax import nnx
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.data import baselines, sources
 from sparse_jax.data import datasets as data_lib
+from sparse_jax.data.batches import eval_windows
 from sparse_jax.files import atomic_write, write_error
-from sparse_jax.model.transformer import model_config, token_bits
+from sparse_jax.model.config import model_config
+from sparse_jax.model.transformer import token_bits
 from sparse_jax.run import checkpoints
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import workdir as workdir_lib
@@ -186,7 +188,7 @@ def with_classes(batches, data_T: np.ndarray, classes_T: np.ndarray, seq_len: in
     min_context)` over the split `data_T`. It recomputes their rows (global batches of
     batch_size x process_count, this process's block of them, padding rows reading window 0)
     and checks each batch's first inputs against the split, so the two cannot drift apart."""
-    starts_W = data_lib.eval_windows(data_T, seq_len, min_context).starts
+    starts_W = eval_windows(data_T, seq_len, min_context).starts
     count, j = len(starts_W), np.arange(seq_len)
     padded_T = np.concatenate([classes_T, np.zeros(seq_len + 1, classes_T.dtype)])
     for first, batch in zip(range(0, count, batch_size * process_count), batches):

@@ -69,7 +69,7 @@ from sparse_jax import train as train_lib
 from sparse_jax.bench import tools
 from sparse_jax.data import images as images_lib
 from sparse_jax.files import atomic_write, read_jsonl
-from sparse_jax.model.transformer import PATTERNS, model_config
+from sparse_jax.model.config import PATTERNS, model_config
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import workdir as workdir_lib
 from sparse_jax.run.sizing import describe

@@ -42,8 +42,9 @@ from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention import context
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.data import images as images_lib
-from sparse_jax.data.datasets import Stage
-from sparse_jax.model.transformer import ModelConfig, loss_bits, model_config
+from sparse_jax.data.batches import Stage
+from sparse_jax.model.config import ModelConfig, model_config
+from sparse_jax.model.transformer import loss_bits
 from sparse_jax.run import checkpoints
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import workdir as workdir_lib

@@ -91,11 +91,11 @@ def prepare(root, train_per_file, num_test, images="noise", seed=0):
     from tensorflow_datasets.core.download import checksums
     from tensorflow_datasets.image_classification import cifar as tfds_cifar
 
-    from sparse_jax.data import sources
+    from sparse_jax.data.cifar10 import CIFAR10_URL, prepare_cifar10
 
     manual = os.path.join(root, "manual")
     os.makedirs(manual, exist_ok=True)
-    recorded = tfds_cifar.Cifar10.url_infos[sources.CIFAR10_URL]  # the real record, before patching
+    recorded = tfds_cifar.Cifar10.url_infos[CIFAR10_URL]  # the real record, before patching
     assert recorded.size == 170_052_171, "TFDS changed its CIFAR-10 record"
     archive = os.path.join(manual, recorded.filename)
     expected = write_archive(archive, train_per_file, num_test, images, seed)
@@ -104,8 +104,8 @@ def prepare(root, train_per_file, num_test, images="noise", seed=0):
     tiny = checksums.UrlInfo(size=len(content), checksum=hashlib.sha256(content).hexdigest(),
                              filename=recorded.filename)
     data_dir = os.path.join(root, "tfds")
-    with mock.patch.object(tfds_cifar.Cifar10, "url_infos", {sources.CIFAR10_URL: tiny}):
-        prepared = sources.prepare_cifar10(data_dir, manual)
+    with mock.patch.object(tfds_cifar.Cifar10, "url_infos", {CIFAR10_URL: tiny}):
+        prepared = prepare_cifar10(data_dir, manual)
     assert any(name.startswith("cifar10-train.array_record") for name in os.listdir(prepared))
     return data_dir, expected
 

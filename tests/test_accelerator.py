@@ -305,7 +305,7 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     rows.append({"name": "preset strided@pallas:chained", "step_s": 0.04, "compile_s": 16})
     assert preset.plan_steps(p, rows, train_s)[1] == "pallas:chained"
     import configs
-    from sparse_jax.model.transformer import model_config
+    from sparse_jax.model.config import model_config
 
     config = configs.load(p["config"], {"model.attention": "pallas", "model.kernel": "chained"})
     assert model_config(config.model).block_sizes.variant == "chained"

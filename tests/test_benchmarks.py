@@ -7,7 +7,8 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax.bench import model as model_bench
-from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+from sparse_jax.model.config import ModelConfig
+from sparse_jax.model.transformer import SparseTransformer
 
 
 def test_the_timed_step_with_update_is_loss_gradients_and_adamw():

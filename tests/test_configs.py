@@ -14,7 +14,7 @@ from ml_collections import config_flags
 
 import configs
 from sparse_jax import cli
-from sparse_jax.model.transformer import ModelConfig, model_config
+from sparse_jax.model.config import ModelConfig, model_config
 from sparse_jax.run.config import check_config, follow_total_steps, scaled_warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,6 +24,8 @@ from conftest import (
 from sparse_jax import files
 from sparse_jax.data import datasets as D
 from sparse_jax.data import sources
+from sparse_jax.data.batches import ByteWindows, eval_windows, split_bytes
+from sparse_jax.data.cifar10 import CIFAR10_SPLIT_SEED, CIFAR10_URL, cifar10_source, prepare_cifar10
 
 # ---------------------------------------------------------------------------------------------
 # enwik8 and byte files.
@@ -33,15 +35,15 @@ from sparse_jax.data import sources
 def test_split_bytes_contiguous_with_paper_sizes(n):
     positions = range(n)  # sliced like an array, costs nothing even at 10^8
     for fractions in [sources.ENWIK8_FRACTIONS, (0.8, 0.1, 0.1)]:
-        splits = [D.split_bytes(positions, fractions)[s] for s in D.SPLITS]
+        splits = [split_bytes(positions, fractions)[s] for s in D.SPLITS]
         assert [r.start for r in splits] == [0, splits[0].stop, splits[1].stop]  # contiguous
         assert splits[2].stop == n and all(r.step == 1 for r in splits)
         assert np.allclose([len(r) for r in splits], np.multiply(fractions, n), atol=1)
     if n == 10**8:
-        splits = D.split_bytes(positions, sources.ENWIK8_FRACTIONS)
+        splits = split_bytes(positions, sources.ENWIK8_FRACTIONS)
         assert [len(splits[s]) for s in D.SPLITS] == [90_000_000, 5_000_000, 5_000_000]
     with pytest.raises(ValueError):
-        D.split_bytes(positions, (0.9, 0.05, 0.1))
+        split_bytes(positions, (0.9, 0.05, 0.1))
 
 
 def test_load_enwik8_from_zip_extracts_once_and_caches_verification(tmp_path, monkeypatch):
@@ -471,7 +473,7 @@ def test_shipped_corpus_matches_its_published_checksums():
     data = sources.load_bytes(os.path.join(root, sources.CORPUS))
     assert len(data) == 4_780_876
     assert bytes(data[:15]) == b"<!DOCTYPE HTML "
-    splits = D.split_bytes(data)
+    splits = split_bytes(data)
     assert 4.7 < sources.unigram_entropy_bits(splits["train"]) < 4.9
 
 
@@ -481,7 +483,7 @@ def test_shipped_corpus_matches_its_published_checksums():
 
 def test_byte_windows_are_shifted_slices_in_bounds():
     data = np.random.default_rng(1).integers(0, 256, size=300, dtype=np.uint8)
-    it = D.ByteWindows(data, seq_len=32, batch_size=8, seed=3)
+    it = ByteWindows(data, seq_len=32, batch_size=8, seed=3)
     all_starts = []
     for step in range(40):
         starts = it.starts_at(step)
@@ -538,7 +540,7 @@ def test_context_stages_switch_window_length_and_resume_in_the_right_stage():
     it = ds.train_batches(batch_size=2, stages=((3, 16, 4),))
     got = [next(it) for _ in range(5)]
     assert [b["inputs"].shape for b in got] == [(4, 16)] * 3 + [(2, 64)] * 2
-    short = D.ByteWindows(ds.splits["train"], 16, 4, seed=5)
+    short = ByteWindows(ds.splits["train"], 16, 4, seed=5)
     np.testing.assert_array_equal(got[1]["targets"], short.batch_at(1)["targets"])
     np.testing.assert_array_equal(got[4]["inputs"], ds.train_batches(2).batch_at(4)["inputs"])
     for step in (2, 4):
@@ -567,7 +569,7 @@ def test_global_training_batch_does_not_depend_on_the_process_count():
                                          (1000, 64, 63), (65, 64, 10), (64, 64, None),
                                          (10, 64, 5), (2, 4, 1), (777, 100, 90)])
 def test_eval_windows_score_every_byte_once(n, seq_len, m):
-    windows = D.eval_windows(np.zeros(n, np.uint8), seq_len, m)
+    windows = eval_windows(np.zeros(n, np.uint8), seq_len, m)
     counts = np.zeros(n, int)
     for w, (s, a, b) in enumerate(zip(*windows)):
         assert 0 <= a < b <= seq_len
@@ -584,7 +586,7 @@ def test_eval_batches_mask_and_targets_align(m, process_count):
     scored = []
     for p in range(process_count):
         ds = D.ByteDataset("bytes", 64, splits, process_index=p, process_count=process_count)
-        windows = D.eval_windows(data, 64, m)
+        windows = eval_windows(data, 64, m)
         assert ds.num_sequences("valid", m) == len(windows.starts)
         for k, batch in enumerate(ds.eval_batches("valid", batch_size=3, min_context=m)):
             assert batch["mask"].shape == (3, 64) and batch["mask"].dtype == bool
@@ -607,10 +609,10 @@ def test_eval_batches_mask_and_targets_align(m, process_count):
 def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
     data_dir, expected = cifar
     num_train = 5 * TRAIN_PER_FILE
-    train, valid, test = (sources.cifar10_source(s, data_dir, valid_size=4) for s in D.SPLITS)
+    train, valid, test = (cifar10_source(s, data_dir, valid_size=4) for s in D.SPLITS)
     assert (len(train), len(valid), len(test)) == (num_train - 4, 4, NUM_TEST)
     assert sorted([*train.indices, *valid.indices]) == list(range(num_train))
-    perm = np.random.default_rng(sources.CIFAR10_SPLIT_SEED).permutation(num_train)
+    perm = np.random.default_rng(CIFAR10_SPLIT_SEED).permutation(num_train)
     np.testing.assert_array_equal(valid.indices, np.sort(perm[-4:]))  # fixed-seed permutation
     seen = set()
     for source in (train, valid, test):
@@ -622,7 +624,7 @@ def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
             np.testing.assert_array_equal(image, expected[name])
             seen.add(name)
     assert seen == set(expected)
-    assert sources.prepare_cifar10(data_dir) == os.path.join(data_dir, "cifar10", "3.0.2")  # reused
+    assert prepare_cifar10(data_dir) == os.path.join(data_dir, "cifar10", "3.0.2")  # reused
 
 
 def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
@@ -678,22 +680,22 @@ def test_cifar10_missing_or_wrong_archive_fails_fast_in_one_line(tmp_path, monke
     with monkeypatch.context() as m:
         m.setattr(sources.urllib.request, "urlopen", no_network)
         m.setattr(socket, "create_connection", no_network)
-        one_line_error(FileNotFoundError, lambda: D.prepare(config), sources.CIFAR10_URL,
+        one_line_error(FileNotFoundError, lambda: D.prepare(config), CIFAR10_URL,
                        manual / "cifar-10-binary.tar.gz")
-        one_line_error(FileNotFoundError, lambda: sources.cifar10_source("train", tfds_dir),
+        one_line_error(FileNotFoundError, lambda: cifar10_source("train", tfds_dir),
                        "prepare_cifar10")
     archive = manual / "cifar-10-binary.tar.gz"
     manual.mkdir()
     archive.write_bytes(b"\x1f\x8b truncated")  # an interrupted download
     one_line_error(ValueError, lambda: D.prepare(config), archive,
-                   "has 12 bytes, expected 170,052,171", sources.CIFAR10_URL)
+                   "has 12 bytes, expected 170,052,171", CIFAR10_URL)
     assert archive.read_bytes() == b"\x1f\x8b truncated"
     from tensorflow_datasets.core.download import checksums
     from tensorflow_datasets.image_classification import cifar as tfds_cifar
 
     wrong = checksums.UrlInfo(size=12, checksum="0" * 64, filename=archive.name)  # right size
-    monkeypatch.setattr(tfds_cifar.Cifar10, "url_infos", {sources.CIFAR10_URL: wrong})
-    one_line_error(ValueError, lambda: D.prepare(config), archive, "SHA-256", sources.CIFAR10_URL)
+    monkeypatch.setattr(tfds_cifar.Cifar10, "url_infos", {CIFAR10_URL: wrong})
+    one_line_error(ValueError, lambda: D.prepare(config), archive, "SHA-256", CIFAR10_URL)
     assert archive.read_bytes() == b"\x1f\x8b truncated"
 
 

@@ -140,9 +140,10 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
                    "SparseTransformer(cfg"):  # NNX modules with their own parameters
         assert module in text, module
     assert "(*args, **kwargs)" not in text
-    from sparse_jax.model.transformer import ModelConfig
+    from sparse_jax.model.config import ModelConfig
 
     for field in dataclasses.fields(ModelConfig):  # each with its own line of text
-        entry = re.search(rf'id="model.transformer.ModelConfig.{field.name}".*?</dd>', api, re.S)
+        anchor = f"sparse_jax.model.ModelConfig.{field.name}"
+        entry = re.search(rf'id="{anchor}".*?</dd>', api, re.S)
         assert entry and re.search(r"<dd><p>\S", entry.group(0)), field.name
     shutil.rmtree(tmp_path / "html", ignore_errors=True)

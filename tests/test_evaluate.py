@@ -17,7 +17,9 @@ from sparse_jax import train
 from sparse_jax.data import baselines as B
 from sparse_jax.data import datasets as D
 from sparse_jax.data import sources
-from sparse_jax.model.transformer import SparseTransformer, model_config
+from sparse_jax.data.batches import eval_windows, read_windows
+from sparse_jax.model.config import model_config
+from sparse_jax.model.transformer import SparseTransformer
 from sparse_jax.run import checkpoints, optim
 from sparse_jax.run import config as config_lib
 from test_train import ROOT, TINY_TEXT, get_config  # noqa: F401  (also used by test_sample)
@@ -39,8 +41,8 @@ def hand_nll(workdir, split, step, min_context, data_path=None):
     if data_path:
         config.data.name, config.data.path = "bytes", data_path
     data = D.make_dataset(config.data, n).splits[split]
-    windows = D.eval_windows(data, n, min_context)
-    rows = D.read_windows(data, windows.starts, n)
+    windows = eval_windows(data, n, min_context)
+    rows = read_windows(data, windows.starts, n)
     logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, rows["inputs"]), np.float64)
     log_probs = logits - logits.max(-1, keepdims=True)
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
@@ -442,7 +444,7 @@ def test_bits_by_copy_class_average_to_the_bits_and_equal_hand_computed(
     config = config_lib.read_record(text_run)
     data = D.make_dataset(config.data, 64).splits["valid"]
     classes_T = B.copy_classes(data, (16, 128), E.COPY_K)
-    windows = D.eval_windows(data, 64, min_context)
+    windows = eval_windows(data, 64, min_context)
     target_T = np.minimum(windows.starts[:, None] + 1 + np.arange(64), len(data) - 1)
     classes = result["copy_classes"]
     assert classes["k"] == 12 and classes["edges"] == [16, 128]

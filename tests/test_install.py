@@ -12,14 +12,14 @@ import pytest
 from conftest import one_line_error
 from sparse_jax import cli
 from sparse_jax.data import datasets as D
-from sparse_jax.data import sources
+from sparse_jax.data.cifar10 import cifar10_source
 from test_train import ROOT
 
 
 def test_without_tfds_cifar10_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # as if not installed
     config = {"name": "cifar10", "data_dir": str(tmp_path)}
-    for fn in (lambda: D.prepare(config), lambda: sources.cifar10_source("test", str(tmp_path)),
+    for fn in (lambda: D.prepare(config), lambda: cifar10_source("test", str(tmp_path)),
                lambda: D.fingerprint(config)):
         one_line_error(ModuleNotFoundError, fn, "pip install 'sparse_jax[tfds]'",
                        "tensorflow-datasets", "configs/images.py")

@@ -25,7 +25,8 @@ from sparse_jax import attention as A
 from sparse_jax.attention import blocks as K
 from sparse_jax.attention import patterns as P
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+from sparse_jax.model.config import ModelConfig
+from sparse_jax.model.transformer import SparseTransformer
 
 SMALL = K.BlockSizes(16, 16)  # many blocks at test lengths: skipped, partial and full ones
 

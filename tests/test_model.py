@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 from sparse_jax.attention import dense_attention
-from sparse_jax.model.transformer import ModelConfig, SparseTransformer, loss_bits, model_config
+from sparse_jax.model.config import ModelConfig, model_config
+from sparse_jax.model.transformer import SparseTransformer, loss_bits
 from sparse_jax.run.sizing import describe, describe_text, param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

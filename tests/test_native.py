@@ -194,7 +194,8 @@ def test_model_with_native_attention_on_a_mesh():
     half-size q/k), also inside ``shard_map`` on a mesh, and its program holds the kernels."""
     from flax import nnx
 
-    from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+    from sparse_jax.model.config import ModelConfig
+    from sparse_jax.model.transformer import SparseTransformer
 
     base = dict(seq_len=64, num_layers=1, d_model=64, num_heads=2, pattern="strided", stride=8,
                 qk_ratio=0.5)

@@ -17,8 +17,10 @@ from PIL import Image
 from sparse_jax import sample as S
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.data import sources
+from sparse_jax.data.cifar10 import cifar10_source
 from sparse_jax.model import decode
-from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+from sparse_jax.model.config import ModelConfig
+from sparse_jax.model.transformer import SparseTransformer
 from sparse_jax.run import checkpoints
 from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
 
@@ -317,7 +319,7 @@ def test_images_and_completion(cifar, tmp_path, monkeypatch):
     assert Image.open(result["path"]).size == (2 * 34 + 2, 36)
     done = S.sample(workdir, complete=2, seed=5)
     assert list(done["picked"]) == [0, 4]  # the first and the last of the 5 test images
-    originals = sources.cifar10_source("test", data_dir).images([0, 4]).reshape(2, 32, 32, 3)
+    originals = cifar10_source("test", data_dir).images([0, 4]).reshape(2, 32, 32, 3)
     np.testing.assert_array_equal(done["samples"][:, :16], originals[:, :16])  # the top halves
     assert not np.array_equal(done["samples"][:, 16:], originals[:, 16:])
     assert done["path"].endswith("1_complete_test_seed5.png")

@@ -20,6 +20,7 @@ import pytest
 from sparse_jax import sharding as S
 from sparse_jax import train
 from sparse_jax.model import transformer as M
+from sparse_jax.model.config import model_config
 from sparse_jax.run import optim
 from test_train import ROOT, get_config, read_metrics
 
@@ -173,7 +174,7 @@ def _eight_device_child(byte_file, workdir):
     assert jax.device_count() == 8
     # Parameters and optimizer state are really split in the data x fsdp layout.
     config = run_config(byte_file, mesh__fsdp=4)
-    cfg = M.model_config(config.model)
+    cfg = model_config(config.model)
     mesh = train.make_mesh(config)
     jitted = train.make_jitted(config, cfg, mesh)
     state = jitted.init()
@@ -256,7 +257,7 @@ def _seq_gradients(pattern, seq, attention="xla", fsdp=1):
 
     config = run_config("unused", model__pattern=pattern, model__attention=attention,
                         mesh__seq=seq, mesh__fsdp=fsdp, batch_size=8, optimizer__grad_accum=1)
-    cfg = M.model_config(config.model)
+    cfg = model_config(config.model)
     mesh = train.make_mesh(config)
     jitted = train.make_jitted(config, cfg, mesh)
     params = jitted.init()["params"]

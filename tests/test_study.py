@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sparse_jax import study
-from sparse_jax.model.transformer import model_config
+from sparse_jax.model.config import model_config
 from sparse_jax.run import config as config_lib
 from sparse_jax.run.sizing import describe
 

@@ -19,9 +19,8 @@ import pytest
 import configs
 from conftest import fake_enwik8
 from sparse_jax import files, train
-from sparse_jax.data import datasets as D
 from sparse_jax.data import sources
-from sparse_jax.data.datasets import Stage
+from sparse_jax.data.batches import ByteWindows, Stage
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import optim
 from sparse_jax.run import workdir as workdir_lib
@@ -277,7 +276,7 @@ def test_describe_sizes_the_mesh_that_train_builds_here():
 
 def test_nan_loss_stops_with_error_and_keeps_the_last_good_checkpoint(tmp_path, byte_file,
                                                                        monkeypatch):
-    real_batch = D.ByteWindows.batch_at
+    real_batch = ByteWindows.batch_at
 
     def corrupt(self, step):  # from the 7th step on, a token outside the vocabulary: NaN
         batch = real_batch(self, step)
@@ -285,7 +284,7 @@ def test_nan_loss_stops_with_error_and_keeps_the_last_good_checkpoint(tmp_path, 
             batch["inputs"][0, 0] = 1000
         return batch
 
-    monkeypatch.setattr(D.ByteWindows, "batch_at", corrupt)
+    monkeypatch.setattr(ByteWindows, "batch_at", corrupt)
     config = get_config("bytes", data__path=byte_file, checkpoint_every=5)
     workdir = str(tmp_path / "run")
     with pytest.raises(FloatingPointError,
@@ -294,7 +293,7 @@ def test_nan_loss_stops_with_error_and_keeps_the_last_good_checkpoint(tmp_path, 
     assert "last good checkpoint is step 5" in str(e.value)
     assert checkpoint_steps(workdir) == [5]
 
-    monkeypatch.setattr(D.ByteWindows, "batch_at", real_batch)  # the data is fixed: resume
+    monkeypatch.setattr(ByteWindows, "batch_at", real_batch)  # the data is fixed: resume
     assert train.train(config, workdir)["step"] == 20
 
 

@@ -56,7 +56,7 @@ def parse_pattern(name: str, seq_len: int, backend: str | None = None):
         try:
             if implementation != "pallas":
                 raise ValueError("kernel options apply to @pallas only")
-            from sparse_jax.model.transformer import kernel_backend
+            from sparse_jax.model.config import kernel_backend
 
             sizes = BlockSizes.parse(":".join(options),
                                      BlockSizes.for_backend(backend or kernel_backend()))

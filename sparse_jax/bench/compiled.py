@@ -247,7 +247,7 @@ def build_program(program: dict, mesh):
     from flax import nnx
 
     from sparse_jax.bench.model import _grad_fn
-    from sparse_jax.model.transformer import ModelConfig
+    from sparse_jax.model.config import ModelConfig
 
     if program["kind"] == "config":
         import configs

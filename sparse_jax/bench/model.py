@@ -22,6 +22,7 @@ import time
 
 from sparse_jax.bench import tools
 from sparse_jax.bench.tools import case_bar, log_line
+from sparse_jax.model.config import ModelConfig
 
 GIB = 2**30
 
@@ -83,7 +84,7 @@ def run_model_case(case: dict) -> dict:
     from sparse_jax.model import transformer as model_lib
     from sparse_jax.run import sizing
 
-    cfg = model_lib.ModelConfig(**case["model"])
+    cfg = ModelConfig(**case["model"])
     update = case.get("update", False)
     mesh = sharding.make_mesh(1, 1, seq) if seq > 1 else None
     step, abstract, tx = _grad_fn(cfg, update, mesh and sharding.batch_sharding(mesh))

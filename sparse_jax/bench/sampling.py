@@ -42,7 +42,8 @@ def sampling_speed(*, seq_len: int = 4096, num_layers: int = 4, d_model: int = 2
     from flax import nnx
 
     from sparse_jax.model import decode
-    from sparse_jax.model.transformer import ModelConfig, SparseTransformer
+    from sparse_jax.model.config import ModelConfig
+    from sparse_jax.model.transformer import SparseTransformer
 
     if workdir is not None:
         from sparse_jax.run import checkpoints

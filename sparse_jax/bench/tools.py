@@ -1,6 +1,8 @@
 """Tools of the benchmarks: one fresh process per case with its peak memory, timing after
-compile, the matmul ceiling of the machine, a description of the machine, console lines and a
-progress bar over the cases, tables and a plot.
+compile, interleaved timing of variants against their default (rounds of A, B, A, C, A, ...;
+ratios as the median of per-round ratios, with their spread), the matmul ceiling of the machine,
+a description of the machine, console lines and a progress bar over the cases, tables and a
+plot.
 
 Each case runs in its own process (`run_isolated`) so that its peak resident memory (RSS
 high-water mark) is its own, and a case that runs out of memory is reported instead of taking
@@ -54,6 +56,94 @@ def time_call(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
         times.append((time.perf_counter() - start) * 1e3)
     return {"compile_s": compile_s, "median_ms": statistics.median(times), "min_ms": min(times),
             "max_ms": max(times)}
+
+
+def interleaved_order(anchor_of: dict[str, str | None], round_index: int = 0) -> list[str]:
+    """The calls of one round of interleaved timing. ``anchor_of`` maps each name, in order,
+    to its anchor (the default it is compared with; None for an anchor or a name compared with
+    nothing). Each anchor runs first, then each of its variants followed by the anchor again
+    (A, B, A, C, A, ...); names with no anchor run once. The variants are rotated by
+    ``round_index``, so that none always runs first."""
+    order = []
+    for name, anchor in anchor_of.items():
+        if anchor is not None:
+            continue
+        variants = [v for v, a in anchor_of.items() if a == name]
+        if variants:
+            shift = round_index % len(variants)
+            order.append(name)
+            for variant in variants[shift:] + variants[:shift]:
+                order += [variant, name]
+        else:
+            order.append(name)
+    return order
+
+
+def time_interleaved(calls: dict, anchor_of: dict[str, str | None], rounds: int,
+                     repeats: int = 1, clock=time.perf_counter, deadline: float | None = None,
+                     now=time.time) -> list[list[tuple[str, float]]]:
+    """Times ``calls`` (name: a function of no arguments that returns when its work is done)
+    in ``rounds`` rounds of ``interleaved_order``: each round's list of (name, ms), a sample
+    being the median of ``repeats`` calls in a row. Stops before a round that would start
+    after ``deadline`` (a ``now()`` time), at least one round run if any may start."""
+    out = []
+    for r in range(rounds):
+        if deadline is not None and now() > deadline and out:
+            break
+        samples = []
+        for name in interleaved_order(anchor_of, r):
+            times = []
+            for _ in range(repeats):
+                start = clock()
+                calls[name]()
+                times.append((clock() - start) * 1e3)
+            samples.append((name, statistics.median(times)))
+        out.append(samples)
+    return out
+
+
+def interleaved_stats(rounds: list[list[tuple[str, float]]],
+                      anchor_of: dict[str, str | None]) -> dict[str, dict]:
+    """Per name of ``time_interleaved``'s rounds: ``median_ms``, ``min_ms``, ``max_ms`` of its
+    samples and ``rounds``; per variant with an anchor, its per-round ratios (its sample over
+    the mean of the anchor's samples just before and after it in that round), ``ratio`` (their
+    median), ``ratio_min``, ``ratio_max`` and ``within_noise``: whether the rounds disagree on
+    which is faster (the ratios' range holds 1). An anchor's ``ratio_min`` and ``ratio_max``
+    are those of its consecutive samples in a round (A over the A before it): its own noise."""
+    samples, ratios = {}, {}
+    for samples_of_round in rounds:
+        for i, (name, ms) in enumerate(samples_of_round):
+            samples.setdefault(name, []).append(ms)
+            anchor = anchor_of.get(name)
+            if anchor is None:
+                if i >= 2 and any(n == name for n, _ in samples_of_round[:i]):
+                    before = next(m for n, m in reversed(samples_of_round[:i]) if n == name)
+                    ratios.setdefault(name, []).append(ms / before)
+                continue
+            around = [m for j in (i - 1, i + 1) if 0 <= j < len(samples_of_round)
+                      for n, m in [samples_of_round[j]] if n == anchor]
+            if around:
+                ratios.setdefault(name, []).append(ms / statistics.mean(around))
+    out = {}
+    for name, values in samples.items():
+        stats = {"median_ms": statistics.median(values), "min_ms": min(values),
+                 "max_ms": max(values), "rounds": len(rounds)}
+        per_round = ratios.get(name, [])
+        if anchor_of.get(name) is not None and per_round:
+            stats.update(ratio=statistics.median(per_round), ratio_min=min(per_round),
+                         ratio_max=max(per_round), round_ratios=per_round,
+                         within_noise=min(per_round) <= 1 <= max(per_round))
+        elif per_round:  # an anchor: A over the A before it
+            stats.update(ratio=1.0, ratio_min=min(per_round), ratio_max=max(per_round))
+        out[name] = stats
+    return out
+
+
+def within_noise(ratios_a: list[float], ratios_b: list[float]) -> bool:
+    """Whether two variants of one anchor, timed in the same rounds, are within noise of each
+    other: their per-round ratios' quotients fall on both sides of 1."""
+    quotients = [a / b for a, b in zip(ratios_a, ratios_b)]
+    return bool(quotients) and min(quotients) <= 1 <= max(quotients)
 
 
 def peak_rss_gb() -> float:

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparse_jax.model import transformer as model_lib
+from sparse_jax.model.config import ModelConfig, model_config
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: model_lib.ModelConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.num_heads
@@ -52,7 +53,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """`SparseTransformer` with dense causal attention: int64[B, n] -> float32[B, n, vocab]."""
 
-    def __init__(self, cfg: model_lib.ModelConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.pattern != "dense" or cfg.scan_layers or cfg.rotary:
             raise ValueError("the PyTorch twin mirrors dense-attention, unscanned models without "
@@ -134,7 +135,7 @@ def train_and_evaluate(config, dataset, init_params, compile: bool = False) -> d
     steps/s leave out)."""
     import time
 
-    cfg = model_lib.model_config(config.model)
+    cfg = model_config(config.model)
     module = Transformer(cfg)
     load_jax_params(module, init_params)
     forward = torch.compile(module) if compile else module

@@ -5,13 +5,7 @@ iterators), ``baselines`` (what compressors and PNG/WebP pay, copy distances) an
 ``code_corpus`` (the larger code corpus, built from pinned sources). The names below are the
 public surface."""
 
-from sparse_jax.data.datasets import (
-    DataConfig,
-    Dataset,
-    Stage,
-    data_config,
-    make_dataset,
-    prepare,
-)
+from sparse_jax.data.batches import Stage
+from sparse_jax.data.datasets import DataConfig, Dataset, data_config, make_dataset, prepare
 
 __all__ = ["DataConfig", "Dataset", "Stage", "data_config", "make_dataset", "prepare"]

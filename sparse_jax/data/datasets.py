@@ -32,11 +32,23 @@ would have seen.
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
 from sparse_jax.data import images, sources
+from sparse_jax.data.batches import (
+    ByteWindows,
+    ImageBatches,
+    Stage,
+    StagedBatches,
+    StepIterator,
+    eval_windows,
+    image_rows,
+    read_windows,
+    split_bytes,
+)
+from sparse_jax.data.cifar10 import cifar10_fingerprint, cifar10_source, prepare_cifar10
 from sparse_jax.data.sources import SPLITS
 
 DATASETS = ("enwik8", "bytes", "cifar10", "images", "embedded")
@@ -130,173 +142,6 @@ def data_config(config) -> DataConfig:
     if "name" not in config:
         raise ValueError(f"missing data config field 'name' (one of {', '.join(DATASETS)})")
     return DataConfig(**config)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows of a byte stream and of images.
-
-
-def split_bytes(data: np.ndarray, fractions=(0.9, 0.05, 0.05)) -> dict[str, np.ndarray]:
-    """Contiguous train/valid/test slices (views) in this order; sizes round(cumsum(f) * n)."""
-    if len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6:
-        raise ValueError(f"split_fractions must be 3 non-negative numbers summing to 1, got "
-                         f"{fractions}")
-    cuts = [0, *(int(round(c * len(data))) for c in np.cumsum(fractions)[:2]), len(data)]
-    return {name: data[a:b] for name, a, b in zip(SPLITS, cuts[:-1], cuts[1:])}
-
-
-class EvalWindows(NamedTuple):
-    """Evaluation windows over a byte split of n bytes, with window length L.
-
-    Window w has inputs data[s:s+L] and targets data[s+1:s+L+1] (s = starts[w], zero-padded past
-    the end); it scores positions j with score_from[w] <= j < score_to[w]. Together the windows
-    score every target data[t], 1 <= t < n, exactly once (data[0] is only context).
-    """
-
-    starts: np.ndarray  # int64 [W]
-    score_from: np.ndarray  # int64 [W]
-    score_to: np.ndarray  # int64 [W]; < L only in a final partial window
-
-
-def eval_windows(data: np.ndarray, seq_len: int, min_context: int | None = None) -> EvalWindows:
-    """Non-overlapping windows (min_context None or 0), or windows with stride seq_len - m that
-    score only positions j >= m (so each scored byte sees m + 1 or more bytes before it), except
-    the first window, which scores everything; the paper's Table 3 protocol."""
-    m = min_context or 0
-    if not 0 <= m < seq_len:
-        raise ValueError(f"min_context must be in [0, seq_len={seq_len}), got {min_context}")
-    num_targets, stride = len(data) - 1, seq_len - m
-    count = 0 if num_targets <= 0 else 1 + max(0, -(-(num_targets - seq_len) // stride))
-    starts = np.arange(count, dtype=np.int64) * stride
-    score_from = np.where(starts == 0, 0, m).astype(np.int64)
-    score_to = np.minimum(seq_len, num_targets - starts)
-    return EvalWindows(starts, score_from, score_to)
-
-
-def read_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """Inputs data[s:s+L] and targets data[s+1:s+L+1] for each start, zero-padded past the end."""
-    rows = np.zeros((len(starts), seq_len + 1), np.int32)
-    for i, s in enumerate(starts):
-        chunk = data[s:s + seq_len + 1]
-        rows[i, :len(chunk)] = chunk
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-
-
-def _image_rows(images: np.ndarray) -> dict[str, np.ndarray]:
-    """Targets: the images; inputs: the images shifted right by one, 0 in front."""
-    targets = images.astype(np.int32)
-    inputs = np.concatenate([np.zeros_like(targets[:, :1]), targets[:, :-1]], axis=1)
-    return {"inputs": inputs, "targets": targets}
-
-
-# ---------------------------------------------------------------------------------------------
-# Training iterators.
-
-
-class Stage(NamedTuple):
-    """A context stage of a training run: the steps before `until` (those not in an earlier
-    stage) read `batch_size` windows of `seq_len`. `config.context_stages` spells them in this
-    order; `sparse_jax.train` appends the full context until total_steps."""
-
-    until: int
-    seq_len: int
-    batch_size: int
-
-
-class StepIterator:
-    """An iterator whose batch at step k is `self.batch_at(k)`: its state is (seed, step)."""
-
-    def __init__(self, seed: int, step: int = 0):
-        self.seed, self.step = int(seed), int(step)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch_at(self.step)
-        self.step += 1
-        return batch
-
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def get_state(self) -> dict[str, int]:
-        return {"seed": self.seed, "step": self.step}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self.seed, self.step = int(state["seed"]), int(state["step"])
-
-
-class ByteWindows(StepIterator):
-    """Training windows at uniformly random offsets of one contiguous (memory-mapped) array.
-
-    Step k's global batch of batch_size x process_count windows is drawn from
-    default_rng([seed, k]) and this process reads its slice, so the global batch does not
-    depend on how many processes share it."""
-
-    def __init__(self, data, seq_len, batch_size, seed=0, process_index=0, process_count=1):
-        super().__init__(seed)
-        if len(data) <= seq_len:
-            raise ValueError(f"{len(data)} bytes cannot hold a window of {seq_len} + 1")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-        self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
-        self.process_index, self.global_batch = process_index, batch_size * process_count
-
-    def starts_at(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.data) - self.seq_len, size=self.global_batch)
-        first = self.process_index * self.batch_size
-        return starts[first:first + self.batch_size]
-
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        return read_windows(self.data, self.starts_at(step), self.seq_len)
-
-
-class StagedBatches(StepIterator):
-    """Context stages: step k's batch comes from the first stage whose `until` exceeds k,
-    else from `last` (the full context). Every iterator draws step k's batch from its own
-    (seed, k), so the state stays (seed, step) and a resume lands in the right stage."""
-
-    def __init__(self, stages: list[tuple[int, StepIterator]], last: StepIterator):
-        """`stages`: (until, the iterator of the steps before until), in step order."""
-        super().__init__(last.seed)
-        self.stages, self.last = stages, last
-
-    def iterator_at(self, step: int) -> StepIterator:
-        return next((it for until, it in self.stages if step < until), self.last)
-
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        return self.iterator_at(step).batch_at(step)
-
-    def set_state(self, state: dict[str, int]) -> None:
-        super().set_state(state)
-        for it in (*(it for _, it in self.stages), self.last):
-            it.seed = self.seed
-
-
-class ImageBatches(StepIterator):
-    """Epochs of shuffled images (each a permutation from default_rng([seed, epoch])), read in
-    global batches of batch_size x process_count of which this process takes its slice; the
-    last partial global batch of an epoch is dropped."""
-
-    def __init__(self, source, batch_size, seed=0, process_index=0, process_count=1):
-        super().__init__(seed)
-        self.source, self.batch_size = source, batch_size
-        self.process_index, self.global_batch = process_index, batch_size * process_count
-        self.steps_per_epoch = len(source) // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"{len(source)} images are fewer than one global batch of "
-                             f"{self.global_batch}")
-
-    def indices_at(self, step: int) -> np.ndarray:
-        epoch, i = divmod(step, self.steps_per_epoch)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.source))
-        first = i * self.global_batch + self.process_index * self.batch_size
-        return perm[first:first + self.batch_size]
-
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        return _image_rows(self.source.images(self.indices_at(step)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +294,7 @@ class ImageDataset(Dataset):
         source = self.splits[split]
 
         def read(rows, valid):
-            batch = _image_rows(source.images(rows))
+            batch = image_rows(source.images(rows))
             batch["mask"] = np.broadcast_to(valid[:, None], batch["targets"].shape).copy()
             return batch
 
@@ -461,14 +306,14 @@ def prepare(config) -> None:
     (fails at once if its archive is missing, unless `download`). Byte data needs nothing."""
     cfg = data_config(config)
     if cfg.name == "cifar10":
-        sources.prepare_cifar10(cfg.data_dir, cfg.manual_dir, cfg.download)
+        prepare_cifar10(cfg.data_dir, cfg.manual_dir, cfg.download)
 
 
 _FIXES = {  # what to do about a split too small for its use
     "enwik8": "use the complete enwik8",
     "bytes": "raise its share in --config.data.split_fractions or use a larger file",
     "embedded": "raise --config.data.embedded_bytes or its share in --config.data.split_fractions",
-    "cifar10": "prepare the complete CIFAR-10 (sources.prepare_cifar10)",
+    "cifar10": "prepare the complete CIFAR-10 (prepare_cifar10)",
     "images": "add pictures to the folder, or raise the split's share in "
               "--config.data.split_fractions"}
 
@@ -522,7 +367,7 @@ def make_dataset(config, seq_len: int, process_index: int = 0, process_count: in
                           image_shape=folder.shape, folder=folder)
     elif cfg.is_image:
         images.check_model_shape("CIFAR-10 images", cfg.image_shape, seq_len, image_shape)
-        splits = {s: sources.cifar10_source(s, cfg.data_dir) for s in SPLITS}
+        splits = {s: cifar10_source(s, cfg.data_dir) for s in SPLITS}
         where = cfg.data_dir or "the TFDS default data dir"
         ds = ImageDataset(cfg.name, seq_len, splits, **kwargs, source=f"CIFAR-10 in {where}",
                           image_shape=cfg.image_shape)
@@ -573,14 +418,14 @@ def fingerprint(config, dataset: Dataset | None = None) -> dict:
     (`check_fingerprint`). Byte data: {"name", "path", "size", "sha256"} of the whole stream the
     model reads (of a .gz file: the decompressed bytes), hashed in full (~0.06 s per 100 MB);
     `dataset` (from `make_dataset`) spares loading it again. enwik8: the size and MD5 that
-    `load_enwik8` verifies, not hashed again. cifar10: `sources.cifar10_fingerprint`. images:
+    `load_enwik8` verifies, not hashed again. cifar10: `cifar10_fingerprint`. images:
     `images.fingerprint` (the pixels of every split, hashed in full, and how they were split)."""
     cfg = data_config(config)
     if cfg.name == "images":
         return images.fingerprint(dataset.folder if dataset is not None else
                                   images.load_folder(cfg.path, cfg.split_fractions))
     if cfg.is_image:
-        return sources.cifar10_fingerprint(cfg.data_dir)
+        return cifar10_fingerprint(cfg.data_dir)
     if cfg.name == "enwik8":
         if dataset is None:
             sources.load_enwik8(cfg.path, download=cfg.download)  # verifies size and MD5

@@ -54,7 +54,7 @@ READ_MODE = {channels: mode for channels, mode in MODES.values()}
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageSplit:
-    """Random access to one split, in the interface of `sources.Cifar10Source`."""
+    """Random access to one split, in the interface of `Cifar10Source`."""
 
     # uint8 [N, H, W, C]: every picture of the folder (a read-only memory map)
     pixels: np.ndarray = dataclasses.field(repr=False)

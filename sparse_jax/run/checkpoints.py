@@ -38,7 +38,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.model.transformer import SparseTransformer, model_config
+from sparse_jax.model.config import model_config
+from sparse_jax.model.transformer import SparseTransformer
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import workdir as workdir_lib
 from sparse_jax.run.logs import warn

@@ -13,7 +13,7 @@ sampling read) and appends {"step", "time", "changes": {field: [old, new]}} to
 
 A run config is the `ml_collections.ConfigDict` of a file in `configs/` (see `configs.load`):
 trainer fields at the top level, and the sections `optimizer`, `mesh`, `data` (read by
-`data.datasets`) and `model` (exactly the fields of `sparse_jax.model.transformer.ModelConfig`).
+`data.datasets`) and `model` (exactly the fields of `sparse_jax.model.config.ModelConfig`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import ml_collections
 
 from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.data import datasets as data_lib
-from sparse_jax.data.datasets import Stage
+from sparse_jax.data.batches import Stage
 from sparse_jax.files import append_line, atomic_write, writing
-from sparse_jax.model.transformer import ModelConfig, model_config
+from sparse_jax.model.config import ModelConfig, model_config
 from sparse_jax.run import logs
 
 RECORD = "config.json"  # in the workdir: the config the run trains with

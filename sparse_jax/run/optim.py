@@ -11,7 +11,8 @@ import ml_collections
 import optax
 from flax import nnx
 
-from sparse_jax.model.transformer import ModelConfig, SparseTransformer, model_config
+from sparse_jax.model.config import ModelConfig, model_config
+from sparse_jax.model.transformer import SparseTransformer
 
 
 def make_optimizer(config: ml_collections.ConfigDict):

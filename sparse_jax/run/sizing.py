@@ -15,7 +15,8 @@ from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.model.transformer import DTYPES, ModelConfig, SparseTransformer, position_tables
+from sparse_jax.model.config import DTYPES, ModelConfig
+from sparse_jax.model.transformer import SparseTransformer, position_tables
 from sparse_jax.run.optim import abstract_train_state
 
 

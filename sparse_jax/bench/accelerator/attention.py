@@ -1,9 +1,14 @@
 """Stage attention: forward + backward, bfloat16, B=1 H=8 d=64: strided and fixed through
 Pallas against cuDNN's fused dense attention at 16k, then the Pallas kernel
 variants side by side at 16k (``kernel.BlockSizes``: chained terms, heads per program, one loop,
-warps and stages), then 64k with the variants most likely to win, then 8k and 32k. Its summary
-is the attention table (the flex stage's rows included) and the fastest kernel per pattern and
-length, the figure ``attention="auto"``'s choice per device kind is to follow."""
+warps and stages), then 64k with the variants most likely to win, then 8k and 32k. A length's
+programs are compiled first, then timed interleaved (``tools.time_interleaved``): each variant
+between two runs of its pattern's default kernel (rounds of A, B, A, C, A, ..., the variants'
+order rotated each round), so that a ratio to the default is the median of per-round ratios,
+with their spread, and one slow stretch of the machine moves a round, not a row (the 2026-11-28
+H200 report crowned a variant on one such row). Its summary is the attention table (the flex
+stage's rows included; "≈": the rounds disagree on which is faster) and the fastest kernel per
+pattern and length, the figure ``attention="auto"``'s choice per device kind is to follow."""
 
 from __future__ import annotations
 
@@ -40,14 +45,16 @@ VARIANTS_64K = ["strided:128@pallas:chained:64x32:one_loop",
 
 
 def plan(dry_run: bool) -> dict:
-    """``groups``: (length, patterns) in the order they run."""
+    """``groups``: (length, patterns) in the order they compile (a length's rows are timed
+    together once compiled); ``rounds`` of interleaved timing, each sample the median of
+    ``repeats`` runs."""
     if dry_run:
-        return {"batch": 1, "heads": 2, "head_dim": 16, "repeats": 2, "groups": [
+        return {"batch": 1, "heads": 2, "head_dim": 16, "rounds": 3, "repeats": 1, "groups": [
             {"seq_len": 256, "patterns": ["dense@xla", "strided:16@xla",
                                           "strided:16@pallas:16x16", "fixed:16:4@xla",
                                           "strided:16@pallas:16x16:chained:h2:one_loop"]},
             {"seq_len": 128, "patterns": ["fixed:16:4@pallas:16x32"]}]}
-    return {"batch": 1, "heads": 8, "head_dim": 64, "repeats": 10, "groups": [
+    return {"batch": 1, "heads": 8, "head_dim": 64, "rounds": 7, "repeats": 3, "groups": [
         {"seq_len": 16384, "patterns": BASELINES},
         {"seq_len": 16384, "patterns": VARIANTS_16K},
         {"seq_len": 65536, "patterns": [*BASELINES, *VARIANTS_64K]},
@@ -65,45 +72,73 @@ def run(plan: dict) -> dict:
 
     p = plan["attention"]
     peak = peak_tflops(jax.devices()[0].device_kind)
-    rows = []
-    cases = [(g["seq_len"], pattern) for g in p["groups"] for pattern in g["patterns"]]
-    for n, pattern in cases:
-        if time.time() > plan["deadline"] - 5:
-            rows.append({"pattern": pattern, "seq_len": n, "error": TIME_UP})
-            continue
-        row = {"pattern": pattern, "seq_len": n}
+    rows = [{"pattern": pattern, "seq_len": g["seq_len"]} for g in p["groups"]
+            for pattern in g["patterns"]]
+    for n in dict.fromkeys(r["seq_len"] for r in rows):  # a length's rows timed together
+        of_n = [r for r in rows if r["seq_len"] == n]
+        shape = (p["batch"], n, p["heads"], p["head_dim"])
+        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16)
+                   for key in jax.random.split(jax.random.PRNGKey(0), 3))
+        calls, specs = {}, {}
+        for row in of_n:
+            if time.time() > plan["deadline"] - 5:
+                row["error"] = TIME_UP
+                continue
+            try:
+                spec, implementation, sizes = parse_pattern(row["pattern"], n)
+                if spec.kind == "dense":
+                    def attend(q, k, v, implementation=implementation):
+                        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                            implementation=implementation)
+                else:
+                    def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
+                        return sparse_attention(q, k, v, spec, implementation, sizes)
+                fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
+                    jnp.float32).sum(), argnums=(0, 1, 2)))
+                start = time.perf_counter()
+                compiled = fn.lower(q, k, v).compile()
+                row["compile_s"] = time.perf_counter() - start
+                memory = compiled.memory_analysis()
+                row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
+                                     + memory.output_size_in_bytes) / 1e9
+                call = (lambda c=compiled: jax.block_until_ready(c(q, k, v)))
+                call()  # the first run: buffers allocated, kernels loaded
+                calls[row["pattern"]], specs[row["pattern"]] = call, spec
+            except Exception as e:  # noqa: BLE001  one line, and the next case runs
+                row["error"] = one_line(e)
+        anchor_of = anchors(list(calls))
         try:
-            spec, implementation, sizes = parse_pattern(pattern, n)
-            shape = (p["batch"], n, p["heads"], p["head_dim"])
-            q, k, v = (jax.random.normal(key, shape, jnp.bfloat16)
-                       for key in jax.random.split(jax.random.PRNGKey(0), 3))
-            if spec.kind == "dense":
-                def attend(q, k, v, implementation=implementation):
-                    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                        implementation=implementation)
-            else:
-                def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
-                    return sparse_attention(q, k, v, spec, implementation, sizes)
-            fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
-                jnp.float32).sum(), argnums=(0, 1, 2)))
-            start = time.perf_counter()
-            compiled = fn.lower(q, k, v).compile()
-            row["compile_s"] = time.perf_counter() - start
-            memory = compiled.memory_analysis()
-            row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
-                                 + memory.output_size_in_bytes) / 1e9
-            row.update(tools.time_call(compiled, q, k, v, repeats=p["repeats"]))
-            keys = spec.mean_keys(n)
+            rounds = tools.time_interleaved(calls, anchor_of, p["rounds"], p["repeats"],
+                                            deadline=plan["deadline"] - 5)
+        except Exception as e:  # noqa: BLE001  the length's rows say why
+            for row in of_n:
+                row.setdefault("error", one_line(e))
+            rounds = []
+        stats = tools.interleaved_stats(rounds, anchor_of)
+        for row in of_n:
+            if row["pattern"] not in stats or "error" in row:
+                continue
+            row.update(stats[row["pattern"]], anchor=anchor_of[row["pattern"]])
+            keys = specs[row["pattern"]].mean_keys(n)
             tflops = attention_flops(p["batch"], p["heads"], n, keys, p["head_dim"]) / (
                 row["median_ms"] / 1e3) / 1e12
             row.update(keys_per_query=keys, tflops=tflops,
                        of_peak=tflops / peak if peak else None,
                        device_peak_gb=tools.device_peak_memory_gb())
-        except Exception as e:  # noqa: BLE001  one line, and the next case runs
-            row["error"] = one_line(e)
-        rows.append(row)
         emit({"rows": rows})
     return {"rows": rows}
+
+
+def anchors(patterns: list[str]) -> dict[str, str | None]:
+    """Each pattern's anchor in interleaved timing: the first Pallas kernel of the same pattern
+    (the default kernel, in the plan's order), None for that kernel itself and for a pattern
+    with no Pallas kernel (dense)."""
+    first = {}
+    for pattern in patterns:
+        if "@pallas" in pattern:
+            first.setdefault(pattern.partition("@")[0], pattern)
+    return {pattern: None if first.get(pattern.partition("@")[0], pattern) == pattern
+            else first[pattern.partition("@")[0]] for pattern in patterns}
 
 
 def label(row: dict) -> str:

@@ -17,6 +17,7 @@ from sparse_jax.bench.accelerator.common import (
     peak_tflops,
     rows_verdict,
 )
+from sparse_jax.model.config import ModelConfig
 
 # The H100 report: the five cases took 108 s at 5 timed steps each (the dense 16k step 3.06 s a
 # step, compiled in 10 s); 85 s left that one out. Now 4 timed steps each.
@@ -55,7 +56,7 @@ def run(plan: dict) -> dict:
     import jax
 
     from sparse_jax.bench.model import run_model_case
-    from sparse_jax.model.transformer import ModelConfig
+    from sparse_jax.model.config import ModelConfig
     from sparse_jax.run import sizing
 
     p = plan["train_step"]
@@ -112,7 +113,7 @@ def _profile(case: dict, folder: str, steps: int) -> str:
     from sparse_jax.bench.model import _grad_fn
     from sparse_jax.model import transformer as model_lib
 
-    cfg = model_lib.ModelConfig(**case["model"])
+    cfg = ModelConfig(**case["model"])
     step, _, tx = _grad_fn(cfg, update=True)
     state = nnx.state(model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     opt_state = tx.init(state)
