@@ -1,5 +1,5 @@
 r"""Trains the same model once per attention pattern and compares them (paper Table 2); all
-logic lives in `sparse_jax.study`.
+logic lives in `sparse_jax.bench.pattern_study`.
 
   python scripts/compare_patterns.py --config=configs/quickstart.py \
       --workdir=workdirs/patterns --patterns=dense,strided,fixed --steps=500
@@ -39,7 +39,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from sparse_jax import study
+    from sparse_jax.bench import pattern_study as study
 
     config_flag = flags.FLAGS["config"]
     try:

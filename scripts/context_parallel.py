@@ -63,6 +63,7 @@ def _train_steps(pattern, seq, devices, steps):
 
     import configs
     from sparse_jax import train
+    from sparse_jax.run import setup
 
     config = configs.load("bytes:size=tiny", {
         "model.pattern": pattern, "mesh.seq": seq, "batch_size": 8, "total_steps": steps + 1,
@@ -70,7 +71,7 @@ def _train_steps(pattern, seq, devices, steps):
     cfg = model_config(config.model)
     mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
     if seq > 1:
-        train.make_mesh(config)  # the run's checks (the split fits the patterns)
+        setup.make_mesh(config)  # the run's checks (the split fits the patterns)
     jitted = train.make_jitted(config, cfg, mesh)
     state = jitted.init()
     rng = jax.device_put(jax.random.key(0),

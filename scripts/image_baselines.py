@@ -33,8 +33,8 @@ def main(argv):
         fractions = tuple(float(x) for x in _FRACTIONS.value)
     except ValueError:
         raise app.UsageError(f"--split_fractions: numbers, got {_FRACTIONS.value}") from None
+    from sparse_jax import logs
     from sparse_jax.data import baselines
-    from sparse_jax.run import logs
 
     bars = []
 

@@ -58,12 +58,10 @@ from sparse_jax.data import baselines, sources
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.data.batches import eval_windows
 from sparse_jax.files import atomic_write, write_error
-from sparse_jax.model.config import model_config
+from sparse_jax.logs import Progress
 from sparse_jax.model.transformer import token_bits
-from sparse_jax.run import checkpoints
-from sparse_jax.run import config as config_lib
+from sparse_jax.run import checkpoints, setup
 from sparse_jax.run import workdir as workdir_lib
-from sparse_jax.run.logs import Progress
 
 
 def make_eval_step(model_def, activation_sharding=None, num_classes: int = 0):
@@ -244,8 +242,7 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     checkpoint = checkpoints.parse_checkpoint(checkpoint)
     if split not in data_lib.SPLITS:
         raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
-    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
-    cfg = model_config(config.model)
+    config, cfg = setup.recorded(workdir, attention)
     batch_size = config.batch_size if batch_size is None else batch_size
     devices, processes = jax.device_count(), jax.process_count()
     mesh = eval_mesh(config, devices)

@@ -35,12 +35,11 @@ import time
 
 import numpy as np
 
+from sparse_jax import logs
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.files import atomic_write, write_error
-from sparse_jax.model.config import model_config
 from sparse_jax.model.decode import check_length, check_sampling, generate
-from sparse_jax.run import checkpoints, logs
-from sparse_jax.run import config as config_lib
+from sparse_jax.run import checkpoints, setup
 from sparse_jax.run import workdir as workdir_lib
 
 DEFAULT_TEXT_LENGTH = 256
@@ -135,8 +134,8 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, "
                              f"got {value!r}")
-    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
-    cfg, data_cfg = model_config(config.model), data_lib.data_config(config.data)
+    config, cfg = setup.recorded(workdir, attention)
+    data_cfg = data_lib.data_config(config.data)
     check_sampling(temperature, top_k, top_p, cfg.vocab_size)
     image = data_cfg.is_image
     if image:

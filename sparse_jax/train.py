@@ -3,7 +3,7 @@ checkpoints with exact resume.
 
 `train(config, workdir)` runs (or resumes) the run that `config` describes in `workdir`. What it
 writes there: config.json (`sparse_jax.run.config`), checkpoints/ (`sparse_jax.run.checkpoints`),
-metrics.jsonl and tensorboard/ (`sparse_jax.run.logs`), data_fingerprint.json and .lock
+metrics.jsonl and tensorboard/ (`sparse_jax.logs`), data_fingerprint.json and .lock
 (`sparse_jax.run.workdir`, which also says what a workdir may hold before a run starts there).
 
 A workdir that holds checkpoints is resumed from its latest readable one and continues exactly
@@ -39,60 +39,22 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.attention import context
 from sparse_jax.data import datasets as data_lib
-from sparse_jax.data import images as images_lib
 from sparse_jax.data.batches import Stage
-from sparse_jax.model.config import ModelConfig, model_config
+from sparse_jax.logs import Logger, Profiler, duration, warn
+from sparse_jax.model.config import ModelConfig
 from sparse_jax.model.transformer import loss_bits
-from sparse_jax.run import checkpoints
+from sparse_jax.run import checkpoints, setup
 from sparse_jax.run import config as config_lib
 from sparse_jax.run import workdir as workdir_lib
-from sparse_jax.run.logs import Logger, Profiler, duration, warn
 from sparse_jax.run.optim import state_builders
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer, mesh.
-
-
-def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
-    """The ("data", "fsdp", "seq") mesh of config.mesh over all devices (see
-    `sparse_jax.sharding`); with mesh.seq > 1 the model's context (and each context stage's)
-    must split over the seq devices for every layer's pattern (`context.check_model_split`)."""
-    seq = config.mesh.get("seq", 1)
-    mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, seq)
-    if seq > 1:
-        if jax.process_count() > 1 and jax.local_device_count() % seq:
-            raise ValueError(f"mesh.seq={seq} must divide the {jax.local_device_count()} devices "
-                             "of each process (a sequence's shards stay on one host)")
-        cfg = model_config(config.model)
-        lengths = {cfg.seq_len} | {s.seq_len for s in config_lib.context_stages(config, cfg)}
-        for length in sorted(lengths):
-            context.check_model_split(cfg.specs(), length, seq)
-    sequences = mesh.size // seq  # the devices a batch's sequences are split over
-    batches = {"batch_size": config.batch_size}
-    batches.update({f"context_stages[{i}] batch_size": stage.batch_size for i, stage in
-                    enumerate(config_lib.context_stages(config))})
-    for name, batch in batches.items():
-        micro = batch // config.optimizer.grad_accum
-        if micro % sequences:
-            hint = (f"; choose a {name} divisible by {sequences} or fewer CPU devices "
-                    "(--cpu_devices=1)" if jax.default_backend() == "cpu" else "")
-            split = "" if seq == 1 else f" (mesh.data x mesh.fsdp; mesh.seq={seq} splits positions)"
-            raise ValueError(f"the micro-batch of {micro} sequences ({name} / grad_accum) does "
-                             f"not split evenly over {sequences} devices{split}{hint}")
-    return mesh
-
-
-def run_stages(config, cfg: ModelConfig) -> list[Stage]:
-    """The run's context stages (`config_lib.context_stages`), then the full context until
-    total_steps: every step lies in one of them."""
-    return [*config_lib.context_stages(config, cfg),
-            Stage(config.total_steps, cfg.seq_len, config.batch_size)]
+# Schedule.
 
 
 def tokens_left(stages: list[Stage], step: int) -> int:
-    """Tokens of the steps from `step` on (`stages`: `run_stages`): at the current tokens per
+    """Tokens of the steps from `step` on (`stages`: `setup.run_stages`): at the current tokens per
     second, the time left (a step of a later, longer stage costs about its tokens' worth)."""
     starts = [0] + [stage.until for stage in stages[:-1]]
     return sum(max(0, s.until - max(step, start)) * s.batch_size * s.seq_len
@@ -213,20 +175,19 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     check that can fail (config, mesh, workdir, data) runs before anything compiles, and a run
     they refuse leaves the workdir as it found it (`workdir.undo_if_refused`).
 
+    The config is completed and checked first, in one place (`run.setup.complete`: shapes from
+    the data, the warmup, every field, the mesh and sequence split, what a resume may change).
     `preset_total_steps`: the total_steps of the config file when the user left its warmup
     alone (scripts/train.py: `cli.preset_total_steps`); the warmup then follows a shortened run
     and a resumed one keeps the warmup it trained with (`config.follow_total_steps`)."""
     primary = jax.process_index() == 0
-    notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
-             config_lib.follow_total_steps(config, preset_total_steps,
-                                           workdir_lib.resumable_record(workdir))]
-    cfg = config_lib.check_config(config)
-    mesh = make_mesh(config)
-    for note in notes:
-        if note and primary:
+    run = setup.complete(config, workdir, preset_total_steps)  # every check that needs no data
+    config, cfg, mesh = run.config, run.model, run.mesh
+    for note in run.notes:
+        if primary:
             print(note, flush=True)
-    if cfg.kernel_unused:  # e.g. --config.model.kernel=chained where auto runs the CPU kernels
-        warn(cfg.kernel_unused)
+    for warning in run.warnings:  # e.g. --config.model.kernel=chained where the CPU kernels run
+        warn(warning)
     before = workdir_lib.contents(workdir)
     changes = workdir_lib.prepare_workdir(workdir, config)  # None: a new run
     with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
@@ -272,7 +233,7 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
     rng = jax.random.wrap_key_data(jax.make_array_from_process_local_data(replicated, key_data))
 
     log = Logger(workdir, step, config.total_steps)
-    stages = run_stages(config, cfg)
+    stages = list(setup.run_stages(config, cfg))
     profiler = Profiler(workdir, config.profile_steps, step)  # traces of chosen steps, if any
     params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     log.print(f"{'Resuming from step ' + str(step) if resuming else 'Starting'} in {workdir}: "

@@ -22,8 +22,8 @@ from conftest import (
     one_line_error,
 )
 from sparse_jax import files
+from sparse_jax.data import cifar10, sources
 from sparse_jax.data import datasets as D
-from sparse_jax.data import sources
 from sparse_jax.data.batches import ByteWindows, eval_windows, split_bytes
 from sparse_jax.data.cifar10 import CIFAR10_SPLIT_SEED, CIFAR10_URL, cifar10_source, prepare_cifar10
 
@@ -629,7 +629,7 @@ def test_cifar10_pixels_in_raster_order_and_paper_split(cifar):
 
 def test_cifar10_batches_shuffle_shard_and_resume(cifar, monkeypatch):
     data_dir, expected = cifar
-    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)
+    monkeypatch.setattr(cifar10, "CIFAR10_VALID_SIZE", 4)
     config = {"name": "cifar10", "data_dir": data_dir, "seed": 7}
     shards = [D.make_dataset(config, 3072, process_index=p, process_count=2) for p in range(2)]
     ds = shards[0]

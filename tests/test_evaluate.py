@@ -15,8 +15,8 @@ from flax import nnx
 from sparse_jax import evaluate as E
 from sparse_jax import train
 from sparse_jax.data import baselines as B
+from sparse_jax.data import cifar10, sources
 from sparse_jax.data import datasets as D
-from sparse_jax.data import sources
 from sparse_jax.data.batches import eval_windows, read_windows
 from sparse_jax.model.config import model_config
 from sparse_jax.model.transformer import SparseTransformer
@@ -311,7 +311,7 @@ def save_like_train(config, workdir, step=1):
 
 def test_images_bits_per_dim_over_every_sub_pixel(cifar, tmp_path, monkeypatch):
     data_dir, expected = cifar
-    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(cifar10, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
                         model__num_heads=1)
     workdir = str(tmp_path / "run")

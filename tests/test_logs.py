@@ -1,4 +1,4 @@
-"""Console progress and the profiler trace (`sparse_jax.run.logs`): the evaluation progress writes a
+"""Console progress and the profiler trace (`sparse_jax.logs`): the evaluation progress writes a
 line every ~10% to a log file and nothing when disabled; `Profiler` traces exactly the chosen
 steps into WORKDIR/profile and writes nothing when off; `check_profile_steps` rejects bad
 ranges; the writers (`sparse_jax.files`) leave a file whole or as it was, a torn log line is
@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sparse_jax import files
-from sparse_jax.run import logs
+from sparse_jax import files, logs
 
 
 def test_progress_writes_a_line_every_tenth_to_a_log_file(capsys):

@@ -16,7 +16,7 @@ from PIL import Image
 
 from sparse_jax import sample as S
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.data import sources
+from sparse_jax.data import cifar10
 from sparse_jax.data.cifar10 import cifar10_source
 from sparse_jax.model import decode
 from sparse_jax.model.config import ModelConfig
@@ -309,7 +309,7 @@ def test_script_prints_and_writes_samples(text_run, tmp_path):
 
 def test_images_and_completion(cifar, tmp_path, monkeypatch):
     data_dir, _ = cifar
-    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(cifar10, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir, model__d_model=8,
                         model__num_heads=1)
     workdir = str(tmp_path / "run")

@@ -21,7 +21,7 @@ from sparse_jax import sharding as S
 from sparse_jax import train
 from sparse_jax.model import transformer as M
 from sparse_jax.model.config import model_config
-from sparse_jax.run import optim
+from sparse_jax.run import optim, setup
 from test_train import ROOT, get_config, read_metrics
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -175,7 +175,7 @@ def _eight_device_child(byte_file, workdir):
     # Parameters and optimizer state are really split in the data x fsdp layout.
     config = run_config(byte_file, mesh__fsdp=4)
     cfg = model_config(config.model)
-    mesh = train.make_mesh(config)
+    mesh = setup.make_mesh(config)
     jitted = train.make_jitted(config, cfg, mesh)
     state = jitted.init()
     kernel = state["params"]["blocks"][0]["ff_in"]["kernel"][...]
@@ -258,7 +258,7 @@ def _seq_gradients(pattern, seq, attention="xla", fsdp=1):
     config = run_config("unused", model__pattern=pattern, model__attention=attention,
                         mesh__seq=seq, mesh__fsdp=fsdp, batch_size=8, optimizer__grad_accum=1)
     cfg = model_config(config.model)
-    mesh = train.make_mesh(config)
+    mesh = setup.make_mesh(config)
     jitted = train.make_jitted(config, cfg, mesh)
     params = jitted.init()["params"]
     tokens = np.random.default_rng(0).integers(0, 256, (8, cfg.seq_len + 1), np.int32)

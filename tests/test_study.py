@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sparse_jax import study
+from sparse_jax.bench import pattern_study as study
 from sparse_jax.model.config import model_config
 from sparse_jax.run import config as config_lib
 from sparse_jax.run.sizing import describe

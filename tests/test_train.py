@@ -19,10 +19,10 @@ import pytest
 import configs
 from conftest import fake_enwik8
 from sparse_jax import files, train
-from sparse_jax.data import sources
+from sparse_jax.data import cifar10, sources
 from sparse_jax.data.batches import ByteWindows, Stage
 from sparse_jax.run import config as config_lib
-from sparse_jax.run import optim
+from sparse_jax.run import optim, setup
 from sparse_jax.run import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def test_tiny_enwik8_trains_checkpoints_logs_and_resumes(tmp_path, monkeypatch, 
 
 def test_tiny_cifar10_trains_end_to_end(cifar, tmp_path, monkeypatch):
     data_dir, _ = cifar
-    monkeypatch.setattr(sources, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
+    monkeypatch.setattr(cifar10, "CIFAR10_VALID_SIZE", 4)  # of the 20 images of the tiny archive
     config = get_config("cifar10", "size=tiny", data__data_dir=data_dir)
     result = train.train(config, str(tmp_path / "run"))
     assert result["step"] == 4 and 0 < result["valid_bits"] < 9
@@ -176,7 +176,7 @@ def test_context_stages_train_short_windows_first_and_resume_exactly(tmp_path, c
     rows = [r for r in read_metrics(workdir) if r["split"] == "train"]
     per_step = [r["tokens_per_s"] / r["steps_per_s"] for r in rows]
     assert per_step == pytest.approx([128] * 3 + [256] * 3)
-    stages = train.run_stages(config, config_lib.check_config(config))
+    stages = setup.run_stages(config, config_lib.check_config(config))
     assert stages == [Stage(until=3, seq_len=16, batch_size=8), Stage(6, 64, 4)]
     assert config_lib.context_stages(config) == (stages[0],)  # one spelling: (until, n, batch)
     assert [train.tokens_left(stages, s) for s in (0, 2, 3, 6)] == [

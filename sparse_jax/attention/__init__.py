@@ -1,17 +1,18 @@
 """Attention of the factorized patterns, from the index sets to the kernels.
 
-Lower modules are imported by higher ones only:
+Lower modules are imported by higher ones only, in this order:
 
-* ``patterns``: the patterns as pure NumPy index sets, their block-level terms, ``PatternSpec``
-  and the patterns of a layer's head groups;
-* ``pallas``: Pallas kernels (GPU through Triton, TPU through Mosaic) that know nothing of
-  patterns: flash passes over block lists;
+* ``patterns`` (the index sets), ``terms`` (their block-level view), ``spec`` (``PatternSpec``,
+  ``layer_specs``): pure NumPy;
+* ``tiles`` (what every Pallas kernel shares), ``pallas_gpu`` and ``pallas_tpu`` (the programs),
+  ``pallas`` (the passes: forward, backward, band passes); they know nothing of patterns;
 * ``native`` (with ``cpu_kernels.cc``): the fused CPU kernels, C++ through XLA's FFI;
-* ``blocks``: the fused path of the block terms: their layouts, mask rules and block lists, the
-  merge and its custom VJP (``BlockSizes``);
-* ``xla``: the references, the block terms in plain ``jnp`` with a custom backward, and the
-  public entry points that choose an implementation;
-* ``context``: one sequence split over devices (exact).
+* ``blocks`` (``BlockSizes``, each term's layout, mask rule and block lists) and ``fused`` (a
+  pattern through the Pallas kernels, merged or chained, with its custom VJP);
+* ``reference`` (the dense references the fast paths are held to), ``xla`` (the block terms in
+  plain ``jnp``, custom backward), ``causal`` (dense causal attention without an n x n array),
+  ``api`` (``sparse_attention`` and friends: which implementation runs);
+* ``shards`` and ``context``: one sequence split over devices, exact.
 
 The names below are the public surface (``from sparse_jax.attention import sparse_attention``).
 """

@@ -3,7 +3,7 @@ another, most of them each in a fresh process, and writes tables and JSON.
 
   tools        process isolation with peak memory, timing after compile, the matmul ceiling,
                the machine, console lines and a progress bar, tables and a plot (also used by
-               `sparse_jax.study`)
+               `sparse_jax.bench.pattern_study`)
   attention    block-sparse against dense attention          scripts/benchmark_attention.py
   model        a model's training step; compile time         scripts/benchmark_model.py
   sampling     cached sampling; evaluation throughput        scripts/benchmark_sampling.py

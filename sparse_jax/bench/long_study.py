@@ -11,8 +11,8 @@ for the same wall time, each run in its own process:
   long fixed     optional: context 16,384, fixed l=128 c=32, 4 windows; only if time is left
 
 Every run reads 65,536 bytes a step with the same optimizer and schedule shape. Equal wall time
-is the pattern study's (`sparse_jax.study`): in the run's process `study.calibrate` times its
-start-up (data, compilation, the first step), a median step and a validation pass,
+is the pattern study's (`bench.pattern_study`): in the run's process `study.calibrate` times
+its start-up (data, compilation, the first step), a median step and a validation pass,
 `study.budget_steps` turns `run_seconds` into steps and `study.budget_config` rescales the
 schedule to them (4 validation passes, warmup 10% of the run), within the plan's least and most
 steps (`bounded_steps`: the dry run's 4 steps, not its time, bound every run there; each row
@@ -273,8 +273,8 @@ def _train_and_score(run_dir: str, job: dict, emit) -> None:
     from absl import logging
 
     from sparse_jax import evaluate as eval_lib
-    from sparse_jax import study
     from sparse_jax import train as train_lib
+    from sparse_jax.bench import pattern_study as study
     from sparse_jax.bench import tools
     from sparse_jax.run import config as config_lib
 

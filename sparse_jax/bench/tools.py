@@ -7,7 +7,7 @@ plot.
 Each case runs in its own process (`run_isolated`) so that its peak resident memory (RSS
 high-water mark) is its own, and a case that runs out of memory is reported instead of taking
 the benchmark down. The benchmarks themselves are the other modules of `sparse_jax.bench`; the
-pattern study (`sparse_jax.study`) uses the same tools. Nothing here imports JAX at import
+pattern study (`bench.pattern_study`) uses the same tools. Nothing here imports JAX at import
 time: a case sets up its devices first.
 """
 

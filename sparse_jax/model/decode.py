@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax.run import logs
+from sparse_jax import logs
 
 PROGRESS_WINDOWS = 4  # a sample of more windows than this shows its progress
 TOKEN_BYTES = 10  # host memory per sampled token, at most: int32 tokens, their bytes, the text

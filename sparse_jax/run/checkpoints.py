@@ -38,11 +38,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
-from sparse_jax.model.config import model_config
+from sparse_jax.logs import warn
 from sparse_jax.model.transformer import SparseTransformer
-from sparse_jax.run import config as config_lib
+from sparse_jax.run import setup
 from sparse_jax.run import workdir as workdir_lib
-from sparse_jax.run.logs import warn
 
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"  # set (not 0): keep Orbax's logs of failed writes
 _LISTINGS = 20  # times a reader lists the checkpoints again when one it lists or reads is removed
@@ -279,8 +278,7 @@ def restore_model(workdir: str, checkpoint="latest", mesh=None, attention: str |
     """
     workdir_lib.check_workdir(workdir)
     checkpoint = parse_checkpoint(checkpoint)
-    config = config_lib.for_this_machine(config_lib.read_record(workdir), attention)
-    cfg = model_config(config.model)
+    config, cfg = setup.recorded(workdir, attention)
     mgr = manager(workdir)
     try:
         step = resolve_step(mgr, checkpoint)

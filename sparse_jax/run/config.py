@@ -25,12 +25,12 @@ import time
 import jax
 import ml_collections
 
+from sparse_jax import logs
 from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.data.batches import Stage
 from sparse_jax.files import append_line, atomic_write, writing
 from sparse_jax.model.config import ModelConfig, model_config
-from sparse_jax.run import logs
 
 RECORD = "config.json"  # in the workdir: the config the run trains with
 HISTORY = "config_history.jsonl"  # in the workdir: changes of config.json on resume

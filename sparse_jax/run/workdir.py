@@ -7,7 +7,7 @@ evaluation and sampling write.
   WORKDIR/damaged_checkpoints/    checkpoints that could not be read, set aside, never deleted
   WORKDIR/data_fingerprint.json   what data the run trains on (`check_data`)
   WORKDIR/.lock                   held by the one training process that uses the workdir
-  WORKDIR/metrics.jsonl ...       logs (`sparse_jax.run.logs`); eval/ and samples/: outputs
+  WORKDIR/metrics.jsonl ...       logs (`sparse_jax.logs`); eval/ and samples/: outputs
 
 `prepare_workdir` admits a training run: a new, empty or writable folder, or a run of this
 project that the config may resume; anything else there is refused, untouched.

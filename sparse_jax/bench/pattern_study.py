@@ -67,10 +67,10 @@ import configs
 from sparse_jax import sharding
 from sparse_jax import train as train_lib
 from sparse_jax.bench import tools
-from sparse_jax.data import images as images_lib
 from sparse_jax.files import atomic_write, read_jsonl
 from sparse_jax.model.config import PATTERNS, model_config
 from sparse_jax.run import config as config_lib
+from sparse_jax.run import setup
 from sparse_jax.run import workdir as workdir_lib
 from sparse_jax.run.sizing import describe
 
@@ -123,8 +123,7 @@ def pattern_configs(config_spec: str, patterns=DEFAULT_PATTERNS, *, steps: int |
         if steps is not None:
             config.total_steps = steps
         try:
-            images_lib.fill_model_shape(config)  # configs/images.py: the pictures' shape
-            config_lib.check_config(config)  # model (the pattern fits seq_len) and trainer fields
+            setup.complete(config)  # shapes, warmup, every field, the mesh: as train.py would
         except ValueError as e:
             raise ValueError(f"pattern {pattern}: {e}") from e
         by_pattern[pattern] = config
@@ -172,7 +171,7 @@ def train_and_evaluate(run_dir: str, launched: float | None = None) -> dict:
     """Trains (or resumes) the run whose config is `run_dir/config.json`, evaluates its last
     checkpoint on the valid split and records the session in `run_dir/study.json`; the session
     starts at `launched` (default: now). Meant to run in a fresh process
-    (`python -m sparse_jax.study RUN_DIR LAUNCH_TIME`)."""
+    (`python -m sparse_jax.bench.pattern_study RUN_DIR LAUNCH_TIME`)."""
     from sparse_jax import evaluate
 
     start = time.time() if launched is None else launched
@@ -207,7 +206,8 @@ def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> 
     """Times the run of `run_dir/config.json` without writing anything: start-up from
     `launched` to the end of the first training step (imports, data, compilation), the median
     of `steps` more steps, the first validation pass (with its compilation) and a second one.
-    Meant to run in a fresh process (`python -m sparse_jax.study calibrate RUN_DIR TIME`)."""
+    Meant to run in a fresh process
+    (`python -m sparse_jax.bench.pattern_study calibrate RUN_DIR TIME`)."""
     import jax
 
     from sparse_jax import evaluate as eval_lib
@@ -215,7 +215,7 @@ def calibrate(run_dir: str, launched: float, steps: int = CALIBRATION_STEPS) -> 
 
     config = config_lib.read_record(run_dir)
     cfg = model_config(config.model)
-    mesh = train_lib.make_mesh(config)
+    mesh = setup.make_mesh(config, cfg)
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, vocab_size=cfg.vocab_size,
                                     image_shape=cfg.image_shape)
     batches = dataset.train_batches(config.batch_size)
@@ -408,7 +408,7 @@ def _calibrated(run_dir: str, config, minutes: float, log) -> ml_collections.Con
     os.makedirs(run_dir, exist_ok=True)
     config_lib.write_record(run_dir, config)  # what the calibration process reads
     log(f"{config.model.pattern}: timing start-up, a step and validation")
-    out = tools.run_isolated(["-m", "sparse_jax.study", "calibrate", run_dir,
+    out = tools.run_isolated(["-m", "sparse_jax.bench.pattern_study", "calibrate", run_dir,
                               repr(time.time())], timeout_s=None)
     if "error" in out:
         raise RuntimeError(f"timing pattern {config.model.pattern} failed: {out['error']}")
@@ -452,8 +452,8 @@ def compare_patterns(config_spec: str, workdir: str, patterns=DEFAULT_PATTERNS, 
         verb = "resuming" if status[pattern] == "resume" else "training"
         log(f"{pattern}: {verb} {config.total_steps} steps in {run_dir} "
             f"(log: {os.path.join(run_dir, 'train.log')})")
-        out = tools.run_isolated(["-m", "sparse_jax.study", run_dir, repr(time.time())],
-                                 timeout_s=None)
+        out = tools.run_isolated(
+            ["-m", "sparse_jax.bench.pattern_study", run_dir, repr(time.time())], timeout_s=None)
         if "error" in out or out.get("interrupted"):
             raise RuntimeError(f"pattern {pattern} did not finish "
                                f"({out.get('error') or out['interrupted']}); see "
@@ -480,7 +480,8 @@ def _worker(argv):
         print(json.dumps(calibrate(argv[2], float(argv[3]))), flush=True)
         return
     if len(argv) not in (2, 3):
-        raise SystemExit("usage: python -m sparse_jax.study [calibrate] RUN_DIR [LAUNCH_TIME]")
+        raise SystemExit("usage: python -m sparse_jax.bench.pattern_study [calibrate] RUN_DIR "
+                         "[LAUNCH_TIME]")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     sharding.set_cpu_devices()  # as scripts/train.py: one CPU device per core
     result = train_and_evaluate(argv[1], float(argv[2]) if len(argv) == 3 else None)
