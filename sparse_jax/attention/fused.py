@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, pallas, patterns, tiles
+from sparse_jax.attention import blocks, measured, pallas, patterns, tiles
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
@@ -226,10 +226,18 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     "chained", or with ``return_lse`` also the log-sum-exp of each row's kept scores [B, H, n]
     ([B, n, H]; a row with no key: -1e30; not differentiable). The chained variant reads
     ``seq_major`` arrays as they are; "terms" transposes them. ``sizes``, ``backend``,
-    ``interpret``: ``compiler_for``.
+    ``interpret``: ``compiler_for``, except that ``sizes`` None on a GPU is the options measured
+    fastest for the pattern at this length (``attention.measured``).
     """
+    if sizes is None:  # the options measured fastest for this pattern and length (GPU)
+        platform = tiles.target_platform()
+        chosen = backend or ("mosaic" if platform == "tpu" else "triton")
+        compiled = not interpret if interpret is not None else \
+            platform == {"triton": "gpu", "mosaic": "tpu"}.get(chosen)
+        sizes = measured.default_sizes(chosen, spec.kind, q.shape[1 if seq_major else 2],
+                                       interpret=not compiled)
     compiler = compiler_for(sizes, backend, interpret)
-    variant = (sizes or BlockSizes()).variant
+    variant = sizes.variant
     heads = q.shape[2 if seq_major else 1]
     if heads % compiler.heads_per_program:
         raise ValueError(f"BlockSizes.heads_per_program={compiler.heads_per_program} must "
