@@ -29,9 +29,9 @@ these are the compiler's figures, not measurements.
   occupancy(...)         blocks per SM, occupancy and the bounding resource of one kernel
   report(...)            every chosen program: rows, kernel tables, markdown
 
-The reading of the compiler's output (``parse_ptxas``, ``parse_thunks``, ``xla_kernel_bytes``,
-``occupancy``) lives in ``compiled_output``, the report's tables (``rank``, ``markdown``,
-``problems``) in ``compiled_tables``; both are re-exported here.
+The targets (``Target``, ``TARGETS``) and the reading of the compiler's output (``parse_ptxas``,
+``parse_thunks``, ``xla_kernel_bytes``, ``occupancy``) live in ``compiled_output``, the report's
+tables (``rank``, ``markdown``, ``problems``) in ``compiled_tables``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ import tempfile
 import time
 
 from sparse_jax.bench.compiled_output import (  # noqa: F401  re-exported
+    TARGETS,
+    TARGETS_DIR,
+    Target,
     occupancy,
     parse_ptxas,
     parse_thunks,
@@ -55,38 +58,10 @@ from sparse_jax.bench.compiled_output import (  # noqa: F401  re-exported
 )
 from sparse_jax.bench.compiled_tables import markdown, problems, rank  # noqa: F401
 
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TOOLS_ENV = "SPARSE_JAX_GPU_TOOLS"  # where the CUDA plugin and ptxas are installed
 DEFAULT_TOOLS = ".gpu_tools"
 REQUIREMENTS = "requirements-gpu-compile.txt"
 
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A GPU as the occupancy calculator needs it (NVIDIA's compute capability tables)."""
-    name: str
-    spec_file: str
-    arch: str
-    sms: int
-    regs_per_sm: int = 65536
-    max_warps_per_sm: int = 64
-    max_blocks_per_sm: int = 32
-    smem_per_sm: int = 233472  # bytes usable by blocks
-    smem_reserved_per_block: int = 1024  # the runtime's per-block reservation (sm_80 and up)
-    hbm_gb: float = 80.0
-    hbm_gbps: float = 3352.0  # memory bandwidth, GB/s
-
-    def config_text(self) -> str:
-        with open(os.path.join(TARGETS_DIR, self.spec_file)) as f:
-            return f.read()
-
-
-TARGETS = {
-    "h100": Target("NVIDIA H100 80GB HBM3 (SXM)", "h100_sxm.txtpb", "sm_90a", sms=132,
-                   hbm_gb=84.94, hbm_gbps=3352.3),
-    "a100": Target("NVIDIA A100-SXM4-80GB", "a100_sxm_80.txtpb", "sm_80", sms=108,
-                   max_blocks_per_sm=32, smem_per_sm=167936, hbm_gb=85.90, hbm_gbps=2039.0),
-}
 
 # ---------------------------------------------------------------------------------------------
 # The programs: what the accelerator report times (sparse_jax.bench.accelerator).
@@ -169,13 +144,14 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
     keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
     outputs out; float32 partial results; no reuse through L2)."""
-    from sparse_jax.attention import blocks as kernel
-    from sparse_jax.attention import fused
+    from sparse_jax.attention import fused, measured
 
-    sizes = sizes and dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
+    # no options: the kernel compiles with the GPU's defaults chosen by measurement
+    sizes = sizes or measured.default_sizes("triton", spec.kind, n, interpret=False)
+    sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
     compiler = fused.compiler_for(sizes, "triton", interpret=False)
     rows = -(-n // spec.block)
-    chained = (sizes or kernel.BlockSizes()).variant == "chained"
+    chained = sizes.variant == "chained"
     if chained:
         _, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]

@@ -1,8 +1,10 @@
-"""What the GPU compiler printed, read (moved from ``sparse_jax.bench.compiled``, which
-re-exports every name): ptxas's registers and spills per kernel, the thunk sequence's grids,
+"""The GPUs compiled for and what their compiler printed, read (moved from
+``sparse_jax.bench.compiled``, which re-exports every name): each target as the occupancy
+calculator needs it, ptxas's registers and spills per kernel, the thunk sequence's grids,
 threads and shared memory, the bytes XLA's own kernels read and write, and the occupancy rules
 that give blocks per SM from a kernel's registers, threads and shared memory.
 
+  Target, TARGETS         the H100 and the A100: SMs, registers, shared memory, HBM
   parse_ptxas(log)        per entry function: registers, stack, spilled bytes
   parse_thunks(text)      each kernel launch: grid, threads, dynamic shared memory
   xla_kernel_bytes(hlo)   XLA's own kernels (Pallas calls apart): how many, their bytes
@@ -11,12 +13,41 @@ that give blocks per SM from a kernel's registers, threads and shared memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sparse_jax.bench.compiled import Target
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU as the occupancy calculator needs it (NVIDIA's compute capability tables)."""
+    name: str
+    spec_file: str
+    arch: str
+    sms: int
+    regs_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    smem_per_sm: int = 233472  # bytes usable by blocks
+    smem_reserved_per_block: int = 1024  # the runtime's per-block reservation (sm_80 and up)
+    hbm_gb: float = 80.0
+    hbm_gbps: float = 3352.0  # memory bandwidth, GB/s
+
+    def config_text(self) -> str:
+        with open(os.path.join(TARGETS_DIR, self.spec_file)) as f:
+            return f.read()
+
+
+TARGETS = {
+    "h100": Target("NVIDIA H100 80GB HBM3 (SXM)", "h100_sxm.txtpb", "sm_90a", sms=132,
+                   hbm_gb=84.94, hbm_gbps=3352.3),
+    "a100": Target("NVIDIA A100-SXM4-80GB", "a100_sxm_80.txtpb", "sm_80", sms=108,
+                   max_blocks_per_sm=32, smem_per_sm=167936, hbm_gb=85.90, hbm_gbps=2039.0),
+}
+
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "

@@ -9,6 +9,8 @@ results.md tables, and what fails the check.
 
 from __future__ import annotations
 
+from sparse_jax.bench.compiled_output import TARGETS
+
 
 def rank(rows: list[dict]) -> list[dict]:
     """The Pallas attention rows of each length and pattern ("16k strided") in the order the
@@ -34,8 +36,6 @@ def _family(row: dict) -> str:
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:
     """results.md: one row per program, the attention programs ranked by their static figures,
     then one row per Triton kernel."""
-    from sparse_jax.bench.compiled import TARGETS
-
     t = TARGETS[target]
     f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
     lines = [*header, "", f"Target: {t.name} ({t.arch}, {t.sms} SMs, {t.hbm_gb:.1f} GB, "

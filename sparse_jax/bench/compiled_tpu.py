@@ -53,7 +53,6 @@ re-exported here.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -64,7 +63,9 @@ import time
 
 from sparse_jax.bench import compiled
 from sparse_jax.bench.compiled_tpu_output import (  # noqa: F401  re-exported
+    TARGETS,
     VMEM,
+    Target,
     attach_cycles,
     loop_trips,
     parse_mosaic_kernels,
@@ -89,38 +90,6 @@ DEFAULT_TOOLS = ".tpu_tools"
 REQUIREMENTS = "requirements-tpu-compile.txt"
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A TPU chip as ``topologies.get_topology_desc`` names it, its HBM, its TensorCore clock
-    (GHz: static cycles to seconds) and whether libtpu's static profiler runs for it
-    (``cycles``: on v5e it aborts the compile)."""
-    name: str
-    topology: str
-    hbm_gib: float
-    clock_ghz: float
-    cycles: bool
-    peak_tflops: float  # bf16, the whole chip (the MXU floor of a kernel's matrix products)
-
-    def slice(self, chips: int) -> str:
-        """The topology of ``chips`` chips of this kind in one slice ("v5p:2x2x1" for 4; one
-        chip: ``topology``)."""
-        shapes = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2"} if self.topology.count("x") == 2 else {
-            1: "1x1", 4: "2x2", 8: "2x4"}
-        if chips not in shapes:
-            raise ValueError(f"{chips} chips: give one of {', '.join(map(str, shapes))}")
-        return f"{self.topology.partition(':')[0]}:{shapes[chips]}"
-
-
-# Clocks: no data sheet states one; each is the chip's peak bf16 rate over its MXUs' multiply-
-# adds per cycle (128 x 128 MXUs, 2 flops a multiply-add). v5e: 197 TFLOP/s over 4 MXUs on one
-# TensorCore = 1.50 GHz (also the 1.5 GHz that "How to Scale Your Model", ch. 2, quotes for a
-# v5e MXU); v5p: 459 TFLOP/s over 2 TensorCores x 4 MXUs = 1.75 GHz; v6e: 918 TFLOP/s over one
-# TensorCore's 4 MXUs of 256 x 256 (Cloud TPU's v6e page; an older version said 2) = 1.75 GHz.
-TARGETS = {
-    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0, 1.50, cycles=False, peak_tflops=197),
-    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0, 1.75, cycles=True, peak_tflops=459),
-    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0, 1.75, cycles=True, peak_tflops=918),
-}
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"  # libtpu: static cycles of every HLO op
 
 # fwd+bwd in bfloat16, head dim 128 (a TPU's lanes). The suite's check: the default strided

@@ -1,6 +1,9 @@
-"""What the TPU compiler wrote, read (moved from ``sparse_jax.bench.compiled_tpu``, which
-re-exports every name): the Mosaic kernels of compiled HLO text with their VMEM, the trip
-counts of its loops, and libtpu's static profile, attached to a program's row as cycles.
+"""The TPU chips compiled for and what their compiler wrote, read (moved from
+``sparse_jax.bench.compiled_tpu``, which re-exports every name): each chip's topology, HBM,
+clock and peak, the Mosaic kernels of compiled HLO text with their VMEM, the trip counts of its
+loops, and libtpu's static profile, attached to a program's row as cycles.
+
+  Target, TARGETS             v5e, v5p, v6e: topology, HBM, clock, bf16 peak, profiler or not
 
   parse_mosaic_kernels(hlo)   each Mosaic kernel: name, calls, VMEM
   loop_trips(hlo)             how many times each instruction inside a loop runs
@@ -11,8 +14,44 @@ counts of its loops, and libtpu's static profile, attached to a program's row as
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A TPU chip as ``topologies.get_topology_desc`` names it, its HBM, its TensorCore clock
+    (GHz: static cycles to seconds) and whether libtpu's static profiler runs for it
+    (``cycles``: on v5e it aborts the compile)."""
+    name: str
+    topology: str
+    hbm_gib: float
+    clock_ghz: float
+    cycles: bool
+    peak_tflops: float  # bf16, the whole chip (the MXU floor of a kernel's matrix products)
+
+    def slice(self, chips: int) -> str:
+        """The topology of ``chips`` chips of this kind in one slice ("v5p:2x2x1" for 4; one
+        chip: ``topology``)."""
+        shapes = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2"} if self.topology.count("x") == 2 else {
+            1: "1x1", 4: "2x2", 8: "2x4"}
+        if chips not in shapes:
+            raise ValueError(f"{chips} chips: give one of {', '.join(map(str, shapes))}")
+        return f"{self.topology.partition(':')[0]}:{shapes[chips]}"
+
+
+# Clocks: no data sheet states one; each is the chip's peak bf16 rate over its MXUs' multiply-
+# adds per cycle (128 x 128 MXUs, 2 flops a multiply-add). v5e: 197 TFLOP/s over 4 MXUs on one
+# TensorCore = 1.50 GHz (also the 1.5 GHz that "How to Scale Your Model", ch. 2, quotes for a
+# v5e MXU); v5p: 459 TFLOP/s over 2 TensorCores x 4 MXUs = 1.75 GHz; v6e: 918 TFLOP/s over one
+# TensorCore's 4 MXUs of 256 x 256 (Cloud TPU's v6e page; an older version said 2) = 1.75 GHz.
+TARGETS = {
+    "v5e": Target("TPU v5e (one chip)", "v5e:1x1", 16.0, 1.50, cycles=False, peak_tflops=197),
+    "v5p": Target("TPU v5p (one chip)", "v5p:1x1x1", 95.0, 1.75, cycles=True, peak_tflops=459),
+    "v6e": Target("TPU v6e (one chip)", "v6e:1x1", 32.0, 1.75, cycles=True, peak_tflops=918),
+}
+
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) custom-call\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from sparse_jax.bench.compiled_tpu_output import TARGETS
+
 
 def mask_of(row: dict) -> str:
     """The mask a row computes ("strided:128", "fixed:128:32", "dense"): its pattern less the
@@ -29,10 +31,8 @@ def _forward(row: dict) -> bool:
 
 def _heads(row: dict) -> int:
     """The heads a row's name gives (" h1": 1), else the usual 8."""
-    from sparse_jax.bench.compiled_tpu import ATTENTION_SHAPE
-
     found = re.search(r" h(\d+)$", row["name"])
-    return int(found.group(1)) if found else ATTENTION_SHAPE["heads"]
+    return int(found.group(1)) if found else 8  # compiled_tpu.ATTENTION_SHAPE's heads
 
 
 def beside_splash(rows: list[dict]) -> list[dict]:
@@ -72,8 +72,6 @@ def beside_splash(rows: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:
     """One row per program, then one per Mosaic kernel; with static cycles, ours beside splash
     attention's on the same masks."""
-    from sparse_jax.bench.compiled_tpu import TARGETS
-
     t = TARGETS[target]
     f = lambda v, spec=".3g": "—" if v is None else format(v, spec)  # noqa: E731
     cycles = "static cycles: libtpu's static profile (estimates; the sum over the Mosaic " \
@@ -130,8 +128,6 @@ def markdown(rows: list[dict], target: str, header: list[str]) -> str:
 def problems(rows: list[dict]) -> list[str]:
     """What fails the check: a program that did not compile, a Pallas program with no Mosaic
     kernel (traced for another platform), one that does not fit the chip's HBM."""
-    from sparse_jax.bench.compiled_tpu import TARGETS
-
     out = []
     for r in rows:
         if "error" in r:

@@ -151,7 +151,8 @@ def parts(params: dict, f: dict, device: str) -> dict:
     p = {name: params[name] * UNIT[unit] for name, unit, _, _ in PARAMS}
     out = {"launch": 0.0, "programs": 0.0, "tiles": 0.0, "products": 0.0, "kernels": {}}
     for k in f["kernels"]:
-        latency = (p["per_tile"] + (p["mask"] * k["pairs"] if f["one_loop"] else 0.0)
+        latency = (p["per_tile"] * k.get("latency", 1.0)
+                   + (p["mask"] * k["pairs"] if f["one_loop"] else 0.0)
                    + p["spill"] * k["spill_bytes"] * k["threads"] / 1e3)
         waves = k["programs"] / (SMS * k["blocks_per_sm"])
         split = {"launch": p["launch"], "programs": waves * p["per_program"],
@@ -293,13 +294,14 @@ def static_baseline(result: dict, root: str = REPO) -> dict:
 
 def _changed(f: dict, match, **scale) -> dict:
     """A copy of features ``f`` with the kernels whose name ``match``es changed: ``programs``,
-    ``tiles``, ``flops``, ``pairs`` multiplied, ``blocks_per_sm``, ``threads`` set."""
+    ``tiles``, ``flops``, ``pairs``, ``latency`` (of a tile: a factor on ``per_tile``)
+    multiplied, ``blocks_per_sm``, ``threads`` set."""
     out = {**f, "kernels": []}
     for k in f["kernels"]:
         k = dict(k)
         if match(k["name"]):
-            for key in ("programs", "tiles", "flops", "pairs"):
-                k[key] *= scale.get(key, 1)
+            for key in ("programs", "tiles", "flops", "pairs", "latency"):
+                k[key] = k.get(key, 1.0) * scale.get(key, 1)
             for key in ("blocks_per_sm", "threads"):
                 k[key] = scale.get(key, k[key])
         out["kernels"].append(k)
@@ -351,9 +353,11 @@ DESIGNS = (
                         blocks_per_sm=1, threads=256)),
     ("fixed", "summary kernels at 4 blocks per SM (≤ 128 registers)",
      lambda f: _changed(f, _summary, blocks_per_sm=4)),
-    ("fixed", "gathered summary: 128 × 64 tiles, 2 blocks per SM, persistent grid",
+    ("fixed", "summary tiles 128 × 64 at 2 blocks per SM and a persistent grid",
      lambda f: _persistent(_changed(f, _summary, programs=0.5, flops=2, pairs=2,
                                     blocks_per_sm=2))),
+    ("fixed", "summary tiles at half today's latency (contiguous keys: a gathered summary)",
+     lambda f: _changed(f, _summary, latency=0.5)),
 )
 WHAT_IF_BASES = (("strided:128@pallas:chained", 16384), ("strided:128@pallas", 65536),
                  ("fixed:128:32@pallas:chained", 16384), ("fixed:128:32@pallas", 65536))
