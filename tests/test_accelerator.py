@@ -24,8 +24,8 @@ import pytest
 
 from conftest import files_in, one_line_error
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.bench import accelerator
-from sparse_jax.bench.accelerator import preset, tests, train_step
+from sparse_jax.bench import accelerator, tools
+from sparse_jax.bench.accelerator import attention, preset, tests, train_step
 from sparse_jax.bench.accelerator.common import TIME_UP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +85,13 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert all("median_ms" in r for r in stages["attention"]["rows"]), stages["attention"]
     assert {r["pattern"].split("@")[1].split(":")[0] for r in stages["attention"]["rows"]} == {
         "xla", "pallas"}
+    rounds = report["plan"]["attention"]["rounds"]  # timed interleaved with the default kernel
+    by_pattern = {r["pattern"]: r for r in stages["attention"]["rows"]}
+    variant = by_pattern["strided:16@pallas:16x16:chained:h2:one_loop"]
+    assert variant["anchor"] == "strided:16@pallas:16x16" and variant["rounds"] == rounds
+    assert len(variant["round_ratios"]) == rounds
+    assert variant["ratio_min"] <= variant["ratio"] <= variant["ratio_max"]
+    assert by_pattern["dense@xla"]["anchor"] is None and "ratio" not in by_pattern["dense@xla"]
     assert stages["train_step"]["rows"][0]["tokens_per_s"] > 0
     profile = stages["train_step"]["profiles"][0]
     assert glob_count(profile["path"], "*.xplane.pb") >= 1, profile
@@ -450,6 +457,118 @@ def test_the_script_refuses_a_report_folder_and_overwrite_replaces_it_wholly(tmp
     assert (out / "notes.txt").read_text() == "mine\n"
     assert list(json.loads((out / "results.json").read_text())["stages"]) == ["flex"]
     assert "old" not in (out / "log.txt").read_text()
+
+
+def test_variants_are_timed_interleaved_with_their_default_kernel():
+    anchor_of = attention.anchors(["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas",
+                                   "strided:128@pallas:chained", "strided:128@pallas:32x32",
+                                   "fixed:128:32@pallas:chained"])
+    assert anchor_of == {"dense@cudnn": None, "strided:128@pallas": None,
+                         "fixed:128:32@pallas": None,
+                         "strided:128@pallas:chained": "strided:128@pallas",
+                         "strided:128@pallas:32x32": "strided:128@pallas",
+                         "fixed:128:32@pallas:chained": "fixed:128:32@pallas"}
+    S, B, C, F, G, D = ("strided:128@pallas", "strided:128@pallas:chained",
+                        "strided:128@pallas:32x32", "fixed:128:32@pallas",
+                        "fixed:128:32@pallas:chained", "dense@cudnn")
+    # rounds of A, B, A, C, A: each variant between two runs of its default; the variants'
+    # order rotates, so that none always runs first
+    assert tools.interleaved_order(anchor_of, 0) == [D, S, B, S, C, S, F, G, F]
+    assert tools.interleaved_order(anchor_of, 1) == [D, S, C, S, B, S, F, G, F]
+
+
+class _FakeGPU:
+    """Calls that take the time a table gives them, on a clock of their own; ``slow`` makes the
+    machine that many times slower from the call numbered ``slow_from`` to ``slow_to``."""
+
+    def __init__(self, ms, slow=1.0, slow_from=0, slow_to=-1):
+        self.now, self.count, self.ms = 0.0, 0, ms
+        self.slow, self.slow_from, self.slow_to = slow, slow_from, slow_to
+        self.log = []
+
+    def clock(self):
+        return self.now
+
+    def call(self, name):
+        def run():
+            self.log.append(name)
+            factor = self.slow if self.slow_from <= self.count < self.slow_to else 1.0
+            self.now += self.ms[name] * factor / 1e3
+            self.count += 1
+        return run
+
+
+def test_a_slow_stretch_moves_a_round_not_a_ratio():
+    ms = {"A": 1.0, "B": 0.8, "C": 0.99}  # B 20% faster than the default A; C within 1%
+    anchor_of = {"A": None, "B": "A", "C": "A"}
+    # the machine runs at half speed for the first 4 calls: the first round's A, B, A, C
+    gpu = _FakeGPU(ms, slow=2.0, slow_from=0, slow_to=4)
+    rounds = tools.time_interleaved({n: gpu.call(n) for n in ms}, anchor_of, rounds=5,
+                                    clock=gpu.clock)
+    assert gpu.log[:5] == ["A", "B", "A", "C", "A"] and gpu.log[5:10] == ["A", "C", "A", "B", "A"]
+    assert len(rounds) == 5 and [n for n, _ in rounds[0]] == ["A", "B", "A", "C", "A"]
+    stats = tools.interleaved_stats(rounds, anchor_of)
+    assert stats["B"]["ratio"] == pytest.approx(0.8) and not stats["B"]["within_noise"]
+    assert stats["B"]["median_ms"] == pytest.approx(0.8)
+    assert stats["B"]["max_ms"] == pytest.approx(1.6)
+    # C's first round straddles the end of the stretch (1.98 ms between 2 and 1): that round's
+    # ratio is off, its median is not
+    assert stats["C"]["ratio"] == pytest.approx(0.99)
+    assert stats["C"]["ratio_max"] == pytest.approx(1.32) and stats["C"]["within_noise"]
+    assert len(stats["B"]["round_ratios"]) == 5 and stats["A"]["ratio"] == 1.0
+    # the slow stretch shows as the default's own spread, run to run: 1 (0.5-1)
+    assert (stats["A"]["ratio_min"], stats["A"]["ratio_max"]) == pytest.approx((0.5, 1.0))
+    # timed one after another (all of A's runs, then B's, then C's), the same slow stretch
+    # would have made A 2x slower in 4 of its 10 runs; interleaved, B's ratio is exact
+    cell = attention.ratio_cell({**stats["B"]})
+    assert cell == "0.8 (0.8–0.8)"
+
+
+def test_rounds_that_disagree_are_within_noise_and_the_summary_says_so():
+    anchor_of = {"A": None, "B": "A", "C": "A"}
+    # per round (A, B, A, C, A, rotating): B 3% slower in some rounds, 3% faster in others;
+    # C always 10% faster
+    rounds = [[("A", 1.0), ("B", 1.03), ("A", 1.0), ("C", 0.9), ("A", 1.0)],
+              [("A", 1.0), ("C", 0.9), ("A", 1.0), ("B", 0.97), ("A", 1.0)],
+              [("A", 1.1), ("B", 1.1), ("A", 1.1), ("C", 0.99), ("A", 1.1)]]
+    stats = tools.interleaved_stats(rounds, anchor_of)
+    assert stats["B"]["within_noise"] and stats["B"]["ratio"] == pytest.approx(1.0)
+    assert stats["B"]["ratio_min"] == pytest.approx(0.97)
+    assert not stats["C"]["within_noise"] and stats["C"]["ratio"] == pytest.approx(0.9)
+    assert tools.within_noise(stats["B"]["round_ratios"], [1.0, 1.0, 1.0])
+    assert not tools.within_noise(stats["C"]["round_ratios"], stats["B"]["round_ratios"])
+    assert attention.ratio_cell(stats["B"]).endswith(" ≈")
+    names = {"A": "strided:128@pallas", "B": "strided:128@pallas:chained",
+             "C": "strided:128@pallas:32x32"}
+    rows = [{"pattern": names[n], "seq_len": 16384, **s} for n, s in stats.items()]
+    line, _ = attention.fastest(rows)
+    assert line.startswith("Fastest strided kernel at 16384: `strided:128@pallas:32x32`")
+    assert "1.11× the default kernel (per round 1.11–1.11 over 3 rounds)" in line
+    assert "within noise" not in line  # C is faster than the default and than B in every round
+    # B and the default within noise of each other: the line says so
+    line, _ = attention.fastest([r for r in rows if r["pattern"] != names["C"]])
+    assert "`strided:128@pallas`, 1 ms, the default kernel." in line
+    assert "`strided:128@pallas:chained` is within noise of it." in line
+
+
+def test_attention_rows_past_the_stage_deadline_are_not_run():
+    plan = accelerator.plan_for(dry_run=True)
+    plan["deadline"] = time.time() - 60  # the cap already spent: nothing compiles or runs
+    rows = attention.run(plan)["rows"]
+    planned = [p for g in plan["attention"]["groups"] for p in g["patterns"]]
+    assert [r["pattern"] for r in rows] == planned
+    assert all(r["error"] == TIME_UP and "median_ms" not in r for r in rows), rows
+
+
+def test_interleaved_timing_stops_at_the_deadline_after_one_round():
+    gpu = _FakeGPU({"A": 1.0, "B": 2.0})
+    clock = iter(range(100))
+    rounds = tools.time_interleaved({n: gpu.call(n) for n in "AB"}, {"A": None, "B": "A"},
+                                    rounds=7, repeats=3, clock=gpu.clock, deadline=0.5,
+                                    now=lambda: next(clock))
+    assert len(rounds) == 1 and gpu.log == ["A"] * 3 + ["B"] * 3 + ["A"] * 3
+    stats = tools.interleaved_stats(rounds, {"A": None, "B": "A"})
+    assert stats["B"]["ratio"] == pytest.approx(2.0) and stats["B"]["rounds"] == 1
 
 
 def test_rows_not_run_print_a_dash_never_none():

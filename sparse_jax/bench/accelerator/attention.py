@@ -26,6 +26,9 @@ from sparse_jax.bench.accelerator.common import (
 
 # The H100 report: 67 s for 24 rows (~2.8 s a row with its compilation), two left out at 70.
 CAP, DRY_CAP = 95, 40
+# A row compiled but not yet timed when the stage printed its results (a length's rows are timed
+# together, once all are compiled): what the row says if the stage stops there.
+NOT_TIMED = "compiled, not timed: the stage stopped first"
 
 BASELINES = ["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas"]
 # The variants (docs/attention.md, "Kernel variants"), in the order their H100 compile ranks
@@ -74,6 +77,7 @@ def run(plan: dict) -> dict:
     peak = peak_tflops(jax.devices()[0].device_kind)
     rows = [{"pattern": pattern, "seq_len": g["seq_len"]} for g in p["groups"]
             for pattern in g["patterns"]]
+    done = []  # the rows of the lengths timed; what a stage stopped at its cap leaves
     for n in dict.fromkeys(r["seq_len"] for r in rows):  # a length's rows timed together
         of_n = [r for r in rows if r["seq_len"] == n]
         shape = (p["batch"], n, p["heads"], p["head_dim"])
@@ -101,11 +105,14 @@ def run(plan: dict) -> dict:
                 memory = compiled.memory_analysis()
                 row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
                                      + memory.output_size_in_bytes) / 1e9
-                call = (lambda c=compiled: jax.block_until_ready(c(q, k, v)))
+                def call(c=compiled, args=(q, k, v)):
+                    return jax.block_until_ready(c(*args))
                 call()  # the first run: buffers allocated, kernels loaded
                 calls[row["pattern"]], specs[row["pattern"]] = call, spec
             except Exception as e:  # noqa: BLE001  one line, and the next case runs
                 row["error"] = one_line(e)
+            emit({"rows": done + [r if "error" in r else {**r, "error": NOT_TIMED}
+                                  for r in of_n[:of_n.index(row) + 1]]})
         anchor_of = anchors(list(calls))
         try:
             rounds = tools.time_interleaved(calls, anchor_of, p["rounds"], p["repeats"],
@@ -125,8 +132,9 @@ def run(plan: dict) -> dict:
             row.update(keys_per_query=keys, tflops=tflops,
                        of_peak=tflops / peak if peak else None,
                        device_peak_gb=tools.device_peak_memory_gb())
-        emit({"rows": rows})
-    return {"rows": rows}
+        done += of_n
+        emit({"rows": done})
+    return {"rows": done}
 
 
 def anchors(patterns: list[str]) -> dict[str, str | None]:
@@ -157,38 +165,74 @@ def summary(report: dict) -> list[str]:
     dense = {r["seq_len"]: r["median_ms"] for r in rows
              if r["pattern"].startswith("dense@cudnn") and "median_ms" in r}
     a = report["plan"]["attention"]
+    timing = (f"{a['rounds']} rounds after compilation, interleaved: each variant between two "
+              "runs of its pattern's default kernel (a sample the median of "
+              f"{a['repeats']} runs); ms: the median sample; / default: the median of the "
+              "per-round ratios to the default (their range; the default's: its consecutive "
+              "samples'), ≈ where the rounds disagree on which is faster"
+              if "rounds" in a else f"median of {a['repeats']} runs after compilation")
     lines = [f"Attention, forward + backward, bfloat16, B={a['batch']} H={a['heads']} "
-             f"d={a['head_dim']}, median of {a['repeats']} runs after compilation; useful "
+             f"d={a['head_dim']}, {timing}; useful "
              "FLOPs 10·B·H·n·|S|·d (|S| the mean keys per query; forward alone: "
              "4·B·H·n·|S|·d); memory: XLA's plan (arguments, outputs, temporaries) or "
              "torch's peak:", "",
-             "| pattern | n | ms | TFLOP/s | of bf16 peak | × vs cuDNN dense | "
+             "| pattern | n | ms | / default | TFLOP/s | of bf16 peak | × vs cuDNN dense | "
              "planned / peak GB | compile s | result |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["seq_len"], r["pattern"])):
         speedup = (dense[r["seq_len"]] / r["median_ms"]
                    if r["seq_len"] in dense and "median_ms" in r else None)
         memory = r.get("planned_gb", r.get("device_peak_gb"))
         name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd" else "")
         lines.append(f"| {name} | {r['seq_len']} | {fmt(r.get('median_ms'))} | "
+                     f"{ratio_cell(r)} | "
                      f"{fmt(r.get('tflops'))} | {fmt(r.get('of_peak'), '.1%')} | "
                      f"{fmt(speedup)} | {fmt(memory)} | {fmt(r.get('compile_s'))} | "
                      f"{r.get('error', 'ok')} |")
     return lines + [""] + fastest(rows)
 
 
+def ratio_cell(row: dict) -> str:
+    """A row's time over its default kernel's, interleaved: "0.63 (0.60–0.67)", "≈" where the
+    rounds disagree; the default's own "1 (0.97–1.04)"; "—" untimed so."""
+    if "ratio" not in row:
+        return "—"
+    spread = f"{row['ratio']:.3g} ({row['ratio_min']:.3g}–{row['ratio_max']:.3g})"
+    return spread + (" ≈" if row.get("within_noise") else "")
+
+
 def fastest(rows: list[dict]) -> list[str]:
-    """A line per pattern and length with more than one Pallas kernel timed: the fastest."""
+    """A line per pattern and length with more than one Pallas kernel timed: the fastest, by
+    its ratio to the default kernel where the rows were timed interleaved (else by the median),
+    and whether the rounds tell it from the default and from the runner-up."""
+    from sparse_jax.bench import tools
+
     lines = []
     for kind in ("strided", "fixed"):
         for n in sorted({r["seq_len"] for r in rows}):
             timed = [r for r in rows if r["seq_len"] == n and r["pattern"].startswith(kind)
                      and "@pallas" in r["pattern"] and "median_ms" in r]
-            if len(timed) > 1:
-                best = min(timed, key=lambda r: r["median_ms"])
-                default = next((r for r in timed if r["pattern"].endswith("@pallas")), None)
-                gain = (f", {default['median_ms'] / best['median_ms']:.2f}× the default "
-                        "kernel" if default else "")
-                lines.append(f"Fastest {kind} kernel at {n}: `{best['pattern']}`, "
-                             f"{best['median_ms']:.3g} ms{gain}.")
+            if len(timed) < 2:
+                continue
+            paired = all("ratio" in r for r in timed)
+            order = sorted(timed, key=lambda r: r["ratio"] if paired else r["median_ms"])
+            best, runner_up = order[0], order[1]
+            default = next((r for r in timed if r["pattern"].endswith("@pallas")), None)
+            if paired and best is not default:
+                gain = (f", {1 / best['ratio']:.2f}× the default kernel (per round "
+                        f"{1 / best['ratio_max']:.2f}–{1 / best['ratio_min']:.2f} over "
+                        f"{best['rounds']} rounds"
+                        + ("; within noise of it" if best["within_noise"] else "") + ")")
+            elif default is not None and best is not default:
+                gain = f", {default['median_ms'] / best['median_ms']:.2f}× the default kernel"
+            else:
+                gain = ", the default kernel" if best is default else ""
+            close = ""
+            if paired and "round_ratios" in best and "round_ratios" in runner_up and \
+                    tools.within_noise(best["round_ratios"], runner_up["round_ratios"]):
+                close = f" `{runner_up['pattern']}` is within noise of it."
+            elif paired and best is default and runner_up.get("within_noise"):
+                close = f" `{runner_up['pattern']}` is within noise of it."
+            lines.append(f"Fastest {kind} kernel at {n}: `{best['pattern']}`, "
+                         f"{best['median_ms']:.3g} ms{gain}.{close}")
     return lines + [""] if lines else []
