@@ -25,26 +25,28 @@ from sparse_jax.bench.accelerator.common import (
 )
 
 # The H100 report: 67 s for 24 rows (~2.8 s a row with its compilation), two left out at 70.
-CAP, DRY_CAP = 95, 40
+CAP, DRY_CAP = 120, 40  # 27 rows interleaved: 7 rounds of 3 runs each, after compiling
 # A row compiled but not yet timed when the stage printed its results (a length's rows are timed
 # together, once all are compiled): what the row says if the stage stops there.
 NOT_TIMED = "compiled, not timed: the stage stopped first"
 
 BASELINES = ["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas"]
-# The variants (docs/attention.md, "Kernel variants"), in the order their H100 compile ranks
-# them (docs/gpu_compile.md: no spilled registers first, then the fewest bytes moved per
-# resident warp), so that a cap cuts the least likely. 64 x 32 and 32 x 32 tiles lower every
-# kernel's registers (dkv 231 -> 124-134), raising occupancy from 12.5% to 19-25%; for fixed,
-# 128 x 64 query tiles re-read the summary keys half as often (38.6 GB moved at 64k against
-# 57.0). Not timed, as every one of them spills registers on an H100: two heads per program
-# (dk/dv, 300-1,376 bytes), and the 128 x 64 and 128 x 128 strided tiles, which lost to 64 x 64
-# there (1.18 and 1.52 ms against 0.912).
-VARIANTS_16K = ["strided:128@pallas:chained:32x32", "strided:128@pallas:chained:64x32:one_loop",
-                "strided:128@pallas:chained:64x32", "strided:128@pallas:chained",
-                "strided:128@pallas:chained:one_loop", "fixed:128:32@pallas:128x64:chained:w8",
-                "fixed:128:32@pallas:chained:64x32", "fixed:128:32@pallas:chained"]
-VARIANTS_64K = ["strided:128@pallas:chained:64x32:one_loop",
-                "fixed:128:32@pallas:128x64:chained:w8:s3", "fixed:128:32@pallas:chained:64x32"]
+# The baselines' Pallas rows name no option: they run the defaults chosen by measurement
+# (attention.measured: chained up to 16,384, terms beyond); ":terms" and ":chained" rows time
+# the other variant beside them, so each length checks the choice. The variants
+# (docs/attention.md, "Kernel variants") come in the order the cost model ranks them
+# (docs/cost_model.md), so that a cap cuts the least likely. Not timed: two heads per program
+# (spills dk/dv on an H100), the 128 x 64 and 128 x 128 strided tiles (lost to 64 x 64 there:
+# 1.18 and 1.52 ms against 0.912), and fixed 128x64:chained:w8:s3 at 64k, which the H200
+# measured last (21.8 ms against the default's 16.0) and the cost model ranks last.
+VARIANTS_16K = ["strided:128@pallas:terms", "strided:128@pallas:chained:64x32",
+                "strided:128@pallas:chained:one_loop", "strided:128@pallas:chained:32x32",
+                "fixed:128:32@pallas:terms", "fixed:128:32@pallas:128x64:chained:w8",
+                "fixed:128:32@pallas:chained:64x32"]
+VARIANTS_64K = ["strided:128@pallas:chained", "fixed:128:32@pallas:chained",
+                "strided:128@pallas:chained:64x32:one_loop", "fixed:128:32@pallas:chained:64x32"]
+VARIANTS_8K_32K = ["strided:128@pallas:terms", "fixed:128:32@pallas:terms",
+                   "strided:128@pallas:chained", "fixed:128:32@pallas:chained"]
 
 
 def plan(dry_run: bool) -> dict:
@@ -61,8 +63,8 @@ def plan(dry_run: bool) -> dict:
         {"seq_len": 16384, "patterns": BASELINES},
         {"seq_len": 16384, "patterns": VARIANTS_16K},
         {"seq_len": 65536, "patterns": [*BASELINES, *VARIANTS_64K]},
-        {"seq_len": 8192, "patterns": BASELINES},
-        {"seq_len": 32768, "patterns": BASELINES}]}
+        {"seq_len": 8192, "patterns": [*BASELINES, *VARIANTS_8K_32K[:2]]},
+        {"seq_len": 32768, "patterns": [*BASELINES, *VARIANTS_8K_32K[2:]]}]}
 
 
 def run(plan: dict) -> dict:
