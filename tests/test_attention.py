@@ -89,10 +89,10 @@ def test_scanned_chunks_and_sub_rows_match_dense(spec, chunk_scores, min_sub_row
     more call for the rest; strided, n=37: 20 sub-rows of 2 in two chunks of 8, then 4). The
     summary term (fixed) goes one query row at a time against blocks of 1 or 12 keys, so its
     steps cover every (row, block) pair the scan visits."""
-    monkeypatch.setattr(A, "_STEP_SCORES", chunk_scores * 6)  # 6 = batch 2 × 3 heads
-    monkeypatch.setattr(A, "_SUMMARY_SCORES", chunk_scores)
-    monkeypatch.setattr(A, "_MIN_SUB_ROW", min_sub_row)
-    monkeypatch.setattr(A, "_SUMMARY_QUERIES", 8)
+    monkeypatch.setattr(xla, "_STEP_SCORES", chunk_scores * 6)  # 6 = batch 2 × 3 heads
+    monkeypatch.setattr(xla, "_SUMMARY_SCORES", chunk_scores)
+    monkeypatch.setattr(xla, "_MIN_SUB_ROW", min_sub_row)
+    monkeypatch.setattr(xla, "_SUMMARY_QUERIES", 8)
     q, k, v = qkv((2, 37, 3, 8))
     if chunk_scores == 1:
         jaxpr = jax.make_jaxpr(jax.grad(lambda q: A.sparse_attention(q, k, v, spec).sum()))(q)
@@ -105,8 +105,8 @@ def test_scanned_chunks_and_sub_rows_match_dense(spec, chunk_scores, min_sub_row
 def test_summary_steps_of_several_rows_and_key_blocks_match_dense(spec, monkeypatch):
     """n=64, l=8: 8 rows in chunks of 2 (16 queries), 16 summary keys in blocks of 6 (the last
     padded): steps whose query rows differ within a step and whose key blocks end mid-row."""
-    monkeypatch.setattr(A, "_SUMMARY_QUERIES", 16)
-    monkeypatch.setattr(A, "_SUMMARY_SCORES", 100)
+    monkeypatch.setattr(xla, "_SUMMARY_QUERIES", 16)
+    monkeypatch.setattr(xla, "_SUMMARY_SCORES", 100)
     term = xla._summary(spec.terms()[-1], 8, 6)
     assert (term.chunk, term.key_block) == (2, 6) and len(term.pairs) > 4
     assert_matches_dense(spec, *qkv((2, 64, 3, 8)))
@@ -152,8 +152,8 @@ def test_under_shard_map_over_heads(spec):
         return jax.shard_map(attend, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads)(q, k, v)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(A, "_STEP_SCORES", 200)  # 100 scores per batch row and head
-        patch.setattr(A, "_SUMMARY_SCORES", 100)
+        patch.setattr(xla, "_STEP_SCORES", 200)  # 100 scores per batch row and head
+        patch.setattr(xla, "_SUMMARY_SCORES", 100)
         assert_matches_dense(spec, *qkv((1, 37, 2, 8)), attend=sharded)
 
 

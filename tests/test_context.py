@@ -253,7 +253,7 @@ def test_auto_resolves_as_sparse_attention_and_block_sizes_are_checked():
     assert C._how("auto") is (attention.resolve_implementation("auto") == "native")
     assert C._how("xla", TILES) is False
     assert C._how("pallas", TILES).interpret
-    with pytest.raises(ValueError, match="block_sizes must be a kernel.BlockSizes"):
+    with pytest.raises(ValueError, match="must be a sparse_jax.attention.BlockSizes"):
         C._how("xla", (16, 16))
     q = jnp.zeros((1, 64, 1, 16))
     with pytest.raises(ValueError, match="heads_per_program=2 must divide the 1 heads"):

@@ -24,6 +24,7 @@ from flax import nnx
 from sparse_jax import attention as A
 from sparse_jax.attention import blocks as K
 from sparse_jax.attention import patterns as P
+from sparse_jax.attention.fused import _terms, compiler_for, sequence_attention, sparsity
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.model.config import ModelConfig
 from sparse_jax.model.transformer import SparseTransformer
@@ -56,8 +57,8 @@ def listed_pairs(spec, seq_len, sizes):
     rows = -(-seq_len // spec.block)
     pairs = set()
     for term in spec.terms():
-        layout = K._layout(term, rows)
-        lists = K._block_lists(layout, sizes.block_q, sizes.block_k)[0]
+        layout = K.term_layout(term, rows)
+        lists = K.block_lists(layout, sizes.block_q, sizes.block_k)[0]
         (q_pos, q_seg), (k_pos, k_seg, k_flag) = (
             [a[:, 0] for a in lists.q_attrs], [a[0] for a in lists.k_attrs])
         # sequence position of each layout slot
@@ -68,7 +69,7 @@ def listed_pairs(spec, seq_len, sizes):
             for j, kb in enumerate(row[2:2 + n_partial + n_full]):
                 qs = slice(qb * sizes.block_q, (qb + 1) * sizes.block_q)
                 ks = slice(kb * sizes.block_k, (kb + 1) * sizes.block_k)
-                keep = K._keep(layout, q_pos[qs, None], q_seg[qs, None], k_pos[None, ks],
+                keep = K.keep_rule(layout, q_pos[qs, None], q_seg[qs, None], k_pos[None, ks],
                                k_seg[None, ks], k_flag[None, ks])
                 assert keep.any(), "a listed block keeps no pair"
                 if j >= n_partial:
@@ -113,7 +114,7 @@ def test_block_lists_skip_the_strided_pattern():
     are a few percent of the causal triangle (3.5%), and 2/3 of what they score is kept (a
     block mask in sequence order would list every tile of the triangle)."""
     spec, n = PatternSpec("strided", stride=128), 16384
-    stats = K.sparsity(spec, n)
+    stats = sparsity(spec, n)
     assert stats["kept"] == int(round(spec.mean_keys(n) * n))
     assert stats["scored"] < 0.05 * n * (n + 1) / 2
     assert stats["kept"] > 0.6 * stats["scored"]
@@ -138,7 +139,7 @@ def test_kernels_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     x = jax.ShapeDtypeStruct((2, 2, seq_len, d), jnp.dtype(dtype))
 
     def loss(q, k, v):
-        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False).sum()
+        return sequence_attention(spec, q, k, v, sizes=sizes, interpret=False).sum()
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=("cuda",))
@@ -173,7 +174,7 @@ def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, size
                              jnp.dtype(dtype))
 
     def loss(q, k, v):
-        return K.sequence_attention(spec, q, k, v, sizes=sizes, interpret=False,
+        return sequence_attention(spec, q, k, v, sizes=sizes, interpret=False,
                                     seq_major=seq_major).astype(jnp.float32).sum()
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
@@ -199,7 +200,7 @@ def test_kernels_lower_to_mosaic_for_a_tpu(spec, seq_len, d, dtype):
     x = jax.ShapeDtypeStruct((1, 2, seq_len, d), jnp.dtype(dtype))
 
     def loss(q, k, v):
-        return K.sequence_attention(spec, q, k, v, backend="mosaic", interpret=False).sum()
+        return sequence_attention(spec, q, k, v, backend="mosaic", interpret=False).sum()
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=("tpu",))
@@ -216,7 +217,7 @@ def test_larger_mosaic_tiles_and_head_groups_lower_for_a_tpu(sizes):
                                                                         jnp.bfloat16)
 
     def loss(q, k, v):
-        return K.sequence_attention(spec, q, k, v, sizes=sizes, backend="mosaic",
+        return sequence_attention(spec, q, k, v, sizes=sizes, backend="mosaic",
                                     interpret=False).sum()
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
@@ -249,7 +250,7 @@ def assert_mosaic_matches_dense(spec, seq_len, sizes):
     def kernel(q, k, v):  # [B, n, H, d] -> the grid-padded [B, H, n', d] layout and back
         seq = lambda x: jnp.pad(  # noqa: E731
             x, ((0, 0), (0, rows * spec.block - seq_len), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-        out = K.sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=sizes,
+        out = sequence_attention(spec, seq(q) / 8.0, seq(k), seq(v), sizes=sizes,
                                    backend="mosaic", interpret=True)
         return out[:, :, :seq_len].transpose(0, 2, 1, 3)
 
@@ -282,8 +283,8 @@ def test_band_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes, kinds)
     """The TPU's band kernels (a term whose keys lie in a window of blocks around each query
     block: whole windows at once, several blocks a grid step, masks from a table, log-sum-exp
     lane-dense) compute what the dense reference does, forward and gradients, float32."""
-    compiler = K.compiler_for(sizes, "mosaic", interpret=True)
-    terms = K._terms(spec, -(-seq_len // spec.block), compiler)
+    compiler = compiler_for(sizes, "mosaic", interpret=True)
+    terms = _terms(spec, -(-seq_len // spec.block), compiler)
     assert {layout.kind for layout, _, _, band in terms if band} == kinds
     assert_mosaic_matches_dense(spec, seq_len, sizes)
 
@@ -293,11 +294,11 @@ def test_band_kernels_score_half_the_pairs_of_the_tiles_for_strided():
     of 256 x 256 tiles (a block and the one before it; a column's own block), and the plan is
     what the kernels read: 16 blocks a step, windows of 17 blocks inside the sequence."""
     spec, n = PatternSpec("strided", stride=128), 16384
-    tiles = K.sparsity(spec, n, K.BlockSizes(256, 256))
-    band = K.sparsity(spec, n, K.BlockSizes.for_backend("mosaic"))
+    tiles = sparsity(spec, n, K.BlockSizes(256, 256))
+    band = sparsity(spec, n, K.BlockSizes.for_backend("mosaic"))
     assert band["kept"] == tiles["kept"] and 1.95 < tiles["scored"] / band["scored"] <= 2
-    layout = K._layout(spec.terms()[0], n // 128)
-    length, queries, keys = K._band(layout, 128, 16, 256, 256)
+    layout = K.term_layout(spec.terms()[0], n // 128)
+    length, queries, keys = K.band_plan(layout, 128, 16, 256, 256)
     assert length == n and (queries.width, queries.group, queries.steps) == (2, 16, 8)
     starts = queries.meta[:queries.steps]
     assert starts.min() == 0 and starts.max() + 17 <= n // 128
@@ -419,13 +420,13 @@ def test_chained_log_sum_exp_matches_dense():
     spec, n = PatternSpec("strided", stride=16), 64
     q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
     seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    out, lse = K.sequence_attention(spec, seq(q), seq(k), seq(k), sizes=BOTH, return_lse=True)
+    out, lse = sequence_attention(spec, seq(q), seq(k), seq(k), sizes=BOTH, return_lse=True)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     want = jax.nn.logsumexp(jnp.where(spec.mask(n), scores, -jnp.inf), axis=-1)
     np.testing.assert_allclose(lse, want, atol=1e-5, rtol=0)
     assert out.dtype == jnp.float32
     for sizes in (BOTH, SMALL):  # [B, n, H, d] arrays: read as they are, or transposed (terms)
-        got = K.sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
+        got = sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
         np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
         np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
 
@@ -436,7 +437,7 @@ def test_log_sum_exp_and_half_size_values():
     spec, n, d = PatternSpec("fixed", stride=16, c=4), 96, 24
     q, k, v, _ = qkv(n, d, jnp.float32, dv=40, heads=1)
     seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    out, lse = K.sequence_attention(spec, seq(q) / math.sqrt(d), seq(k), seq(v), sizes=SMALL,
+    out, lse = sequence_attention(spec, seq(q) / math.sqrt(d), seq(k), seq(v), sizes=SMALL,
                                     return_lse=True)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     want_lse = jax.nn.logsumexp(jnp.where(spec.mask(n), scores, -jnp.inf), axis=-1)
@@ -460,7 +461,7 @@ def test_implementation_choice():
     with pytest.raises(ValueError, match="variant"):
         K.BlockSizes(variant="fused")
     with pytest.raises(ValueError, match="chained.*triton"):
-        K.compiler_for(K.BlockSizes(128, 128, variant="chained"), backend="mosaic")
+        compiler_for(K.BlockSizes(128, 128, variant="chained"), backend="mosaic")
     from sparse_jax.bench.attention import parse_pattern  # a benchmark names a variant
 
     assert parse_pattern("strided:128@pallas:64x32:chained:h2:w8:s3:one_loop", 1024)[2] == (

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_jax.attention import patterns as P
+from sparse_jax.attention import spec as spec_lib
+from sparse_jax.attention import terms as terms_lib
 from sparse_jax.attention.spec import PatternSpec, layer_specs
 from sparse_jax.attention.terms import (
     pattern_terms,
@@ -213,7 +215,7 @@ def test_row_keys_are_the_rows_of_the_index_arrays(n, l):
     for k, spec in enumerate(specs):
         expected = spec.indices(n)
         got = spec.row_keys(np.arange(n), n)
-        assert got.shape[0] == n and rows(P._compact(got, n)) == rows(expected), spec
+        assert got.shape[0] == n and rows(P.compact(got, n)) == rows(expected), spec
         if k % 3:  # the traced path (one compilation each) for every third spec
             continue
         traced = jax.jit(lambda i, spec=spec: spec.row_keys(i, n, jax.numpy))
@@ -224,7 +226,9 @@ def test_row_keys_are_the_rows_of_the_index_arrays(n, l):
 def test_decoder_keys_at_long_context_build_no_index_array(monkeypatch):
     """Fixed, l=256, c=64, at 65,536 positions: a step's candidates are the own block's 256
     keys and the 16,384 summary keys, where ``indices`` would be a 4 GB array."""
-    monkeypatch.setattr(P, "pattern_indices", lambda *a, **k: pytest.fail("built an index array"))
+    for module in (P, spec_lib):  # where PatternSpec looks it up, and its home
+        monkeypatch.setattr(module, "pattern_indices",
+                            lambda *a, **k: pytest.fail("built an index array"))
     spec, i = PatternSpec("fixed", stride=256, c=64), 40_000
     keys = np.asarray(jax.jit(lambda i: spec.row_keys(i, 65536, jax.numpy))(i))
     assert keys.shape == (256 + 256 * 64,)
@@ -255,7 +259,8 @@ def test_mean_keys_at_long_context_builds_no_index_array(monkeypatch):
         raise AssertionError("built an index array")
 
     monkeypatch.setattr(P, "pattern_indices", no_array)
-    monkeypatch.setattr(P, "term_candidates", no_array)
+    monkeypatch.setattr(spec_lib, "pattern_indices", no_array)
+    monkeypatch.setattr(terms_lib, "term_candidates", no_array)
     spec = PatternSpec("fixed", stride=256, c=64)
     # block: 256·257/2 keys per row; summary: 64 per earlier row, rows 0..255 of 256
     assert spec.mean_keys(65536) == (256 * 257 / 2 * 256 + 64 * 256 * 255 / 2 * 256) / 65536

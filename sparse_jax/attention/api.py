@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from sparse_jax.attention import blocks as kernel
 from sparse_jax.attention import fused, patterns, tiles
 from sparse_jax.attention import native as _native
+from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.causal import causal_attention, native_causal_attention
 from sparse_jax.attention.reference import check_qkv
 from sparse_jax.attention.spec import PatternSpec
@@ -55,7 +55,7 @@ def _gpu_dense_attention(q, k, v):
 
 
 def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
-                     block_sizes: kernel.BlockSizes | None = None):
+                     block_sizes: BlockSizes | None = None):
     """Attention of q over k, v restricted to ``spec``'s pattern; equals
     ``dense_attention(q, k, v, spec.mask(n))``.
 
@@ -70,13 +70,13 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
     one fused CPU kernel, forward and backward, for float32 with a head dim the kernels take
     (else the XLA path): 1.2-1.9x less CPU time than PyTorch's fused SDPA, 1.5-2.5x less than
     the XLA path (docs/attention.md). ``block_sizes``: the kernel's tiles (default
-    ``kernel.BlockSizes.for_backend``).
+    ``BlockSizes.for_backend``).
     """
     check_qkv(q, k, v)
     if not isinstance(spec, PatternSpec):
         raise ValueError(f"spec must be a PatternSpec, got {type(spec).__name__}")
-    if block_sizes is not None and not isinstance(block_sizes, kernel.BlockSizes):
-        raise ValueError(f"block_sizes must be a kernel.BlockSizes or None, got "
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a sparse_jax.attention.BlockSizes or None, got "
                          f"{type(block_sizes).__name__}")
     implementation = resolve_implementation(implementation)
     batch, seq_len, heads, _ = q.shape
@@ -117,7 +117,7 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
 
 
 def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla",
-                         block_sizes: kernel.BlockSizes | None = None):
+                         block_sizes: BlockSizes | None = None):
     """Heads split into ``len(specs)`` equal groups, group g attending with ``specs[g]``
     (``block_sizes``: the Pallas kernel's tiles and variant, ``sparse_attention``'s)."""
     check_qkv(q, k, v)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax.attention import api, fused, patterns, reference, shards
-from sparse_jax.attention import blocks as kernel
+from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
 
@@ -131,8 +131,8 @@ def _how(implementation: str, block_sizes=None):
     the Pallas kernels' ``pallas.Compiler`` for ``block_sizes`` (their "terms" variant
     whatever ``block_sizes.variant`` says); a ValueError for what cannot run here."""
     patterns.check_choice("implementation", implementation, IMPLEMENTATIONS)
-    if block_sizes is not None and not isinstance(block_sizes, kernel.BlockSizes):
-        raise ValueError(f"block_sizes must be a kernel.BlockSizes or None, got "
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a sparse_jax.attention.BlockSizes or None, got "
                          f"{type(block_sizes).__name__}")
     resolved = api.resolve_implementation(implementation)
     if resolved == "pallas":
@@ -155,7 +155,7 @@ def _specs(spec, heads: int) -> tuple[PatternSpec, ...]:
 
 def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
                       axis: str = "seq", implementation: str = "xla",
-                      block_sizes: kernel.BlockSizes | None = None):
+                      block_sizes: BlockSizes | None = None):
     """This shard's rows of ``sparse_attention`` over the whole sequence; call inside
     ``jax.shard_map`` (``check_vma`` either way) with q, k, v ``[B, n/P, H, d]`` the shard
     ``jax.lax.axis_index(axis)`` of the sequence along mesh axis ``axis`` (the batch may be
@@ -164,7 +164,7 @@ def context_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...], *,
     "native" (the fused CPU kernels for the sparse terms), "pallas" (the Pallas kernels for
     the sparse terms: compiled on a GPU or TPU, interpret mode on a CPU) or "auto" (as
     ``api.resolve_implementation``: Pallas on a GPU or TPU, the CPU kernels on a CPU
-    where they build). ``block_sizes``: the Pallas kernels' tiles (``kernel.BlockSizes``;
+    where they build). ``block_sizes``: the Pallas kernels' tiles (``BlockSizes``;
     ignored by "xla" and "native"); inside the split they run the "terms" variant, also for
     ``variant="chained"``. The dense ring and the summary keys of earlier shards run XLA's
     dense blocks whatever the implementation. Differentiable (a custom backward, exact)."""
@@ -208,7 +208,7 @@ def seq_mesh(devices: int, axis: str = "seq") -> jax.sharding.Mesh:
 def context_parallel_attention(q, k, v, spec: PatternSpec | tuple[PatternSpec, ...],
                                mesh: jax.sharding.Mesh, *, axis: str = "seq",
                                implementation: str = "xla",
-                               block_sizes: kernel.BlockSizes | None = None):
+                               block_sizes: BlockSizes | None = None):
     """``sparse_attention(q, k, v, spec)`` (or ``multi_spec_attention`` for a tuple of specs)
     with the sequence split over mesh axis ``axis``: q, k, v ``[B, n, H, d]`` (global arrays),
     each device attending its contiguous ``n/P`` positions with ``context_attention``
