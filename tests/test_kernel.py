@@ -285,7 +285,7 @@ def test_band_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes, kinds)
     lane-dense) compute what the dense reference does, forward and gradients, float32."""
     compiler = compiler_for(sizes, "mosaic", interpret=True)
     terms = _terms(spec, -(-seq_len // spec.block), compiler)
-    assert {layout.kind for layout, _, _, band in terms if band} == kinds
+    assert {layout.kind for layout, _, _, band, _ in terms if band} == kinds
     assert_mosaic_matches_dense(spec, seq_len, sizes)
 
 
@@ -389,12 +389,19 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
      K.BlockSizes(32, 16, variant="chained", one_loop=True)),
     (PatternSpec("fixed", stride=32, c=8), 160, 64, "bfloat16",
      K.BlockSizes(32, 16, variant="chained")),
+    # the summary term on its own tiles (sumQxK), larger than the band's, in both variants
+    (PatternSpec("fixed", stride=16, c=4), 90, 64, "float32",
+     K.BlockSizes(16, 16, variant="chained", summary_q=32, summary_k=16)),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra"), 100, 64, "float32",
+     K.BlockSizes(16, 16, summary_q=32, summary_k=32)),
 ]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_CASES, ids=[
     f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
-    + ("-one_loop" if c[4].one_loop else "") for c in VARIANT_CASES])
+    + ("-one_loop" if c[4].one_loop else "")
+    + (f"-sum{c[4].summary_q}x{c[4].summary_k}" if c[4].summary_q else "")
+    for c in VARIANT_CASES])
 def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
     """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
     strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads;
@@ -476,6 +483,12 @@ def test_implementation_choice():
         K.BlockSizes(512, 512, band=0))
     with pytest.raises(ValueError, match="band_group=3 .* power of two"):
         K.BlockSizes(band=128, band_group=3)
+    assert parse_pattern("fixed:128:32@pallas:chained:sum128x64", 1024)[2] == K.BlockSizes(
+        variant="chained", summary_q=128, summary_k=64)  # the summary term's own tiles
+    with pytest.raises(ValueError, match="summary_k=0 .*sumQxK"):
+        K.BlockSizes(summary_q=64)
+    with pytest.raises(ValueError, match="summary tiles 8x16 .* Triton needs at least 16"):
+        compiler_for(K.BlockSizes(summary_q=8, summary_k=16), backend="triton", interpret=False)
     with pytest.raises(ValueError, match="divide the 2 heads"):
         A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),
                            "pallas", K.BlockSizes(16, 16, heads_per_program=4))

@@ -57,7 +57,7 @@ VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels ar
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
 _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
-                 "band": "the band tile",
+                 "band": "the band tile", "summary_q": "the summary tiles",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
                  "num_stages": "the stages"}  # what each kind of option in `parse` sets
 
@@ -83,7 +83,9 @@ class BlockSizes:
     n ≤ l²) runs the band kernels (``pallas.band_forward``) where they score fewer
     pairs than the tiles would: each query block of ``band`` rows takes its whole window of key
     blocks at once, and a grid step serves ``band_group`` query blocks (key blocks in the
-    backward's key pass), fewer where the sequence is short."""
+    backward's key pass), fewer where the sequence is short. ``summary_q`` × ``summary_k``
+    (0: the tiles): the fixed pattern's summary term's own tiles, whose keys are packed (its
+    own array), so that its query tiles can be larger than the band term's."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -93,6 +95,8 @@ class BlockSizes:
     one_loop: bool = False
     band: int = 0
     band_group: int = 16
+    summary_q: int = 0
+    summary_k: int = 0
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -109,7 +113,8 @@ class BlockSizes:
         """From ``:``-separated options, the others ``default``'s (None: ``BlockSizes()``, the
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
-        blocks of T rows, G a grid step (``band0``: none); e.g. "64x64:chained:h2",
+        blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
+        tiles; e.g. "64x64:chained:h2", "chained:sum128x64",
         "512x512:band128x4". An
         option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
         refused (ValueError), not resolved by order."""
@@ -124,13 +129,16 @@ class BlockSizes:
             elif re.fullmatch(r"band0|band\d+x\d+", option):
                 names = ("band", "band_group")
                 values = (0, 16) if option == "band0" else tuple(map(int, option[4:].split("x")))
+            elif re.fullmatch(r"sum\d+x\d+", option):
+                names = ("summary_q", "summary_k")
+                values = tuple(map(int, option[3:].split("x")))
             elif re.fullmatch(r"[hws]\d+", option):
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN, one_loop or bandTxG")
+                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG or sumQxK")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -158,6 +166,12 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
+        for name in ("summary_q", "summary_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
+                    or value & (value - 1) or (value == 0) != (self.summary_q == 0):
+                raise ValueError(f"BlockSizes.{name}={value} (option sumQxK) must be a power "
+                                 "of two, or 0 with the other (the tiles)")
         for name in ("band", "band_group"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
@@ -173,6 +187,11 @@ class BlockSizes:
         ``compiler_for`` checks tiles only where the kernels compile."""
         patterns.check_choice("backend", backend, BACKENDS)
         size = f"{self.block_q}x{self.block_k}"
+        if tiles and self.summary_q and not (
+                min(self.summary_q, self.summary_k) >= 16 if backend == "triton"
+                else self.summary_q % 128 == 0 == self.summary_k % 128):
+            raise ValueError(f"summary tiles {self.summary_q}x{self.summary_k} (option sumQxK): "
+                             "Triton needs at least 16 x 16, Mosaic multiples of 128")
         if tiles and backend == "triton" and min(self.block_q, self.block_k) < 16:
             raise ValueError(f"kernel tiles {size}: Triton needs at least 16 queries and 16 keys "
                              "per tile (e.g. 16x16, 64x64, the default)")

@@ -33,30 +33,40 @@ def _pad_to(x, length, axis=2):
     return jnp.pad(x, widths)
 
 
+def _for_term(compiler, layout):
+    """The compiler of one term: the summary term's own tiles where they are set."""
+    if layout.kind == "summary" and compiler.summary_q:
+        return dataclasses.replace(compiler, block_q=compiler.summary_q,
+                                   block_k=compiler.summary_k)
+    return compiler
+
+
 def _terms(spec, rows, compiler):
-    """Each term's layout, mask rule, block lists and band plan: (padded length, query-side and
-    key-side ``pallas.Band``) where the band kernels run it (``blocks.band_plan``), else None."""
+    """Each term's layout, mask rule, block lists, band plan ((padded length, query-side and
+    key-side ``pallas.Band``) where the band kernels run it (``blocks.band_plan``), else None)
+    and compiler (``_for_term``)."""
     for term in spec.terms():
         layout = blocks.term_layout(term, rows)
-        lists = blocks.block_lists(layout, compiler.block_q, compiler.block_k)[0]
-        band = compiler.band and blocks.band_plan(layout, compiler.band, compiler.band_group,
-                                       compiler.block_q, compiler.block_k)
-        yield layout, functools.partial(blocks.keep_rule, layout), lists, band
+        comp = _for_term(compiler, layout)
+        lists = blocks.block_lists(layout, comp.block_q, comp.block_k)[0]
+        band = comp.band and blocks.band_plan(layout, comp.band, comp.band_group,
+                                              comp.block_q, comp.block_k)
+        yield layout, functools.partial(blocks.keep_rule, layout), lists, band, comp
 
 
 def _forward(spec, compiler, q, k, v):
     """Output [B, H, n, dv] and joint log-sum-exp [B, H, n] (float32); q pre-scaled by 1/√d."""
     rows = q.shape[2] // spec.block
     outs, lses = [], []
-    for layout, keep, lists, band in _terms(spec, rows, compiler):
+    for layout, keep, lists, band, comp in _terms(spec, rows, compiler):
         if band:
             o, lse = pallas.band_forward(
-                compiler, band[1], *(_pad_to(layout.queries(x), band[0]) for x in (q, k, v)),
+                comp, band[1], *(_pad_to(layout.queries(x), band[0]) for x in (q, k, v)),
                 tag=layout.kind)
             lse = lse.swapaxes(2, 3)  # lane-dense [B, H, 1, N] -> [B, H, N, 1]
         else:
             nq, nk = len(lists.q_attrs[0]), lists.k_attrs[0].shape[1]
-            o, lse = pallas.forward(compiler, keep, lists,
+            o, lse = pallas.forward(comp, keep, lists,
                                             _pad_to(layout.queries(q), nq),
                                             *(_pad_to(layout.keys(x), nk) for x in (k, v)),
                                             tag=layout.kind)
@@ -78,7 +88,8 @@ def _chain(spec, rows, compiler):
     16, at most the tiles), and the rows padded to a multiple of ``col``; and to make every
     tile divide the length. Padding rows are zeros after the sequence: no real query attends
     them, and their zero output gradients add nothing to the real keys' gradients."""
-    block, tile = spec.block, max(compiler.block_q, compiler.block_k)
+    block = spec.block
+    tile = max(compiler.block_q, compiler.block_k, compiler.summary_q, compiler.summary_k)
     step = max(1, tile // (block & -block))  # rows * block a multiple of every tile
     col = min(tile, max(16, rows & -rows))
     terms = sorted(spec.terms(), key=lambda t: [SummaryTerm, ColumnTerm,
@@ -88,7 +99,8 @@ def _chain(spec, rows, compiler):
     rows = -(-rows // step) * step
     plan = []
     for term in terms:
-        layout, comp = blocks.term_layout(term, rows), compiler
+        layout = blocks.term_layout(term, rows)
+        comp = _for_term(compiler, layout)
         if layout.kind == "columns":
             comp = dataclasses.replace(compiler, block_q=min(compiler.block_q, col),
                                        block_k=min(compiler.block_k, col))
@@ -170,17 +182,17 @@ def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
         return _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta)
     rows = q.shape[2] // spec.block
     grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
-    for layout, keep, lists, band in _terms(spec, rows, compiler):
+    for layout, keep, lists, band, comp in _terms(spec, rows, compiler):
         nq, nk = (band[0], band[0]) if band else (len(lists.q_attrs[0]),
                                                   lists.k_attrs[0].shape[1])
         q_l, do_l, lse_l, delta_l = (_pad_to(layout.queries(x), nq) for x in (q, do, lse, delta))
         k_l, v_l = (_pad_to(layout.keys(x), nk) for x in (k, v))
         if band:
             dq, dk, dv = pallas.band_backward(
-                compiler, band[1:], q_l, k_l, v_l, do_l, lse_l.swapaxes(2, 3),
+                comp, band[1:], q_l, k_l, v_l, do_l, lse_l.swapaxes(2, 3),
                 delta_l.swapaxes(2, 3), tag=layout.kind)
         else:
-            dq, dk, dv = pallas.backward(compiler, keep, lists, q_l, k_l, v_l, do_l,
+            dq, dk, dv = pallas.backward(comp, keep, lists, q_l, k_l, v_l, do_l,
                                                  lse_l, delta_l, tag=layout.kind)
         grads[0] += layout.queries_back(dq[:, :, :layout.n])
         grads[1] += layout.keys_back(dk[:, :, :layout.nk])
@@ -214,7 +226,7 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     return pallas.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
-                                   sizes.band_group)
+                                   sizes.band_group, sizes.summary_q, sizes.summary_k)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
@@ -268,9 +280,10 @@ def sparsity(spec: PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -
     kept = scored = 0
     for term in spec.terms():
         layout = blocks.term_layout(term, rows)
-        _, term_kept, term_scored = blocks.block_lists(layout, sizes.block_q, sizes.block_k)
-        band = sizes.band and blocks.band_plan(layout, sizes.band, sizes.band_group, sizes.block_q,
-                                    sizes.block_k)
+        bq, bk = ((sizes.summary_q, sizes.summary_k) if layout.kind == "summary"
+                  and sizes.summary_q else (sizes.block_q, sizes.block_k))
+        _, term_kept, term_scored = blocks.block_lists(layout, bq, bk)
+        band = sizes.band and blocks.band_plan(layout, sizes.band, sizes.band_group, bq, bk)
         if band:
             term_scored = band[0] * sizes.band * band[1].width
         kept, scored = kept + term_kept, scored + term_scored

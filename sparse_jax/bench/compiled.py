@@ -156,7 +156,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
         _, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
     else:
-        terms = [(layout, lists, compiler) for layout, _, lists, _ in
+        terms = [(layout, lists, comp) for layout, _, lists, _, comp in
                  fused._terms(spec, rows, compiler)]
     d = max(16, 1 << (head_dim - 1).bit_length())
     h = compiler.heads_per_program
