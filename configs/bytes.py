@@ -14,17 +14,19 @@ bytes (one window) and valid at least 2 (checked before training starts).
 size=cpu: a model sized for a 2-core CPU and a 30-minute budget (6 layers, d=128,
   strided l=32, context 512, 1.26M parameters, 2,900 steps of 8 windows). Hardware: a 2-core
   CPU. Wall time: under 30 minutes on the shipped corpus from process start (compilation, four
-  validation passes and checkpoints included). Target: validation bits/byte <= 1.70 on the
-  shipped corpus, below every general-purpose compressor; the measured curve and wall time are
-  in docs/results.md. On another file training takes the same time; each
-  validation pass reads the whole valid part, so on a large file set --config.eval_batches.
+  validation passes and checkpoints included): 8 min 28 s on the host of docs/results.md, which
+  has the measured curve and wall time; the README quotes the same. Target: validation
+  bits/byte <= 1.70 on the shipped corpus, below every general-purpose compressor. On another
+  file training takes the same time; each validation pass reads the whole valid part, so on a
+  large file set --config.eval_batches.
 size=cpu_long: size=cpu's budget at 8x its context, 4,096 bytes (strided l=64 with a 33-byte
   local window, layers interleaving the two parts, 1.27M parameters). Context stages: steps
   before 2,950 train on size=cpu's 8 windows of 512 bytes, the last 200 on 2 windows of 4,096
-  (one per device on 2 cores); 3,150 steps in size=cpu's wall time. Measured in one session:
-  1.689 bits/byte in 9 min 29 s, size=cpu 1.689 in 9 min 49 s: a tie. Neither model's bits
-  fall past ~256 bytes of context at this budget (scripts/evaluate.py --min_context), so the
-  longer context does not pay yet. docs/long_context.md, has the figures and what was tried.
+  (one per device on 2 cores); 3,150 steps in size=cpu's wall time. Measured side by side in
+  one session: both 1.689 bits/byte, size=cpu_long in 2% less wall time: a tie. Neither
+  model's bits fall past ~256 bytes of context at this budget (scripts/evaluate.py
+  --min_context), so the longer context does not pay yet. docs/long_context.md has the figures
+  and what was tried.
 size=gpu: one GPU, bfloat16: 8 layers, d=512, 8 heads, context 4,096, strided l=64 with the
   paper's 65-byte local window (it spans the stride, so every earlier byte is two hops away),
   rotary embeddings on top of the text tables (not in the paper), 16 windows per step (65,536

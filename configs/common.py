@@ -7,6 +7,8 @@ ConfigDict with every field the trainer (`sparse_jax.run.config.check_config`), 
 files call `finish()` on it, which locks it so a mistyped override fails.
 """
 
+import difflib
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -15,18 +17,26 @@ def parse_args(arg: str | None, **choices: tuple[str, ...]) -> dict[str, str]:
     """`"pattern=strided,size=tiny"` -> {"pattern": "strided", "size": "tiny"}.
 
     `choices` maps each accepted key to its allowed values, the first being the default.
-    Unknown keys, unknown values and malformed items raise ValueError.
+    Unknown keys (with the nearest accepted one), unknown values, keys given twice and malformed
+    items raise ValueError.
     """
     values = {key: allowed[0] for key, allowed in choices.items()}
+    given = set()
     for item in filter(None, (s.strip() for s in (arg or "").split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep:
             raise ValueError(f"config argument {item!r} is not key=value (got {arg!r})")
         if key not in choices:
             accepted = ", ".join(f"{k}={'|'.join(v)}" for k, v in choices.items())
-            raise ValueError(f"unknown config argument {key!r} in {arg!r}; accepted: {accepted}")
+            near = difflib.get_close_matches(key, choices, n=1)
+            raise ValueError(f"unknown config argument {key!r} in {arg!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; accepted: {accepted}")
         if value not in choices[key]:
             raise ValueError(f"{key}={value!r} is not one of {list(choices[key])}")
+        if key in given:
+            raise ValueError(f"config argument {key!r} given twice in {arg!r}; give it once")
+        given.add(key)
         values[key] = value
     return values
 

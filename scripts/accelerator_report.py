@@ -86,6 +86,21 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the report already i
                                "(its files are removed before the first stage starts).")
 
 
+def check(argv):
+    """Every flag, before any stage starts or anything is written (run_report checks again)."""
+    cli.no_arguments(argv)
+    from sparse_jax.bench import accelerator
+
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)  # empty: refused
+    stages = accelerator.STAGES if _STAGES.value is None else tuple(_STAGES.value)
+    try:  # a bad argument: exit status 2
+        accelerator.check_arguments(stages, accelerator.parse_caps(_CAPS.value), _BUDGET.value,
+                                    _WHEELS.value)
+        accelerator.check_output_dir(_OUTPUT_DIR.value, _OVERWRITE.value)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -111,4 +126,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

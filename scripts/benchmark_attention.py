@@ -40,32 +40,53 @@ one device. Writes results.json, results.md and time_vs_seq_len.png to ``--outpu
 
 from absl import app, flags
 
-from sparse_jax import cli
+from sparse_jax import cli, sharding
 from sparse_jax.bench import attention
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided:128", "fixed:128:32"], "Patterns.")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch size.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch size.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Input dtype.")
 _DEVICES = flags.DEFINE_integer(
     "devices", None, "Split heads over this many devices (default: one per core on a CPU, else "
-    "all local devices).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).")
+    "all local devices).", lower_bound=1, upper_bound=sharding.MAX_CPU_DEVICES)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).",
+                                lower_bound=1)
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 1, "Times every case runs (a fresh process each, interleaved with the other "
-    "cases); the round with the lowest median is reported.")
+    "cases); the round with the lowest median is reported.", lower_bound=1)
 _MEM_LIMIT = flags.DEFINE_float("mem_limit_gb", 20.0, "Kill a case whose RSS passes this.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Where results go.")
+
+
+def check(argv):
+    """Every flag, before any case's process starts or anything is written."""
+    cli.no_arguments(argv)
+    seq_lens = cli.integers("seq_lens", _SEQ_LENS.value)
+    unknown = [p for p in _PASSES.value if p not in ("fwd", "fwdbwd")]
+    if unknown:
+        raise app.UsageError(f"--passes: unknown pass {unknown[0]!r}; choose from fwd, fwdbwd")
+    for pattern in _PATTERNS.value:  # every name parses, at every length
+        for seq_len in seq_lens:
+            try:
+                attention.parse_pattern(pattern, seq_len)
+            except ValueError as e:
+                raise app.UsageError(f"--patterns: {e}") from None
+    if not _MEM_LIMIT.value > 0:
+        raise app.UsageError(f"--mem_limit_gb={_MEM_LIMIT.value:g}: give a positive number of "
+                             "GB")
+    devices = _DEVICES.value or attention.default_devices()
+    if _HEADS.value % devices:
+        raise app.UsageError(f"--heads={_HEADS.value} cannot be split over {devices} devices")
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
 
 
 def main(argv):
     del argv
     devices = _DEVICES.value or attention.default_devices()
-    if _HEADS.value % devices:
-        raise app.UsageError(f"--heads={_HEADS.value} cannot be split over {devices} devices")
     attention.benchmark_attention(
         [int(n) for n in _SEQ_LENS.value], _PATTERNS.value, passes=_PASSES.value,
         heads=_HEADS.value, head_dim=_HEAD_DIM.value, batch=_BATCH.value, dtype=_DTYPE.value,
@@ -74,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

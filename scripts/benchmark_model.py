@@ -28,24 +28,26 @@ import json
 
 from absl import flags
 
-from sparse_jax import cli
+from sparse_jax import cli, sharding
 from sparse_jax.bench import model
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 _SEQ_LEN = flags.DEFINE_list("seq_len", ["8192"], "Sequence lengths (a list runs each case at "
                              "each length, shortest first).")
-_LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
-_D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width.")
-_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
+_LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
+_D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
 _STRIDE = flags.DEFINE_string("stride", "128", "Stride of the sparse patterns (fixed: c = "
                                "stride / 4), or sqrt: the largest power of two <= sqrt(n).")
 _UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss, gradients "
                             "and the AdamW update (default: loss and gradients).")
-_BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).")
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).",
+                              lower_bound=1)
 _SEQ = flags.DEFINE_integer("seq", 1, "Split each sequence over this many simulated CPU "
                             "devices (context parallelism, the mesh's seq axis); XLA's memory "
-                            "figures are then per device.")
+                            "figures are then per device.", lower_bound=1,
+                            upper_bound=sharding.MAX_CPU_DEVICES)
 _CASES = flags.DEFINE_list(
     "cases", [f"{p}:{r}:{layout}" for p in ("strided", "dense") for layout in ("unrolled", "scan")
               for r in ("none", "full")],
@@ -56,16 +58,24 @@ _COMPILE_CIFAR = flags.DEFINE_bool("compile_cifar", False,
                                    "Measure compile time of the 128-layer CIFAR-10 model.")
 
 
+def check(argv):
+    """Every flag and case, before any case's process starts: each model valid at each length,
+    and with --seq > 1 each sequence split over --seq devices as a run would split it."""
+    cli.no_arguments(argv)
+    cli.output_file("output", _OUTPUT.value)
+    if not _COMPILE_CIFAR.value:
+        model.check_cases(_CASES.value, seq_lens=cli.integers("seq_len", _SEQ_LEN.value),
+                          num_layers=_LAYERS.value, d_model=_D_MODEL.value,
+                          num_heads=_HEADS.value, stride=_STRIDE.value, dtype=_DTYPE.value,
+                          seq=_SEQ.value)
+
+
 def main(argv):
     del argv
     if _COMPILE_CIFAR.value:
         results = model.benchmark_compile()
     else:
-        seq_lens = []
-        for value in _SEQ_LEN.value:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"--seq_len: {value!r} is not a positive integer")
-            seq_lens.append(int(value))
+        seq_lens = cli.integers("seq_len", _SEQ_LEN.value)
         results = model.benchmark_model(
             _CASES.value, seq_lens=seq_lens, num_layers=_LAYERS.value,
             d_model=_D_MODEL.value, num_heads=_HEADS.value, stride=_STRIDE.value,
@@ -77,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

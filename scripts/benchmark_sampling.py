@@ -26,23 +26,44 @@ from sparse_jax import cli
 from sparse_jax.bench import sampling
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
-_LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
-_D_MODEL = flags.DEFINE_integer("d_model", 256, "Width.")
-_HEADS = flags.DEFINE_integer("num_heads", 4, "Heads.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Context n.")
-_STRIDE = flags.DEFINE_integer("stride", 64, "Stride of the strided pattern.")
-_LENGTH = flags.DEFINE_integer("length", 4096, "Bytes to sample (<= seq_len).")
-_BATCH = flags.DEFINE_integer("batch_size", 1, "Samples drawn in parallel.")
-_NAIVE_STEPS = flags.DEFINE_integer("naive_steps", 128, "Timed steps of the naive sampler.")
+_LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
+_D_MODEL = flags.DEFINE_integer("d_model", 256, "Width.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("num_heads", 4, "Heads.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Context n.", lower_bound=1)
+_STRIDE = flags.DEFINE_integer("stride", 64, "Stride of the strided pattern.", lower_bound=1)
+_LENGTH = flags.DEFINE_integer("length", 4096, "Bytes to sample (<= seq_len).", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Samples drawn in parallel.", lower_bound=1)
+_NAIVE_STEPS = flags.DEFINE_integer("naive_steps", 128, "Timed steps of the naive sampler.",
+                                    lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sample from this training run's latest "
                                 "checkpoint instead (its model replaces the model flags).")
 _EVAL = flags.DEFINE_bool("eval", True, "Also benchmark evaluation throughput.")
-_EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in MiB.")
+_EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in MiB.",
+                                 lower_bound=1)
+
+
+def check(argv):
+    """Every flag, before any model is built: the model (or --workdir's run) and the length."""
+    cli.no_arguments(argv)
+    cli.output_file("output", _OUTPUT.value)
+    if _WORKDIR.value is not None:
+        from sparse_jax.run import setup, workdir
+
+        cli.input_dir("workdir", _WORKDIR.value, "the folder of a training run")
+        workdir.check_workdir(_WORKDIR.value)
+        seq_len = setup.recorded(_WORKDIR.value)[1].seq_len
+    else:
+        from sparse_jax.model.config import ModelConfig
+
+        seq_len = ModelConfig(seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
+                              d_model=_D_MODEL.value, num_heads=_HEADS.value, pattern="strided",
+                              stride=_STRIDE.value).seq_len
+    if _LENGTH.value > seq_len:
+        raise app.UsageError(f"--length={_LENGTH.value} must be at most the context, "
+                             f"seq_len={seq_len}")
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     sampling.benchmark_sampling(
         seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value, d_model=_D_MODEL.value,
         num_heads=_HEADS.value, stride=_STRIDE.value, length=_LENGTH.value,
@@ -52,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

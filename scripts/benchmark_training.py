@@ -18,12 +18,13 @@ import sys
 
 from absl import app, flags
 
-from sparse_jax import cli
+from sparse_jax import cli, sharding
 from sparse_jax.bench import training
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
                            "per context length.")
+cli.list_rules(_STEPS, repeats="one number per context length: two may train as long")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided"], "Attention of this project's "
                               "runs (the twin is always dense): dense, strided or fixed, each "
                               "optionally @native (the CPU kernels) or @xla.")
@@ -35,12 +36,28 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", -1, "CPU devices of this proj
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write results.md and results.json here.")
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    seq_lens, steps = [int(n) for n in _SEQ_LENS.value], [int(s) for s in _STEPS.value]
+def _lengths_and_steps():
+    seq_lens = cli.integers("seq_lens", _SEQ_LENS.value)
+    steps = cli.integers("steps", _STEPS.value)
     if len(steps) not in (1, len(seq_lens)):
-        raise app.UsageError("--steps needs one number or one per --seq_lens")
+        raise app.UsageError(f"--steps={','.join(_STEPS.value)}: give one number or one per "
+                             f"--seq_lens ({len(seq_lens)})")
+    return seq_lens, steps
+
+
+def check(argv):
+    """Every flag, before any run starts."""
+    cli.no_arguments(argv)
+    _lengths_and_steps()
+    if _CPU_DEVICES.value != -1 and not 1 <= _CPU_DEVICES.value <= sharding.MAX_CPU_DEVICES:
+        raise app.UsageError(f"--cpu_devices={_CPU_DEVICES.value}: give -1 (one per core) or 1 "
+                             f"to {sharding.MAX_CPU_DEVICES:,}")
+    training.check_arguments(_PATTERNS.value, _BASELINES.value, _DATA.value)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+
+
+def main(argv):
+    seq_lens, steps = _lengths_and_steps()
     training.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
                                 data_path=_DATA.value, patterns=_PATTERNS.value,
                                 baselines=_BASELINES.value,
@@ -49,4 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

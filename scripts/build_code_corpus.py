@@ -20,6 +20,7 @@ failure (a full disk at the last byte included) leaves every one of them as it w
 temporary file.
 """
 
+import os
 import time
 
 from absl import app, flags
@@ -37,9 +38,29 @@ _DOWNLOAD = flags.DEFINE_bool("download", True, "Download missing sdists from Py
                               "(--nodownload: only read --sdists).")
 
 
+def check(argv):
+    """Every flag, before anything is downloaded, read or written: the pins parse, --sdists is
+    a folder (or is made), --output can be written."""
+    cli.no_arguments(argv)
+    cli.input_file("pins", _PINS.value, "the file of pinned sdists")
+    try:
+        code_corpus.read_pins(_PINS.value)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise app.UsageError(f"--pins={_PINS.value}: {e}") from None
+    if not _SDISTS.value or os.path.lexists(_SDISTS.value) and not os.path.isdir(_SDISTS.value):
+        raise app.UsageError(f"--sdists={_SDISTS.value} is not a folder; give the folder of the "
+                             "sdists (missing ones are downloaded into it)")
+    cli.output_file("output", _OUTPUT.value)
+    if not _OUTPUT.value.endswith(".gz"):
+        raise app.UsageError(f"--output={_OUTPUT.value} must end in .gz (the corpus is written "
+                             "gzip -9'd)")
+    try:
+        code_corpus.check_output(_OUTPUT.value)
+    except ValueError as e:
+        raise app.UsageError(f"--output: {e}") from None
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     start = time.perf_counter()
     built = code_corpus.build(_PINS.value, _SDISTS.value, _OUTPUT.value, _DOWNLOAD.value)
     print("| package | licence (from PKG-INFO) | files | bytes |\n|---|---|---|---|")
@@ -55,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

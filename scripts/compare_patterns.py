@@ -14,6 +14,7 @@ for the same wall time (each its own number of steps, from a timing of it first:
 question at equal cost).
 """
 
+import os
 import sys
 
 from absl import app, flags
@@ -27,18 +28,43 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, one subfolder per pattern.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided", "fixed"], "Patterns to compare.")
 _STEPS = flags.DEFINE_integer("steps", None, "Training steps of every pattern (default: the "
-                              "config's total_steps).")
+                              "config's total_steps).", lower_bound=1)
 _MINUTES = flags.DEFINE_float("minutes", None, "Train every pattern for this many minutes of "
                               "wall time instead of a number of steps (each pattern's steps come "
-                              "from timing it first).")
+                              "from timing it first; at most a day, 1,440).")
+MAX_MINUTES = 24 * 60
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md, results.json and "
                                   "valid_bits.png go (default: --workdir).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def check(argv):
+    """Every flag and every pattern's config (`run.setup.complete`, as train.py would), and the
+    runs already in --workdir, before any run starts or anything is written."""
+    cli.no_arguments(argv)
+    from sparse_jax.bench import pattern_study as study
+
+    if _MINUTES.value is not None and not 0 < _MINUTES.value <= MAX_MINUTES:
+        raise app.UsageError(f"--minutes={_MINUTES.value:g}: give minutes in (0, {MAX_MINUTES:,}]"
+                             " (a day) of training for every pattern")
+    if _MINUTES.value is not None and _STEPS.value is not None:
+        raise app.UsageError("give either --steps or --minutes, not both")
+    cli.output_dir("workdir", _WORKDIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    try:
+        study.check_patterns(_PATTERNS.value)
+    except ValueError as e:
+        raise app.UsageError(f"--patterns: {e}") from None
+    config_flag = flags.FLAGS["config"]
+    by_pattern = study.pattern_configs(
+        config_flags.get_config_filename(config_flag), _PATTERNS.value, steps=_STEPS.value,
+        overrides=config_flags.get_override_values(config_flag))
+    if _MINUTES.value is None:
+        for pattern, config in by_pattern.items():  # refuses a run of another config there
+            study.run_status(os.path.join(_WORKDIR.value, pattern), config)
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from sparse_jax.bench import pattern_study as study
 
     config_flag = flags.FLAGS["config"]
@@ -50,11 +76,12 @@ def main(argv):
             output_dir=_OUTPUT_DIR.value, command=" ".join(["python", *sys.argv]))
     except RuntimeError as e:  # a pattern's run failed (its log says why)
         cli.fail(str(e))
-    except KeyboardInterrupt:  # the run in progress saves a checkpoint on the same Ctrl-C
-        cli.fail("interrupted; run the same command to resume", 130)
+    except KeyboardInterrupt as e:  # the run in progress saves a checkpoint on the same Ctrl-C
+        cli.fail("interrupted; run the same command to resume",
+                 128 + getattr(e, "signal", 2))  # 130, or 143 for SIGTERM (cli.Stopped)
     print(study.markdown(result["patterns"]))
     print("Wrote " + ", ".join(result["outputs"].values()))
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

@@ -56,6 +56,36 @@ _CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mos
                             "(default: on for v5p and v6e; v5e's profiler aborts).")
 
 
+def check(argv):
+    """Every flag, before any program compiles or anything is written."""
+    cli.no_arguments(argv)
+    compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
+    if _CYCLES.value is not None and compiled_for is compiled:
+        raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
+                             "or v6e)")
+    if not _TIMEOUT.value > 0:
+        raise app.UsageError(f"--timeout_s={_TIMEOUT.value:g}: give a positive number of "
+                             "seconds (a compile's time limit)")
+    if _LIST.value:
+        return
+    try:
+        chosen = compiled_for.select(_PROGRAMS.value)
+        tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
+                 or compiled_for.DEFAULT_TOOLS)
+        cli.input_dir("tools", tools, "the folder of the compilers' packages")
+        compiled_for.check_tools(tools)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    named = [p["name"] for p in chosen if p["name"] in _PROGRAMS.value
+             and str(p.get("pattern", "")).endswith("@cudnn")]
+    if named and not os.path.isdir(os.path.join(tools, "nvidia", "cudnn")):
+        raise app.UsageError(f"--programs: {named[0]} needs cuDNN in --tools={tools}: pip "
+                             f"install --no-deps --target {tools} nvidia-cudnn-cu12==9.28.0.42 "
+                             "(1.1 GB), or name another program (--list)")
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, ("results.md", "results.json"),
+                   _OVERWRITE.value)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -110,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

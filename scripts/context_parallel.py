@@ -29,16 +29,16 @@ import sys
 
 from absl import app, flags
 
-from sparse_jax import sharding
+from sparse_jax import cli, sharding
 from sparse_jax.model.config import model_config
 
 _PATTERNS = flags.DEFINE_list("patterns", ["strided", "fixed", "dense"], "Pattern kinds.")
-_STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.")
-_C = flags.DEFINE_integer("c", 32, "Summary width of fixed.")
+_STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.", lower_bound=1)
+_C = flags.DEFINE_integer("c", 32, "Summary width of fixed.", lower_bound=1)
 _N = flags.DEFINE_list("n", ["65536"], "Sequence lengths.")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts P.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.", lower_bound=1)
 _IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "auto"],
                                     "Term computations (native: XLA does not see the fused "
                                     "kernels' own memory).")
@@ -46,8 +46,12 @@ _MEMORY = flags.DEFINE_bool("memory", True, "Compile for the planned memory.")
 _TIME = flags.DEFINE_bool("time", False, "Also run the forward + backward and time it (the "
                           "simulated devices share the CPU's cores).")
 _MODEL_STEPS = flags.DEFINE_integer("model_steps", 0, "Instead: train the tiny model this many "
-                                    "steps split and unsplit (module docstring).")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.")
+                                    "steps split and unsplit (module docstring; at most "
+                                    "1,000).", lower_bound=0, upper_bound=1000)
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.",
+                                    lower_bound=1, upper_bound=sharding.MAX_CPU_DEVICES)
+KINDS = ("strided", "fixed", "dense")  # what --patterns takes
+BATCH = 8  # --model_steps: the sequences of a step
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
 
 
@@ -61,13 +65,10 @@ def _train_steps(pattern, seq, devices, steps):
     import jax
     import numpy as np
 
-    import configs
     from sparse_jax import train
     from sparse_jax.run import setup
 
-    config = configs.load("bytes:size=tiny", {
-        "model.pattern": pattern, "mesh.seq": seq, "batch_size": 8, "total_steps": steps + 1,
-        "optimizer.warmup_steps": 1})
+    config = _model_config(pattern, seq, steps)
     cfg = model_config(config.model)
     mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
     if seq > 1:
@@ -76,7 +77,8 @@ def _train_steps(pattern, seq, devices, steps):
     state = jitted.init()
     rng = jax.device_put(jax.random.key(0),
                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    tokens = np.random.default_rng(0).integers(0, 256, (steps, 8, cfg.seq_len + 1), np.int32)
+    tokens = np.random.default_rng(0).integers(0, 256, (steps, BATCH, cfg.seq_len + 1),
+                                               np.int32)
     out = []
     for batch in tokens:
         batch = jax.device_put({"inputs": batch[:, :-1], "targets": batch[:, 1:]},
@@ -106,24 +108,64 @@ def _model(devices, steps):
     return rows, lines
 
 
+def _model_config(pattern, seq, steps):
+    """configs/bytes.py:size=tiny as --model_steps trains it: `pattern`, split over `seq`."""
+    import configs
+
+    return configs.load("bytes:size=tiny", {
+        "model.pattern": pattern, "mesh.seq": seq, "batch_size": BATCH, "total_steps": steps + 1,
+        "optimizer.warmup_steps": 1})
+
+
+def _specs():
+    """The --patterns as PatternSpecs (--stride and --c checked when they are parsed)."""
+    from sparse_jax.attention.spec import PatternSpec
+
+    unknown = [kind for kind in _PATTERNS.value if kind not in KINDS]
+    if unknown:
+        raise app.UsageError(f"--patterns: unknown pattern {unknown[0]!r}; choose from "
+                             f"{', '.join(KINDS)}")
+    kinds = {"strided": dict(stride=_STRIDE.value), "dense": {},
+             "fixed": dict(stride=_STRIDE.value, c=_C.value)}
+    try:
+        return [PatternSpec(kind, **kinds[kind]) for kind in _PATTERNS.value]
+    except ValueError as e:
+        raise app.UsageError(f"--stride={_STRIDE.value} --c={_C.value}: {e}") from None
+
+
+def check(argv):
+    """Every flag, before JAX starts or anything compiles or is written."""
+    cli.no_arguments(argv)
+    devices = cli.integers("devices", _DEVICES.value)
+    cli.integers("n", _N.value)
+    _specs()
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    if _MODEL_STEPS.value:
+        from sparse_jax.run import setup
+
+        if max(devices) > _CPU_DEVICES.value:
+            raise app.UsageError(f"--model_steps trains on max(--devices)={max(devices)} "
+                                 f"devices, more than --cpu_devices={_CPU_DEVICES.value}")
+        for pattern in _PATTERNS.value:  # the run's checks: the batch and the split fit
+            for p in devices:
+                config = _model_config(pattern, p, _MODEL_STEPS.value)
+                try:
+                    setup.mesh_shape(config, None, max(devices))
+                except ValueError as e:
+                    raise app.UsageError(f"--model_steps over --devices={p} (of "
+                                         f"{max(devices)}), pattern {pattern}: {e}") from None
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     devices = [int(d) for d in _DEVICES.value]
     sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
     if _MODEL_STEPS.value:
         rows, lines = _model(devices, _MODEL_STEPS.value)
         _write(rows, lines, "Context parallelism: the model trained split and unsplit")
         return
-    from sparse_jax.attention.spec import PatternSpec
     from sparse_jax.bench import context_costs
 
-    kinds = {"strided": dict(stride=_STRIDE.value), "dense": {},
-             "fixed": dict(stride=_STRIDE.value, c=_C.value)}
-    try:
-        specs = [PatternSpec(kind, **kinds[kind]) for kind in _PATTERNS.value]
-    except (KeyError, ValueError) as e:
-        raise app.UsageError(f"--patterns: {e}") from None
+    specs = _specs()
     rows = context_costs.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
                              _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
                              compile_memory=_MEMORY.value, measure_time=_TIME.value)
@@ -171,4 +213,4 @@ def _write(rows, lines, title):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, check=check)

@@ -22,7 +22,14 @@ from sparse_jax.bench import cost_model
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where the results go as JSON (and the "
                                    "table as results.md beside it); default: print only.")
-_STARTS = flags.DEFINE_integer("starts", 24, "Starting points of the least-squares fit.")
+_STARTS = flags.DEFINE_integer("starts", 24, "Starting points of the least-squares fit (at "
+                               "most 1,000).", lower_bound=1, upper_bound=1000)
+
+
+def check(argv):
+    """Every flag, before the fit starts."""
+    cli.no_arguments(argv)
+    cli.output_file("output_json", _OUTPUT_JSON.value)
 
 
 def main(argv):
@@ -57,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

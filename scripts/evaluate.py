@@ -16,7 +16,7 @@ by copy class: the bytes an exact copier finds <= 512 back, 513-4,096 back, and 
 on another file (its --split part) instead of the data it trained on.
 """
 
-from absl import app, flags
+from absl import flags
 
 from sparse_jax import cli
 from sparse_jax.sharding import define_distributed_flags
@@ -36,6 +36,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing result o
 _COPY_CLASSES = flags.DEFINE_list("copy_classes", ["512", "4096"], "Bytes: bounds of the classes "
                                   "of scored bytes by how far back an exact copy of them lies "
                                   "(empty: none).")
+cli.list_rules(_COPY_CLASSES, empty="no classes by copy distance")
 _DATA = flags.DEFINE_string("data", None, "Bytes: score the run on this file instead of its own "
                             "data (plain or .gz; its --split part, cut as training cuts its own). "
                             "The result goes to DIR/eval/<file name>/.")
@@ -43,20 +44,33 @@ _JOIN_DISTRIBUTED = define_distributed_flags()  # many hosts: each runs the same
 flags.mark_flags_as_required(["workdir"])
 
 
+def _arguments() -> dict:
+    return dict(workdir=_WORKDIR.value, split=_SPLIT.value, checkpoint=_CHECKPOINT.value,
+                min_context=_MIN_CONTEXT.value, batch_size=_BATCH_SIZE.value,
+                copy_edges=tuple(cli.integers("copy_classes", _COPY_CLASSES.value)),
+                attention=_ATTENTION.value, overwrite=_OVERWRITE.value, data_path=_DATA.value)
+
+
+def check(argv):
+    """Every flag, the run and its checkpoint, before any parameter or data is read
+    (`evaluate.check_arguments`); a multi-process run's devices are known once it has
+    joined, and evaluate() checks again then."""
+    cli.no_arguments(argv)
+    _JOIN_DISTRIBUTED.check()
+    arguments = _arguments()
+    cli.input_dir("workdir", _WORKDIR.value, "the folder of a training run")
+    if not _JOIN_DISTRIBUTED.joins():
+        from sparse_jax import evaluate, sharding
+
+        sharding.set_cpu_devices(flags.FLAGS.cpu_devices)
+        evaluate.check_arguments(**arguments)
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _JOIN_DISTRIBUTED()
-    try:
-        copy_edges = tuple(int(e) for e in _COPY_CLASSES.value)
-    except ValueError:
-        raise app.UsageError(f"--copy_classes: integers, got {_COPY_CLASSES.value}") from None
     from sparse_jax import evaluate
 
-    result = evaluate.evaluate(_WORKDIR.value, _SPLIT.value, _CHECKPOINT.value,
-                               _MIN_CONTEXT.value, _BATCH_SIZE.value, copy_edges=copy_edges,
-                               attention=_ATTENTION.value, overwrite=_OVERWRITE.value,
-                               data_path=_DATA.value)
+    result = evaluate.evaluate(**_arguments())
     print(evaluate.format_table(result))
     print("\nBy position in the window (position j sees j + 1 bytes of context):\n"
           + evaluate.format_positions(result))
@@ -70,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

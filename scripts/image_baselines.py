@@ -21,18 +21,38 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split t
 _FRACTIONS = flags.DEFINE_list("split_fractions", ["0.92", "0.04", "0.04"], "train,valid,test "
                                "shares of a folder without train/ and test/ subfolders (valid: "
                                "the share of train/ held out when it has them).")
-_LIMIT = flags.DEFINE_integer("limit", None, "Only N pictures, spread evenly over the split.")
+cli.list_rules(_FRACTIONS, repeats="two splits may have the same share")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only N pictures, spread evenly over the split.",
+                              lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", None, "Where the JSON goes.")
 flags.mark_flags_as_required(["path"])
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _fractions() -> tuple[float, float, float]:
+    fractions = tuple(cli.numbers("split_fractions", _FRACTIONS.value, low=0, high=1))
+    if len(fractions) != 3 or abs(sum(fractions) - 1) > 1e-6:
+        raise app.UsageError(f"--split_fractions={','.join(_FRACTIONS.value)}: give 3 shares "
+                             "(train, valid, test) that sum to 1")
+    return fractions
+
+
+def check(argv):
+    """Every flag and the pictures' headers, before any picture is decoded or anything is
+    written."""
+    cli.no_arguments(argv)
+    _fractions()
+    cli.input_dir("path", _PATH.value, "a folder of PNG or JPEG pictures")
+    cli.output_file("output", _OUTPUT.value)
+    from sparse_jax.data import images
+
     try:
-        fractions = tuple(float(x) for x in _FRACTIONS.value)
-    except ValueError:
-        raise app.UsageError(f"--split_fractions: numbers, got {_FRACTIONS.value}") from None
+        images.folder_shape(_PATH.value)  # pictures there, of one size: from their headers
+    except (ValueError, OSError) as e:
+        raise app.UsageError(f"--path={_PATH.value}: {e}") from None
+
+
+def main(argv):
+    fractions = _fractions()
     from sparse_jax import logs
     from sparse_jax.data import baselines
 
@@ -52,4 +72,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

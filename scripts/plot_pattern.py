@@ -5,22 +5,27 @@
 """
 
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 from sparse_jax import cli
 from sparse_jax.attention import patterns
-from sparse_jax.attention.spec import pattern_parts
+from sparse_jax.attention.spec import PatternSpec, pattern_parts
 from sparse_jax.run import workdir
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
-_STRIDE = flags.DEFINE_integer("stride", 8, "Stride l (block size of fixed; window-1 of local).")
-_C = flags.DEFINE_integer("c", 2, "Summary width c of the fixed pattern.")
-_LOCAL_WIDTH = flags.DEFINE_integer("local_width", None, "Local window (default stride + 1).")
+MAX_SEQ_LEN = 4096  # the picture has seq_len x seq_len cells
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length (the picture has n x n cells: "
+                                "at most 4,096).", lower_bound=1, upper_bound=MAX_SEQ_LEN)
+_STRIDE = flags.DEFINE_integer("stride", 8, "Stride l (block size of fixed; window-1 of local).",
+                               lower_bound=1)
+_C = flags.DEFINE_integer("c", 2, "Summary width c of the fixed pattern.", lower_bound=1)
+_LOCAL_WIDTH = flags.DEFINE_integer("local_width", None, "Local window (default stride + 1).",
+                                    lower_bound=1)
 _SUMMARY = flags.DEFINE_enum("summary", "paper", list(patterns.SUMMARY_CONVENTIONS),
                              "Fixed summary convention.")
-_SUMMARY_BLOCK = flags.DEFINE_integer("summary_block", 0, "Summary sub-block of the fixed pattern.")
-_QUERY = flags.DEFINE_integer("query", None, "Outline this query's row.")
+_SUMMARY_BLOCK = flags.DEFINE_integer("summary_block", 0, "Summary sub-block of the fixed pattern.",
+                                      lower_bound=0)
+_QUERY = flags.DEFINE_integer("query", None, "Outline this query's row.", lower_bound=0)
 _OUTPUT = flags.DEFINE_string("output", "pattern.png", "PNG to write.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 
@@ -53,14 +58,29 @@ def draw(parts: dict[str, np.ndarray], path: str, title: str, query: int | None)
     plt.close(fig)
 
 
-def main(argv):
-    del argv
-    if _QUERY.value is not None and not 0 <= _QUERY.value < _SEQ_LEN.value:
-        raise ValueError(f"--query={_QUERY.value} is outside the sequence [0, {_SEQ_LEN.value})")
-    workdir.check_output(_OUTPUT.value, _OVERWRITE.value)
+def _spec() -> dict:
     spec = dict(stride=_STRIDE.value, local_width=_LOCAL_WIDTH.value)
     if _KIND.value == "fixed":
         spec.update(c=_C.value, summary=_SUMMARY.value, summary_block=_SUMMARY_BLOCK.value)
+    return spec
+
+
+def check(argv):
+    """Every flag, before anything is drawn or written."""
+    cli.no_arguments(argv)
+    if _QUERY.value is not None and not 0 <= _QUERY.value < _SEQ_LEN.value:
+        raise ValueError(f"--query={_QUERY.value} is outside the sequence [0, {_SEQ_LEN.value})")
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
+    given = " ".join(f"--{k}={v}" for k, v in _spec().items() if v is not None)
+    try:
+        PatternSpec(_KIND.value, **_spec())
+    except ValueError as e:
+        raise app.UsageError(f"--kind={_KIND.value} {given}: {e}") from None
+
+
+def main(argv):
+    workdir.check_output(_OUTPUT.value, _OVERWRITE.value)
+    spec = _spec()
     parts = pattern_parts(_KIND.value, _SEQ_LEN.value, **spec)
     keys = patterns.mean_keys_per_query(patterns.pattern_indices(_KIND.value, _SEQ_LEN.value,
                                                                  **spec))
@@ -71,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

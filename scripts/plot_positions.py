@@ -22,12 +22,14 @@ _TITLE = flags.DEFINE_string("title", "", "Title of the figure.")
 flags.mark_flags_as_required(["output"])
 
 
-def main(argv):
+def _results(argv) -> list[dict]:
+    """The evaluation results the arguments name, each checked (one `error:` line if not)."""
     paths = argv[1:]
     if not paths:
         raise app.UsageError("give one or more evaluation JSON files (DIR/eval/*.json)")
     if _LABELS.value and len(_LABELS.value) != len(paths):
         raise app.UsageError(f"{len(_LABELS.value)} --label flags for {len(paths)} files")
+    cli.output_file("output", _OUTPUT.value)
     results = []
     for path in paths:
         try:
@@ -40,6 +42,11 @@ def main(argv):
             cli.fail(f"{path} has no bits by position (written by an older evaluate.py); "
                      "evaluate the checkpoint again with --overwrite")
         results.append(result)
+    return results
+
+
+def main(argv):
+    results = _results(argv)
     from sparse_jax import evaluate
 
     evaluate.plot_by_position(results, _OUTPUT.value, _LABELS.value, _TITLE.value)
@@ -47,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=_results)

@@ -35,21 +35,27 @@ _OUTPUT = flags.DEFINE_string("output", None, "Also write the result here as JSO
 flags.mark_flags_as_required(["config"])
 
 
+def check(argv):
+    """Every flag and the config's data, before the data is read."""
+    cli.no_arguments(argv)
+    cli.integers("distances", _DISTANCES.value, low=0)
+    cli.output_file("output", _OUTPUT.value)
+    from sparse_jax.data import datasets as data_lib
+    from sparse_jax.data import sources
+
+    data = data_lib.data_config(_CONFIG.value.data)
+    if data.is_image:
+        raise app.UsageError(f"{data.name} holds pictures; repeats measures byte streams")
+    if data.name == "bytes":
+        sources.require_file(data.path)
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        distances = [int(d) for d in _DISTANCES.value]
-    except ValueError:
-        raise app.UsageError(f"--distances: integers, got {_DISTANCES.value}") from None
-    if any(d < 0 for d in distances):
-        raise app.UsageError(f"--distances: 0 (unlimited) or positive, got {distances}")
+    distances = cli.integers("distances", _DISTANCES.value, low=0)
     from sparse_jax.data import baselines
     from sparse_jax.data import datasets as data_lib
 
     config = _CONFIG.value
-    if data_lib.data_config(config.data).is_image:
-        raise app.UsageError(f"{config.data.name} holds pictures; repeats measures byte streams")
     dataset = data_lib.make_dataset(config.data, config.model.seq_len, training=False)
     dataset.require(_SPLIT.value, 1, "measuring it", ", or measure another --split")
     split = dataset.splits[_SPLIT.value]
@@ -81,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check=check)

@@ -22,7 +22,7 @@ always one whole image (a picture model's window never slides).
 where its CPU kernels cannot run here).
 """
 
-from absl import app, flags
+from absl import flags
 
 from sparse_jax import cli
 
@@ -30,7 +30,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by script
 _NUM = flags.DEFINE_integer("num_samples", 4, "Samples (text continuations or images).")
 _LENGTH = flags.DEFINE_integer("length", None, "Text: new bytes per sample, any number (default "
                                "256; past the context the window slides). Images: always one "
-                               "whole image.")
+                               "whole image.", upper_bound=2**62)  # check_length says what fits
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling: smallest set with mass >= p.")
@@ -49,17 +49,31 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing output f
 flags.mark_flags_as_required(["workdir"])
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _arguments() -> dict:
+    return dict(
+        workdir=_WORKDIR.value, num_samples=_NUM.value, length=_LENGTH.value,
+        temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+        prompt=_PROMPT.value, prompt_file=_PROMPT_FILE.value, seed=_SEED.value,
+        output=_OUTPUT.value, checkpoint=_CHECKPOINT.value, complete=_COMPLETE.value,
+        split=_SPLIT.value, attention=_ATTENTION.value, overwrite=_OVERWRITE.value)
+
+
+def check(argv):
+    """Every flag, the run and its checkpoint, before any parameter is read
+    (`sample.check_arguments`)."""
+    cli.no_arguments(argv)
+    cli.input_dir("workdir", _WORKDIR.value, "the folder of a training run")
+    cli.input_file("prompt_file", _PROMPT_FILE.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     from sparse_jax import sample
 
-    result = sample.sample(
-        _WORKDIR.value, _NUM.value, _LENGTH.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, top_p=_TOP_P.value, prompt=_PROMPT.value,
-        prompt_file=_PROMPT_FILE.value, seed=_SEED.value, output=_OUTPUT.value,
-        checkpoint=_CHECKPOINT.value, complete=_COMPLETE.value, split=_SPLIT.value,
-        attention=_ATTENTION.value, overwrite=_OVERWRITE.value)
+    sample.check_arguments(**_arguments())
+
+
+def main(argv):
+    from sparse_jax import sample
+
+    result = sample.sample(**_arguments())
     if not result["image"]:
         for k, text in enumerate(result["samples"]):
             print(f"===== sample {k + 1} =====")
@@ -69,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

@@ -20,7 +20,7 @@ TPU), or with --coordinator_address=HOST:PORT --num_processes=N --process_id=I. 
 import signal
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from sparse_jax import cli
@@ -34,9 +34,24 @@ _JOIN_DISTRIBUTED = define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def check(argv):
+    """Every flag and config field, before any work (`run.setup.complete` on a copy of the
+    config: what `train.train` completes and checks first); a multi-process run's mesh is
+    checked once it has joined."""
+    cli.no_arguments(argv)
+    _JOIN_DISTRIBUTED.check()
+    cli.output_dir("workdir", _WORKDIR.value, overwrite=None)
+    if not _JOIN_DISTRIBUTED.joins():
+        import copy
+
+        from sparse_jax import sharding
+        from sparse_jax.run import setup
+
+        sharding.set_cpu_devices(flags.FLAGS.cpu_devices)
+        setup.complete(copy.deepcopy(_CONFIG.value), _WORKDIR.value, cli.preset_total_steps())
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _JOIN_DISTRIBUTED()
     from sparse_jax import train
 
@@ -46,4 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, huge_pages=True)
+    cli.run(main, huge_pages=True, check=check)

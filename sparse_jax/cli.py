@@ -10,8 +10,19 @@ User errors are bad flags and `--config.FIELD` overrides, bad config arguments a
 training run stopped by a non-finite loss (FloatingPointError), and a missing optional
 dependency (ModuleNotFoundError, e.g. TFDS for CIFAR-10: the message says what to install).
 Ctrl-C outside the training loop (which saves a checkpoint itself) ends with "interrupted" and
-status 130. Anything else is a bug and keeps its traceback. Set the environment variable
+status 130; SIGTERM is raised as `Stopped` (a KeyboardInterrupt) where the script is, so that
+the processes and temporary folders it started go on the way out, and ends with status 143.
+Anything else is a bug and keeps its traceback. Set the environment variable
 SPARSE_JAX_TRACEBACK=1, or pass `--verbosity=1`, to see the traceback of a user error too.
+
+`run(main, check=check)`: `check(argv)` runs first, through the same error path, and checks
+every flag without doing any work (no compile, no child process, nothing written): a bad value
+is refused before any is done. Every script's flags are also held, when they are parsed, to the
+rules no script waives (`check_flag_values`: numbers finite, integers within int32, lists not
+empty and without repeats unless `list_rules` allows it), and the checks of paths (`input_file`,
+`input_dir`, `output_file`, `output_dir`) and of lists of numbers (`integers`, `numbers`) here
+name the flag in their one line. tests/bad_flags.py tries every flag of every script with the
+values users mistype.
 
 `run(main, huge_pages=True)` (the scripts that compute) first restarts the process, once, with
 glibc's malloc backing its large blocks with transparent huge pages (`huge_pages_env`). XLA:CPU
@@ -26,8 +37,10 @@ other value is one `error:` line before anything runs (`check_environment`), not
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -97,6 +110,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     for arg in argv[1:]:  # a missing config file, before ml_collections' long report of it
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":")[0]
+            if os.path.isdir(path):
+                fail(f"--config: {path} is a folder; give the path of a config file, e.g. "
+                     "configs/quickstart.py", 2)
             if not os.path.isfile(path):
                 fail(f"--config: config file {path} not found; give the path of one, e.g. "
                      "configs/quickstart.py", 2)
@@ -110,13 +126,75 @@ def parse_flags(argv: list[str]) -> list[str]:
                 fail(f"--config: {path} defines no get_config(arg) function; see "
                      "configs/quickstart.py for one", 2)
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except flags.Error as e:
         fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", 2)
     except (KeyError, AttributeError) as e:  # a --config.FIELD override that does not exist
         fail(_unknown_config_field(e, argv), 2)
     except ValueError as e:
         fail(str(e), 2)
+    try:
+        check_flag_values(flags.FLAGS)
+    except ValueError as e:
+        fail(f"{e}. See --helpshort.", 2)
+    fields = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
+    for name in sorted({f for f in fields if fields.count(f) > 1}):  # the last one wins, but
+        if isinstance(flags.FLAGS[name].value, (tuple, list)):  # a tuple's values are joined
+            fail(f"--{name} is given twice, and a tuple field's values would be joined; give "
+                 "it once", 2)
+    return rest
+
+
+# The rules every script's flags follow, checked when they are parsed (`check_flag_values`), so
+# that a new flag is held to them without a line of its own:
+MAX_INTEGER = 2**31 - 1  # an integer flag without an upper bound of its own: the int32 limit
+_EMPTY_LISTS: dict[str, str] = {}  # list flags that may be given empty: name -> what it means
+_REPEATS: dict[str, str] = {}  # list flags whose items may repeat: name -> why
+
+
+def list_rules(holder, empty: str | None = None, repeats: str | None = None) -> None:
+    """Declares that the list flag of `holder` (a FlagHolder or a name) may be given empty
+    (`empty`: what an empty list means) or with an item twice (`repeats`: why); without it
+    either is refused when the flags are parsed."""
+    name = getattr(holder, "name", holder)
+    if empty:
+        _EMPTY_LISTS[name] = empty
+    if repeats:
+        _REPEATS[name] = repeats
+
+
+def _ours(flag_values) -> list:
+    """The flags of this program that are not absl's own (logging, debugging, help)."""
+    return [flag for module, module_flags in flag_values.flags_by_module_dict().items()
+            if not module.startswith("absl.") for flag in module_flags]
+
+
+def check_flag_values(flag_values=None) -> None:
+    """ValueError (one line naming the flag) for a value no script accepts: a number that is
+    not finite, an integer beyond `MAX_INTEGER` where the flag sets no bound of its own, and a
+    list given empty, with an empty item or with an item twice (unless `list_rules` allows it).
+    Only flags given on the command line are checked."""
+    flag_values = flags.FLAGS if flag_values is None else flag_values
+    for flag in _ours(flag_values):
+        if not flag.present or flag.value is None:
+            continue
+        name, parser, value = flag.name, flag.parser, flag.value
+        given = f"--{name}={flag.serialize().split('=', 1)[-1]}"
+        if isinstance(parser, flags.FloatParser) and not math.isfinite(value):
+            raise ValueError(f"{given}: not a finite number")
+        if isinstance(parser, flags.IntegerParser) and parser.upper_bound is None \
+                and abs(value) > MAX_INTEGER:
+            raise ValueError(f"{given}: above the limit {MAX_INTEGER:,} (2^31 - 1)")
+        if isinstance(parser, flags.ListParser) and not isinstance(flag, flags.MultiFlag):
+            if not value and name not in _EMPTY_LISTS:
+                default = ",".join(flag.default) if flag.default else "none"
+                raise ValueError(f"--{name}= is an empty list: give one or more items, or "
+                                 f"leave the flag out for its default ({default})")
+            if any(not item.strip() for item in value):
+                raise ValueError(f"{given}: an empty item; separate the items by single commas")
+            twice = sorted({item for item in value if value.count(item) > 1})
+            if twice and name not in _REPEATS:
+                raise ValueError(f"{given}: {', '.join(twice)} given twice; give each once")
 
 
 def preset_total_steps(flag_values=None) -> int | None:
@@ -174,9 +252,49 @@ def _restart_with_huge_pages() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def run(main, huge_pages: bool = False) -> None:
+def call(fn, argv: list[str]):
+    """`fn(argv)` through the one error path of the module docstring: a user error ends the
+    process with one `error:` line (SystemExit)."""
+    try:
+        return fn(argv)
+    except app.UsageError as e:
+        fail(str(e), 2)
+    except USER_ERRORS as e:
+        if _tracebacks_wanted():
+            raise
+        if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
+            fail(e.strerror + (f": {e.filename}" if e.filename else ""))
+        fail(str(e))
+    except Stopped as e:
+        if _tracebacks_wanted():
+            raise
+        fail(f"stopped by {e.signal.name}", 128 + e.signal)
+    except KeyboardInterrupt:
+        if _tracebacks_wanted():
+            raise
+        fail("interrupted", 130)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the script is (`run` installs the handler), so that what it
+    started (child processes, temporary folders) is ended and removed on the way out, as after
+    Ctrl-C; the script ends with status 128 + 15."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signal.Signals(signum)
+
+
+def _stop(signum, frame):
+    raise Stopped(signum)
+
+
+def run(main, huge_pages: bool = False, check=None) -> None:
     """`absl.app.run(main)` with the one error path of the module docstring; `huge_pages`:
-    restart under `huge_pages_env` first."""
+    restart under `huge_pages_env` first. `check(argv)`: the script's checks of its flags,
+    called before `main` through the same error path; it does no work (no compile, no child
+    process, nothing written), so that every bad value is refused before any is done
+    (tests/bad_flags.py calls it with the values users mistype)."""
     try:
         check_environment()
     except ValueError as e:
@@ -187,19 +305,130 @@ def run(main, huge_pages: bool = False) -> None:
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:  # Orbax and TFDS log at INFO
             logging.set_verbosity(logging.WARNING)
-        try:
-            return main(argv)
-        except app.UsageError as e:
-            fail(str(e), 2)
-        except USER_ERRORS as e:
-            if _tracebacks_wanted():
-                raise
-            if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
-                fail(e.strerror + (f": {e.filename}" if e.filename else ""))
-            fail(str(e))
-        except KeyboardInterrupt:
-            if _tracebacks_wanted():
-                raise
-            fail("interrupted", 130)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `Stopped`: as Ctrl-C is
+            signal.signal(signal.SIGTERM, _stop)
+        if check is not None:
+            call(check, argv)
+        return call(main, argv)
 
     app.run(guarded, flags_parser=parse_flags)
+
+
+def no_arguments(argv: list[str]) -> None:
+    """UsageError for positional arguments (the scripts take flags only)."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+
+
+# Paths given by flags, checked before any work and writing nothing: each error names the flag.
+
+
+def input_file(name: str, path: str | None, what: str = "a file") -> None:
+    """UsageError unless `path` (the value of --`name`; None: not given) is a readable file."""
+    if path is None:
+        return
+    if not path:
+        raise app.UsageError(f"--{name}= is empty; give {what}")
+    if os.path.isdir(path):
+        raise app.UsageError(f"--{name}={path} is a folder; give {what}")
+    if not os.path.exists(path):
+        raise app.UsageError(f"--{name}={path} does not exist; give {what}")
+    if not os.access(path, os.R_OK):
+        raise app.UsageError(f"--{name}={path} cannot be read; give {what}")
+
+
+def input_dir(name: str, path: str | None, what: str = "a folder") -> None:
+    """UsageError unless `path` (the value of --`name`; None: not given) is a readable folder."""
+    if path is None:
+        return
+    if not path:
+        raise app.UsageError(f"--{name}= is empty; give {what}")
+    if not os.path.exists(path):
+        raise app.UsageError(f"--{name}={path} does not exist; give {what}")
+    if not os.path.isdir(path):
+        raise app.UsageError(f"--{name}={path} is a file, not a folder; give {what}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise app.UsageError(f"--{name}={path} cannot be read; give {what}")
+
+
+def _writable_above(name: str, path: str) -> None:
+    """UsageError unless the nearest existing folder above `path` can be written (what is
+    missing below it is created by the writer), and no file stands in the way."""
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise app.UsageError(f"--{name}={path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise app.UsageError(f"--{name}={path}: {above} cannot be written; choose another place")
+
+
+def output_file(name: str, path: str | None, overwrite: bool | None = None) -> None:
+    """UsageError unless `path` (the value of --`name`; None: not given) can be written as a
+    file: not a folder, its folder writable, and (`overwrite` False) not already there; None:
+    the script replaces the file by design."""
+    if path is None:
+        return
+    if not path:
+        raise app.UsageError(f"--{name}= is empty; give the path of a file")
+    if os.path.isdir(path):
+        raise app.UsageError(f"--{name}={path} is a folder; give the path of a file")
+    if overwrite is False and os.path.lexists(path):
+        raise app.UsageError(f"--{name}={path} exists; pass --overwrite to replace it, or "
+                             "choose another path")
+    _writable_above(name, path)
+
+
+def output_dir(name: str, path: str | None, holds: tuple[str, ...] = (),
+               overwrite: bool | None = False) -> None:
+    """UsageError unless `path` (the value of --`name`; None: not given) can be the folder the
+    script writes `holds` (file names) into: not a file, writable, and (`overwrite` False)
+    holding none of them already; None: the script replaces them by design."""
+    if path is None:
+        return
+    if not path:
+        raise app.UsageError(f"--{name}= is empty; give a folder")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise app.UsageError(f"--{name}={path} is a file, not a folder; give a folder")
+    if overwrite is False and os.path.isdir(path):
+        there = [h for h in holds if os.path.lexists(os.path.join(path, h))]
+        if there:
+            raise app.UsageError(f"--{name}={path} already holds {', '.join(there)}: give "
+                                 "--overwrite to replace them, or another folder")
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise app.UsageError(f"--{name}={path} cannot be written; choose another folder")
+    else:
+        _writable_above(name, path)
+
+
+def integers(name: str, items: list[str], low: int = 1, high: int = MAX_INTEGER) -> list[int]:
+    """The items of the list flag --`name` as integers in [low, high]; UsageError naming the
+    flag for one that is not."""
+    out = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise app.UsageError(f"--{name}: {item!r} is not an integer") from None
+        if not low <= value <= high:
+            raise app.UsageError(f"--{name}: {value} is outside [{low:,}, {high:,}]")
+        out.append(value)
+    return out
+
+
+def numbers(name: str, items: list[str], low: float = -math.inf,
+            high: float = math.inf) -> list[float]:
+    """The items of the list flag --`name` as finite numbers in [low, high]; UsageError naming
+    the flag for one that is not."""
+    out = []
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            raise app.UsageError(f"--{name}: {item!r} is not a number") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            raise app.UsageError(f"--{name}: {item} is not a finite number in [{low:g}, "
+                                 f"{high:g}]")
+        out.append(value)
+    return out

@@ -220,6 +220,53 @@ def result_path(workdir: str, split: str, step: int, min_context: int | None,
     return os.path.join(folder, name + ".json")
 
 
+def check_arguments(workdir: str, split: str = "test", checkpoint="latest",
+                    min_context: int | None = None, batch_size: int | None = None, *,
+                    copy_edges=COPY_EDGES, attention: str | None = None, write: bool = True,
+                    overwrite: bool = False, data_path: str | None = None) -> dict:
+    """`evaluate`'s checks of its arguments, everything cheap, before restoring parameters or
+    reading data (scripts/evaluate.py runs them before any work): the workdir and its record,
+    the checkpoint, the batch split, --data, the copy classes, min_context and the result's
+    path. Returns {"config" (with --data in it), "model", "mesh", "checkpoint", "batch_size",
+    "copy_edges"}."""
+    workdir_lib.check_workdir(workdir)
+    checkpoint = checkpoints.parse_checkpoint(checkpoint)
+    if split not in data_lib.SPLITS:
+        raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
+    config, cfg = setup.recorded(workdir, attention)
+    batch_size = config.batch_size if batch_size is None else batch_size
+    devices = jax.device_count()
+    mesh = eval_mesh(config, devices)
+    sequences = devices // sharding_lib.seq_size(mesh)  # devices a batch's sequences split over
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1 \
+            or batch_size % sequences:
+        split = "" if sequences == devices else f" (mesh.seq={sharding_lib.seq_size(mesh)} " \
+            "splits each sequence's positions)"
+        raise ValueError(f"batch_size must be a positive multiple of the {sequences} devices"
+                         f"{split}, got {batch_size!r}")
+    image = data_lib.data_config(config.data).is_image
+    if data_path is not None:  # scripts/evaluate.py --data: the errors name that flag
+        if image or cfg.vocab_size != 256:
+            raise ValueError(f"--data={data_path}: only a model of bytes reads another file; "
+                             f"this run models {config.data.name}")
+        sources.require_file(data_path, "--data")  # a file (not a folder) that can be read
+        config.data.name, config.data.path = "bytes", os.path.abspath(data_path)
+    copy_edges = () if image or not copy_edges else tuple(copy_edges)
+    if copy_edges and any(not isinstance(e, int) or isinstance(e, bool) for e in copy_edges) \
+            or any(b <= a for a, b in zip((0, *copy_edges), copy_edges)):
+        raise ValueError(f"copy_edges must be positive increasing byte distances, got "
+                         f"{copy_edges}")
+    if min_context is not None and (image or not 0 <= min_context < cfg.seq_len):
+        raise ValueError("min_context applies to byte data only" if image else
+                         f"min_context must be in [0, seq_len={cfg.seq_len}), got {min_context}")
+    if write and jax.process_index() == 0:
+        step = checkpoints.step_of(workdir, checkpoint)
+        workdir_lib.check_output(result_path(workdir, split, step, min_context, data_path),
+                                 overwrite, create=False)  # a refused run leaves no folder
+    return {"config": config, "model": cfg, "mesh": mesh, "checkpoint": checkpoint,
+            "batch_size": batch_size, "copy_edges": copy_edges}
+
+
 def evaluate(workdir: str, split: str = "test", checkpoint="latest",
              min_context: int | None = None, batch_size: int | None = None, *,
              copy_edges=COPY_EDGES, attention: str | None = None, progress: bool = True,
@@ -237,45 +284,19 @@ def evaluate(workdir: str, split: str = "test", checkpoint="latest",
     Returns the result dict (also written to `result_path(...)` if `write`; an existing result
     is replaced only with `overwrite`).
     """
-    # Everything cheap is checked before restoring parameters or reading data.
-    workdir_lib.check_workdir(workdir)
-    checkpoint = checkpoints.parse_checkpoint(checkpoint)
-    if split not in data_lib.SPLITS:
-        raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
-    config, cfg = setup.recorded(workdir, attention)
-    batch_size = config.batch_size if batch_size is None else batch_size
-    devices, processes = jax.device_count(), jax.process_count()
-    mesh = eval_mesh(config, devices)
-    sequences = devices // sharding_lib.seq_size(mesh)  # devices a batch's sequences split over
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1 \
-            or batch_size % sequences:
-        split = "" if sequences == devices else f" (mesh.seq={sharding_lib.seq_size(mesh)} " \
-            "splits each sequence's positions)"
-        raise ValueError(f"batch_size must be a positive multiple of the {sequences} devices"
-                         f"{split}, got {batch_size!r}")
-    image = data_lib.data_config(config.data).is_image
-    if data_path is not None:  # scripts/evaluate.py --data: the errors name that flag
-        if image or cfg.vocab_size != 256:
-            raise ValueError(f"--data={data_path}: only a model of bytes reads another file; "
-                             f"this run models {config.data.name}")
-        sources.require_file(data_path, "--data")  # a file (not a folder) that can be read
-        config.data.name, config.data.path = "bytes", os.path.abspath(data_path)
-    data_name = config.data.name  # what is read (config is replaced by the checkpoint's below)
-    copy_edges = () if image or not copy_edges else tuple(copy_edges)
-    if copy_edges and any(not isinstance(e, int) or isinstance(e, bool) for e in copy_edges) \
-            or any(b <= a for a, b in zip((0, *copy_edges), copy_edges)):
-        raise ValueError(f"copy_edges must be positive increasing byte distances, got "
-                         f"{copy_edges}")
-    if min_context is not None and (image or not 0 <= min_context < cfg.seq_len):
-        raise ValueError("min_context applies to byte data only" if image else
-                         f"min_context must be in [0, seq_len={cfg.seq_len}), got {min_context}")
+    checked = check_arguments(workdir, split, checkpoint, min_context, batch_size,
+                              copy_edges=copy_edges, attention=attention, write=write,
+                              overwrite=overwrite, data_path=data_path)
+    config, cfg, mesh = checked["config"], checked["model"], checked["mesh"]
+    checkpoint, batch_size, copy_edges = (checked[k] for k in ("checkpoint", "batch_size",
+                                                               "copy_edges"))
+    data_name, devices, processes = config.data.name, jax.device_count(), jax.process_count()
 
     def check_output(step):
         if write and jax.process_index() == 0:
             workdir_lib.check_output(result_path(workdir, split, step, min_context, data_path),
                                      overwrite, create=False)  # a refused run leaves no folder
 
-    check_output(checkpoints.step_of(workdir, checkpoint))
     dataset = data_lib.make_dataset(config.data, cfg.seq_len, jax.process_index(), processes,
                                     vocab_size=cfg.vocab_size, image_shape=cfg.image_shape,
                                     training=False, path_flag="--data")

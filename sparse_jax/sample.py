@@ -111,6 +111,58 @@ def _write(path: str, write) -> None:
         raise write_error(path, e, "free some space or choose another output") from e
 
 
+def _output_path(workdir, output, image: bool, complete: int, split: str, seed: int,
+                 step: int) -> str:
+    """Where the samples of checkpoint `step` go: `output`, else WORKDIR/samples/..."""
+    name = (f"{step}_complete_{split}_seed{seed}.png" if image and complete else
+            f"{step}_seed{seed}.png" if image else f"{step}_seed{seed}.txt")
+    return output or os.path.join(workdir, "samples", name)
+
+
+def check_arguments(workdir: str, num_samples: int = 4, length: int | None = None, *,
+                    temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None, prompt: str | bytes | None = None,
+                    prompt_file: str | None = None, seed: int = 0, output: str | None = None,
+                    checkpoint="latest", complete: int = 0, split: str = "test",
+                    attention: str | None = None, overwrite: bool = False) -> dict:
+    """`sample`'s checks of its arguments, before parameters or data are read
+    (scripts/sample.py runs them before any work). Returns {"config", "model", "checkpoint",
+    "image", "prompt" (its bytes), "text" (the prompt cut to the context), "length"}."""
+    workdir_lib.check_workdir(workdir)
+    checkpoint = checkpoints.parse_checkpoint(checkpoint)
+    for name, value, low in (("num_samples", num_samples, 1), ("complete", complete, 0),
+                             ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, "
+                             f"got {value!r}")
+    config, cfg = setup.recorded(workdir, attention)
+    data_cfg = data_lib.data_config(config.data)
+    check_sampling(temperature, top_k, top_p, cfg.vocab_size)
+    image, whole, text = data_cfg.is_image, b"", b""
+    if image:
+        if prompt or prompt_file:
+            raise ValueError("image models take no text prompt; use complete=N to condition on "
+                             "the top halves of images")
+        if length is not None and length != cfg.seq_len:
+            raise ValueError(f"image samples are whole images of {cfg.seq_len} sub-pixels; leave "
+                             f"length unset (got {length})")
+        if split not in data_lib.SPLITS:
+            raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
+    else:
+        if complete:
+            raise ValueError("complete=N needs an image model (one trained on an image "
+                             "dataset such as cifar10)")
+        whole = prompt_bytes(prompt, prompt_file) or b"\n"
+        length = DEFAULT_TEXT_LENGTH if length is None else length
+        check_length(min(len(whole), cfg.seq_len), length, num_samples)  # fits memory
+        text = whole[-cfg.seq_len:]
+    path = _output_path(workdir, output, image, complete, split, seed,
+                        checkpoints.step_of(workdir, checkpoint))
+    workdir_lib.check_output(path, overwrite, create=False)
+    return {"config": config, "model": cfg, "checkpoint": checkpoint, "image": image,
+            "prompt": whole, "text": text, "length": length}
+
+
 def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            prompt: str | bytes | None = None, prompt_file: str | None = None, seed: int = 0,
@@ -127,45 +179,19 @@ def sample(workdir: str, num_samples: int = 4, length: int | None = None, *,
     channels]. ``attention``: the implementation to read the run with (default: the recorded
     one, or as ``config_lib.for_this_machine`` chooses where that cannot run here).
     """
-    # Every argument is checked before parameters or data are read.
-    workdir_lib.check_workdir(workdir)
-    checkpoint = checkpoints.parse_checkpoint(checkpoint)
-    for name, value, low in (("num_samples", num_samples, 1), ("complete", complete, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be a {'positive' if low else 'non-negative'} integer, "
-                             f"got {value!r}")
-    config, cfg = setup.recorded(workdir, attention)
-    data_cfg = data_lib.data_config(config.data)
-    check_sampling(temperature, top_k, top_p, cfg.vocab_size)
-    image = data_cfg.is_image
-    if image:
-        if prompt or prompt_file:
-            raise ValueError("image models take no text prompt; use complete=N to condition on "
-                             "the top halves of images")
-        if length is not None and length != cfg.seq_len:
-            raise ValueError(f"image samples are whole images of {cfg.seq_len} sub-pixels; leave "
-                             f"length unset (got {length})")
-        if split not in data_lib.SPLITS:
-            raise ValueError(f"split must be one of {data_lib.SPLITS}, got {split!r}")
-    else:
-        if complete:
-            raise ValueError("complete=N needs an image model (one trained on an image "
-                             "dataset such as cifar10)")
-        text = prompt_bytes(prompt, prompt_file) or b"\n"
-        length = DEFAULT_TEXT_LENGTH if length is None else length
-        check_length(min(len(text), cfg.seq_len), length, num_samples)  # fits memory: ValueError
-        if len(text) > cfg.seq_len:
-            logs.warn(f"the prompt ({len(text)} bytes) is longer than the model's context of "
-                      f"{cfg.seq_len} bytes; it is cut to its last {cfg.seq_len} bytes")
-            text = text[-cfg.seq_len:]
+    checked = check_arguments(
+        workdir, num_samples, length, temperature=temperature, top_k=top_k, top_p=top_p,
+        prompt=prompt, prompt_file=prompt_file, seed=seed, output=output, checkpoint=checkpoint,
+        complete=complete, split=split, attention=attention, overwrite=overwrite)
+    config, cfg, checkpoint = checked["config"], checked["model"], checked["checkpoint"]
+    image, text, length = checked["image"], checked["text"], checked["length"]
+    if not image and len(checked["prompt"]) > cfg.seq_len:
+        logs.warn(f"the prompt ({len(checked['prompt'])} bytes) is longer than the model's "
+                  f"context of {cfg.seq_len} bytes; it is cut to its last {cfg.seq_len} bytes")
 
     def output_path(step):
-        name = (f"{step}_complete_{split}_seed{seed}.png" if image and complete else
-                f"{step}_seed{seed}.png" if image else f"{step}_seed{seed}.txt")
-        return output or os.path.join(workdir, "samples", name)
+        return _output_path(workdir, output, image, complete, split, seed, step)
 
-    workdir_lib.check_output(output_path(checkpoints.step_of(workdir, checkpoint)), overwrite,
-                             create=False)
     if config.mesh.get("seq", 1) > 1:  # trained with each sequence split over devices
         print(f"Sampling on one device: decoding reads one position at a time from a key/value "
               f"cache, which splits no sequence (the run trained with mesh.seq="

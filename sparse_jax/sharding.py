@@ -268,17 +268,56 @@ def initialize_distributed(coordinator_address: str | None = None,
     return True
 
 
+MAX_CPU_DEVICES = 1024  # the most devices a CPU is split into (--cpu_devices)
+
+
+def check_distributed(cpu_devices: int, auto: bool, address: str | None,
+                      num_processes: int | None, process_id: int | None) -> None:
+    """ValueError (one line naming the flag) for values of `define_distributed_flags`' flags
+    that no run takes, before any of them is used."""
+    if cpu_devices != -1 and not 1 <= cpu_devices <= MAX_CPU_DEVICES:
+        raise ValueError(f"--cpu_devices={cpu_devices}: give -1 (one device per core) or 1 to "
+                         f"{MAX_CPU_DEVICES:,} devices")
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--coordinator_address={address!r} must be HOST:PORT (e.g. "
+                             "10.0.0.1:1234), the address of process 0")
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"--num_processes={num_processes} must be a positive integer")
+    if process_id is not None and process_id < 0:
+        raise ValueError(f"--process_id={process_id} must be 0 or more (process 0 coordinates)")
+    if (num_processes is not None or process_id is not None) and not auto and address is None \
+            and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        given = "--num_processes" if num_processes is not None else "--process_id"
+        raise ValueError(f"{given} is part of a multi-process run: give --coordinator_address "
+                         "too (or --jax_distributed under a cluster launcher)")
+    if address is not None and not auto and (num_processes is None or process_id is None):
+        raise ValueError(f"--coordinator_address={address} needs --num_processes and "
+                         "--process_id (or --jax_distributed to read them from the cluster "
+                         "launcher)")
+    if num_processes is not None and process_id is not None and \
+            not 0 <= process_id < num_processes:
+        raise ValueError(f"--process_id={process_id} must be in [0, --num_processes="
+                         f"{num_processes})")
+
+
 def define_distributed_flags():
     """Defines the absl flags of the devices a script runs on (--cpu_devices) and of a
     multi-process run (--jax_distributed, --coordinator_address, --num_processes,
-    --process_id); returns a function that sets the CPU devices (`set_cpu_devices`) and joins
-    the run they describe (`initialize_distributed`), to call in main() before anything touches
-    a device."""
+    --process_id), listed by the calling script's --help; returns a function that sets the CPU
+    devices (`set_cpu_devices`) and joins the run they describe (`initialize_distributed`), to
+    call in main() before anything touches a device. Its `check()` checks the flags' values
+    (`check_distributed`) without either, for the script's check before any work; `joins()`
+    says whether it will join a multi-process run."""
+    import sys
+
     from absl import flags
 
     cpu = flags.DEFINE_integer("cpu_devices", -1, "Split the host CPU into this many JAX "
                                "devices (-1: one per core), so a step uses every core. No "
-                               "effect on GPU/TPU.")
+                               "effect on GPU/TPU.", lower_bound=-1,
+                               upper_bound=MAX_CPU_DEVICES)
 
     auto = flags.DEFINE_bool("jax_distributed", False, "Join a multi-process run whose "
                              "coordinator, size and rank the cluster launcher provides (SLURM, "
@@ -287,9 +326,22 @@ def define_distributed_flags():
                                   "multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
     count = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
     rank = flags.DEFINE_integer("process_id", None, "This process's rank, 0 .. N-1.")
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    caller = sys.argv[0] if caller == "__main__" else caller  # absl's name of a main module
+    for holder in (cpu, auto, address, count, rank):  # the script's own: its --help lists them
+        flags.FLAGS.register_key_flag_for_module(caller, flags.FLAGS[holder.name])
+
+    def check():
+        check_distributed(cpu.value, auto.value, address.value, count.value, rank.value)
+
+    def joins() -> bool:
+        return bool(auto.value or address.value or os.environ.get("JAX_COORDINATOR_ADDRESS")
+                    or count.value is not None or rank.value is not None)
 
     def start():
+        check()
         set_cpu_devices(cpu.value)
         return initialize_distributed(address.value, count.value, rank.value, auto=auto.value)
 
+    start.check, start.joins = check, joins
     return start

@@ -271,9 +271,9 @@ def test_the_script_refuses_bad_arguments_in_one_line(tmp_path):
     for args, message in ((["--caps=env=nan"], "--caps"), (["--budget_s=-5"], "--budget_s"),
                           (["--budget_s=nan"], "--budget_s"),
                           # empty: refused, not taken for the default list (the whole report)
-                          (["--stages="], "--stages is empty"),
-                          (["--stages=env,env"], "env named more than once"),
-                          (["--stages=env,,flex"], "unknown stage(s) ''")):
+                          (["--stages="], "--stages= is an empty list"),
+                          (["--stages=env,env"], "env given twice"),
+                          (["--stages=env,,flex"], "an empty item")):
         proc, out = _report(tmp_path, *args)
         _refused(proc, message)
         assert not out.exists()

@@ -57,3 +57,74 @@ def test_a_script_restarts_once_with_its_arguments(tmp_path):
                          capture_output=True, text=True).stdout
     expected = cli.huge_pages_env(env).get("GLIBC_TUNABLES", "")  # "" where not supported
     assert out.splitlines() == [f"tunables={expected} a b c"]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow  # starts the scripts
+@pytest.mark.parametrize("script", ["train", "evaluate"])
+def test_help_lists_the_multi_host_flags_the_docstring_names(script):
+    """`--help` lists a script's own flags; the multi-host flags, defined in sparse_jax.sharding
+    for the scripts that take them, are the script's own (not only in --helpfull)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", f"{script}.py"),
+                          "--help"], capture_output=True, text=True, timeout=120).stdout
+    for name in ("cpu_devices", "jax_distributed", "coordinator_address", "num_processes",
+                 "process_id"):
+        assert f"--{name}" in out or f"--[no]{name}" in out, name
+
+
+def test_flag_values_no_script_takes_are_refused_when_parsed():
+    """`check_flag_values`: a float that is not finite, an integer past the int32 limit where
+    the flag has no bound of its own, a list given empty, with an empty item or an item twice
+    (unless `list_rules` allows it); a flag left at its default is not checked."""
+    from absl import flags
+
+    values = flags.FlagValues()
+    flags.DEFINE_float("rate", 1.0, "", flag_values=values)
+    flags.DEFINE_integer("count", 1, "", flag_values=values)
+    flags.DEFINE_integer("bounded", 1, "", upper_bound=10**13, flag_values=values)
+    flags.DEFINE_list("items", ["a"], "", flag_values=values)
+    flags.DEFINE_list("maybe", ["a"], "", flag_values=values)
+    cli.list_rules("maybe", empty="none", repeats="equal shares")
+    bad = {"--rate=nan": "not a finite number", "--rate=inf": "not a finite number",
+           "--count=3000000000": "above the limit 2,147,483,647",
+           "--items=": "an empty list", "--items=a,,b": "an empty item",
+           "--items=a,a": "a given twice"}
+    for arg, why in bad.items():
+        values.unparse_flags()
+        values(["script", arg])
+        with pytest.raises(ValueError, match=why) as e:
+            cli.check_flag_values(values)
+        assert f"--{arg[2:].split('=')[0]}" in str(e.value)
+    for arg in ("--rate=2.5", "--count=-3", "--bounded=3000000000", "--maybe=", "--maybe=a,a",
+                "--items=a,b"):
+        values.unparse_flags()
+        values(["script", arg])
+        cli.check_flag_values(values)
+
+
+def test_a_path_flag_is_checked_without_writing(tmp_path):
+    """The path checks name the flag and write nothing, not even a missing folder."""
+    from absl import app
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "results.md").write_text("x")
+    cases = [(cli.input_file, ("data", str(tmp_path / "absent")), "does not exist"),
+             (cli.input_file, ("data", str(tmp_path)), "is a folder"),
+             (cli.input_dir, ("path", str(tmp_path / "file")), "is a file"),
+             (cli.output_file, ("output", str(tmp_path)), "is a folder"),
+             (cli.output_file, ("output", str(tmp_path / "file"), False), "exists"),
+             (cli.output_dir, ("output_dir", str(tmp_path / "file")), "is a file"),
+             (cli.output_dir, ("output_dir", str(tmp_path / "done"), ("results.md",)),
+              "already holds results.md"),
+             (cli.output_dir, ("output_dir", ""), "is empty")]
+    for check, args, why in cases:
+        with pytest.raises(app.UsageError, match=why) as e:
+            check(*args)
+        assert str(e.value).startswith(f"--{args[0]}")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    cli.output_dir("output_dir", str(tmp_path / "new" / "deeper"), ("results.md",))
+    cli.output_file("output", str(tmp_path / "new" / "out.json"))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

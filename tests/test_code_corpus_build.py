@@ -244,8 +244,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_anything(tiny, tmp_p
     proc = subprocess.run([sys.executable, "scripts/build_code_corpus.py", f"--pins={pins}",
                            f"--sdists={folder}", f"--output={output}", "--nodownload"],
                           cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"error: {output} is a folder")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: --output={output} is a folder")
     assert sorted(os.listdir(out)) == ["c.py.gz"] and not os.listdir(out / "c.py.gz")
 
 

@@ -95,3 +95,45 @@ def test_the_quickstart_figure_gives_its_spread_and_your_own_data_how_long_a_run
     own = section(text, "Your own data")
     assert "2,900 steps" in own and "--config.total_steps=600" in own
     assert "not a broken one" in own
+
+
+def _wall_time(results: str, run: str) -> str:
+    """The wall time of `run` ("configs/quickstart.py") in docs/results.md's table."""
+    row = next(line for line in results.splitlines() if line.startswith(f"| `{run}` |"))
+    return row.strip("|").split(" | ")[3].strip()
+
+
+def _docstring(path: str) -> str:
+    import ast
+
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read()))
+
+
+def test_the_front_doors_figures_come_from_one_source():
+    """A preset's wall time is measured once (docs/results.md's table) and the README, the
+    getting-started page and the preset's docstring quote that figure and no other; the test
+    suite's count and time are the README's, which the getting-started page quotes."""
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+        results = f.read()
+    with open(os.path.join(ROOT, "docs", "getting_started.md"), encoding="utf-8") as f:
+        started = f.read()
+    readme, times = front_door(), re.compile(r"\d+ min \d+ s")
+    quick = _wall_time(results, "configs/quickstart.py")
+    cpu = _wall_time(results, "configs/bytes.py:size=cpu")
+    assert times.fullmatch(quick) and times.fullmatch(cpu)
+    rows = {line.split(" | ")[1]: line for line in section(readme, "Results").splitlines()
+            if line.startswith("| ")}
+    command = "`python scripts/train.py --config=configs/{} --workdir=W`"
+    assert quick in section(readme, "Quickstart") and quick in rows[command.format("quickstart.py")]
+    assert cpu in section(readme, "Your own data") and cpu in rows[command.format(
+        "bytes.py:size=cpu")]
+    assert quick in section(started, "Quickstart")
+    docstring = _docstring("configs/quickstart.py")
+    assert times.findall(docstring) == [quick], docstring
+    size_cpu = _docstring("configs/bytes.py").split("\nsize=cpu:", 1)[1].split("\nsize=")[0]
+    assert times.findall(size_cpu) == [cpu], size_cpu
+    # The suite: every "N tests in T" / "N took T" of the page is the README's.
+    suite = re.compile(r"(\d[\d,]*) (?:tests in|took) (\d+ min \d+ s)")
+    assert suite.findall(section(readme, "Tests"))
+    assert set(suite.findall(started)) <= set(suite.findall(section(readme, "Tests")))

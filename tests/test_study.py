@@ -166,7 +166,7 @@ def test_bad_input_is_refused_before_anything_trains(study_run, tmp_path, monkey
         [sys.executable, os.path.join(ROOT, "scripts", "compare_patterns.py"),
          f"--config={QUICKSTART}", f"--workdir={workdir}", "--patterns=dense,bogus"],
         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 1 and "unknown pattern(s) ['bogus']" in out.stderr
+    assert out.returncode == 2 and "--patterns: unknown pattern(s) ['bogus']" in out.stderr
     assert "Traceback" not in out.stderr and not os.path.exists(workdir)
 
 

@@ -154,6 +154,46 @@ def _stride(stride, seq_len: int) -> int:
     return 2 ** (int(math.log2(seq_len)) // 2) if stride == "sqrt" else int(stride)
 
 
+def check_cases(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 256,
+                num_heads: int = 4, stride="128", dtype: str = "float32",
+                seq: int = 1) -> dict[tuple[int, str], dict]:
+    """Every case of `benchmark_model` checked before anything runs (ValueError, one line
+    naming the flag): each parses, each model is valid (``ModelConfig``) at each length, and
+    with `seq` > 1 each splits its sequence over `seq` devices as a run would
+    (``context.check_model_split``). Returns {(seq_len, case): the model's fields}."""
+    from sparse_jax.attention import IMPLEMENTATIONS
+    from sparse_jax.attention.context import check_model_split
+
+    for name in cases:  # every case parses before anything runs
+        parts = name.split(":")
+        if (len(parts) not in (3, 4) or parts[2] not in ("unrolled", "scan")
+                or parts[3:] and parts[3] not in IMPLEMENTATIONS):
+            raise ValueError(f"--cases: {name!r} is not pattern:remat:layout[:attention] (e.g. "
+                             "strided:none:unrolled:pallas; layout unrolled or scan, attention "
+                             f"one of {', '.join(IMPLEMENTATIONS)})")
+    if stride != "sqrt" and not (str(stride).isdigit() and 0 < int(stride) < 2**31):
+        raise ValueError(f"--stride must be a positive integer or sqrt, got {stride!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"--seq must be a positive integer, got {seq!r}")
+    models = {}
+    for seq_len, name in itertools.product(sorted(seq_lens), cases):
+        pattern, remat, layout, *implementation = name.split(":")
+        width = _stride(stride, seq_len)
+        model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
+                     num_heads=num_heads, pattern=pattern, stride=width, c=max(1, width // 4),
+                     remat=remat, scan_layers=layout == "scan", dtype=dtype,
+                     attention=implementation[0] if implementation else "xla")
+        try:
+            cfg = ModelConfig(**model)
+            if seq > 1:
+                check_model_split(cfg.specs(), seq_len, seq)
+        except ValueError as e:
+            raise ValueError(f"--cases={name} at --seq_len={seq_len}"
+                             + (f" over --seq={seq}" if seq > 1 else "") + f": {e}") from None
+        models[seq_len, name] = model
+    return models
+
+
 def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 256,
                     num_heads: int = 4, stride="128", batch_size: int = 1, steps: int = 3,
                     dtype: str = "float32", update: bool = False, seq: int = 1,
@@ -165,20 +205,9 @@ def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: in
     is skipped at one length is not run at longer ones. `seq` > 1: each sequence split over
     that many simulated CPU devices (`run_model_case`; XLA's figures per device). Logs a
     markdown table row by row and returns every case's numbers."""
-    from sparse_jax.attention import IMPLEMENTATIONS
-
-    for name in cases:  # every case parses before anything runs
-        parts = name.split(":")
-        if (len(parts) not in (3, 4) or parts[2] not in ("unrolled", "scan")
-                or parts[3:] and parts[3] not in IMPLEMENTATIONS):
-            raise ValueError(f"--cases: {name!r} is not pattern:remat:layout[:attention] (e.g. "
-                             "strided:none:unrolled:pallas; layout unrolled or scan, attention "
-                             f"one of {', '.join(IMPLEMENTATIONS)})")
-    if stride != "sqrt" and not str(stride).isdigit():
-        raise ValueError(f"--stride must be a positive integer or sqrt, got {stride!r}")
+    models = check_cases(cases, seq_lens=seq_lens, num_layers=num_layers, d_model=d_model,
+                         num_heads=num_heads, stride=stride, dtype=dtype, seq=seq)
     what = "loss, gradients and AdamW update" if update else "loss + gradients"
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise ValueError(f"--seq must be a positive integer, got {seq!r}")
     split = f", each sequence split over {seq} CPU devices (XLA per device)" if seq > 1 else ""
     log(f"{num_layers} layers, d={d_model}, {num_heads} heads, batch {batch_size}, {dtype}, "
         f"{what}{split}")
@@ -191,10 +220,7 @@ def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: in
             pattern, remat, layout, *implementation = name.split(":")
             attention = implementation[0] if implementation else "xla"
             width = _stride(stride, seq_len)
-            model = dict(seq_len=seq_len, num_layers=num_layers, d_model=d_model,
-                         num_heads=num_heads, pattern=pattern, stride=width,
-                         c=max(1, width // 4), remat=remat, scan_layers=layout == "scan",
-                         dtype=dtype, attention=attention)
+            model = models[seq_len, name]
             case = dict(kind="step", model=model, batch_size=batch_size, steps=steps,
                         update=update, seq=seq)
             r = ({**case, "error": "not run: failed at a shorter length"} if name in failed

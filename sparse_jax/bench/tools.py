@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -209,7 +210,8 @@ def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dic
     "error": "out of memory" when it was killed or XLA/Python ran out of memory, "out of memory
     (> X GB)" when its RSS passed ``mem_limit_gb`` (polled every 0.1 s, Linux only), "timed out
     after N s", or "exit CODE: last line of stderr". ``env`` adds to this process's
-    environment."""
+    environment. Interrupted (Ctrl-C, SIGTERM), it kills the process before it passes the
+    interrupt on: none outlives the benchmark."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
     killed = threading.Event()
@@ -230,17 +232,37 @@ def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dic
         proc.kill()
         proc.communicate()
         return {"error": f"timed out after {timeout_s:.0f} s"}
+    except BaseException:  # Ctrl-C or SIGTERM (cli.Stopped): the case's process goes too
+        proc.kill()
+        proc.wait()
+        raise
     watcher.join()
     printed = [line for line in out.splitlines() if line.startswith("{")]
     result = json.loads(printed[-1]) if printed else {}
     if killed.is_set():
         return {**result, "error": f"out of memory (> {mem_limit_gb:g} GB)"}
     if proc.returncode != 0:
-        last = (err.strip().splitlines() or ["?"])[-1]
         oom = proc.returncode in (-9, 137) or "RESOURCE_EXHAUSTED" in err or "MemoryError" in err
         return {**result, "error": "out of memory" if oom else
-                f"exit {proc.returncode}: {last[:200]}"}
+                f"exit {proc.returncode}: {error_line(err)[:200]}"}
     return result if printed else {"error": "the process printed no JSON result"}
+
+
+# Lines a failed process prints after its error that say nothing of it (JAX's note on the
+# frames it left out of a traceback, and its rule).
+_NOT_THE_ERROR = re.compile(r"^(For simplicity, JAX has removed|-{5,}$|Set JAX_TRACEBACK_FILTER)")
+
+
+def error_line(stderr: str) -> str:
+    """The line of a failed process's stderr that says why: the exception's own line
+    ("ValueError: ...") when there is one, else its last line that is not a note about the
+    traceback."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()
+             and not _NOT_THE_ERROR.match(line.strip())]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b:?", line):
+            return line
+    return lines[-1] if lines else "?"
 
 
 def machine() -> dict:

@@ -84,6 +84,26 @@ def run_training_case(case: dict) -> dict:
             "jax": jax.__version__}
 
 
+def check_arguments(patterns, baselines, data_path: str) -> None:
+    """ValueError (one line naming the flag) for an unknown pattern or baseline, or a --data
+    that is not a readable file: before any run starts."""
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown or not baselines:
+        raise ValueError(f"--baselines: {', '.join(unknown) or 'none given'}; choose from "
+                         f"{', '.join(BASELINES)}")
+    from sparse_jax.attention import IMPLEMENTATIONS
+    from sparse_jax.data import sources
+
+    bad = [p for p in patterns if p.partition("@")[0] not in ("dense", "strided", "fixed")
+           or p.partition("@")[2] not in ("", *IMPLEMENTATIONS)]
+    if bad:
+        raise ValueError(f"--patterns: {', '.join(bad)}; give dense, strided or fixed, each "
+                         f"optionally @{'/@'.join(IMPLEMENTATIONS)}")
+    if not data_path:
+        raise ValueError("--data= is empty; the shipped corpus is data/kjv.html.gz")
+    sources.require_file(data_path, "--data")
+
+
 def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                        patterns=("dense", "strided"), baselines=("eager",), cpu_devices: int = -1,
                        output_dir: str | None = None, command: str = "", log=log_line) -> dict:
@@ -95,20 +115,7 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
     import shutil
     import tempfile
 
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown or not baselines:
-        raise ValueError(f"--baselines: {', '.join(unknown) or 'none given'}; choose from "
-                         f"{', '.join(BASELINES)}")
-    from sparse_jax.attention import IMPLEMENTATIONS
-
-    bad = [p for p in patterns if p.partition("@")[0] not in ("dense", "strided", "fixed")
-           or p.partition("@")[2] not in ("", *IMPLEMENTATIONS)]
-    if bad:
-        raise ValueError(f"--patterns: {', '.join(bad)}; give dense, strided or fixed, each "
-                         f"optionally @{'/@'.join(IMPLEMENTATIONS)}")
-    if not os.path.isfile(data_path):
-        raise FileNotFoundError(f"--data: {data_path} is not a file; the shipped corpus is "
-                                "data/kjv.html.gz")
+    check_arguments(patterns, baselines, data_path)
     rows = []
     cases = [(BASELINES[b], "dense") for b in baselines] + [("jax", p) for p in patterns]
     with case_bar(len(seq_lens) * len(cases), "training runs") as bar:
@@ -121,9 +128,11 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                 case = {"impl": impl.split(".")[0], "compile": impl == "torch.compile",
                         "overrides": overrides, "workdir": workdir, "cpu_devices": cpu_devices}
                 start = time.perf_counter()
-                out = tools.run_isolated(
-                    ["-m", "sparse_jax.bench.training", json.dumps(case)], timeout_s=None)
-                shutil.rmtree(workdir, ignore_errors=True)
+                try:  # the run's folder goes also when it is interrupted
+                    out = tools.run_isolated(
+                        ["-m", "sparse_jax.bench.training", json.dumps(case)], timeout_s=None)
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
                 row = {"seq_len": seq_len, "impl": impl, "pattern": pattern,
                        "stride": None if overrides["model.pattern"] == "dense" else stride,
                        "steps": num_steps,

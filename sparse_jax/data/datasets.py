@@ -81,8 +81,8 @@ class DataConfig:
         for name in ("path", "data_dir", "manual_dir"):
             value = getattr(self, name)
             if value is not None:
-                if not isinstance(value, (str, os.PathLike)):
-                    fail(name, "must be None or a path")
+                if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                    fail(name, "must be None or a path (not empty)")
                 object.__setattr__(self, name, os.fspath(value))
         if self.name in ("enwik8", "bytes", "images") and not self.path:
             what = "a folder of pictures: set --config.data.path=FOLDER" if self.name == \

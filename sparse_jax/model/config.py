@@ -79,8 +79,9 @@ class ModelConfig:
             fail("d_model", f"must be divisible by num_heads={self.num_heads}")
         for name, width in [("ff_mult", self.ff_mult * self.d_model),
                             ("qk_ratio", self.qk_ratio * self.d_model)]:
-            if width <= 0 or width != int(width):
-                fail(name, f"times d_model={self.d_model} must be a positive integer")
+            if not 0 < width <= 2**31 - 1 or width != int(width):
+                fail(name, f"times d_model={self.d_model} must be a positive integer (at most "
+                           "2^31 - 1)")
         if self.qk_dim % self.num_heads:
             fail("qk_ratio", f"query/key width {self.qk_dim} is not divisible by "
                              f"num_heads={self.num_heads}")
@@ -139,6 +140,10 @@ class ModelConfig:
         if self.pattern in ("strided", "fixed") and self.stride > self.seq_len:
             fail("stride", f"exceeds seq_len={self.seq_len}: the {self.pattern} pattern would "
                            "degenerate to its local/block part")
+        shape = self.image_shape
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 3 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)):
+            fail("image_shape", "must be (rows, columns, channels): 3 positive integers")
         object.__setattr__(self, "image_shape", tuple(self.image_shape))
         if self.pos_emb == "image" and (
                 len(self.image_shape) != 3 or math.prod(self.image_shape) != self.seq_len):

@@ -19,6 +19,7 @@ trainer fields at the top level, and the sections `optimizer`, `mesh`, `data` (r
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -28,6 +29,7 @@ import ml_collections
 from sparse_jax import logs
 from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
 from sparse_jax.data import datasets as data_lib
+from sparse_jax.data import sources
 from sparse_jax.data.batches import Stage
 from sparse_jax.files import append_line, atomic_write, writing
 from sparse_jax.model.config import ModelConfig, model_config
@@ -47,8 +49,28 @@ ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_cop
          "model.rotary_fraction": 1.0, "model.kernel": "", "mesh.seq": 1}
 
 
+MAX_INTEGER = 2**31 - 1  # what a config's integer may be: steps, sizes, seeds are int32s
+
+
+def check_numbers(config) -> None:
+    """ValueError (one line naming the field) for a number of `config` that no field takes: a
+    float that is not finite, an integer beyond the int32 the arrays, step counters and seeds
+    are held in (checked first, so that no later check builds 10^12 of anything)."""
+    for name, value in flat(config).items():
+        numbers = value if isinstance(value, (tuple, list)) else (value,)
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"config.{name}={value!r} is not a finite number")
+            if isinstance(x, int) and abs(x) > MAX_INTEGER:
+                raise ValueError(f"config.{name}={value!r}: beyond the limit {MAX_INTEGER:,} "
+                                 "(steps, sizes and seeds are int32s)")
+
+
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """Validates the fields the trainer reads (ValueError) and returns the ModelConfig."""
+    check_numbers(config)
     cfg = model_config(config.model)  # ValueError for an invalid model or pattern
     opt = config.optimizer
     positive = {"total_steps": config.total_steps, "batch_size": config.batch_size,
@@ -59,8 +81,18 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     for name, value in positive.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be a positive integer, got {value!r}")
-    if not opt.lr > 0 or not 0 <= opt.min_lr_ratio <= 1 or opt.weight_decay < 0:
-        raise ValueError("need optimizer.lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0")
+    if not isinstance(config.seed, int) or config.seed < 0:
+        raise ValueError(f"config.seed={config.seed!r} must be an integer >= 0")
+    if not opt.lr > 0:  # a rate that diverges stops the run at its first non-finite loss
+        raise ValueError(f"optimizer.lr={opt.lr!r} must be positive")
+    if not 0 <= opt.min_lr_ratio <= 1:
+        raise ValueError(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r} must be in [0, 1]")
+    if not opt.weight_decay >= 0:
+        raise ValueError(f"optimizer.weight_decay={opt.weight_decay!r} must be >= 0")
+    for name in ("b1", "b2"):
+        if not 0 <= opt[name] < 1:
+            raise ValueError(f"optimizer.{name}={opt[name]!r} must be in [0, 1) (Adam's decay "
+                             "of its moments)")
     if not 0 <= opt.warmup_steps < config.total_steps:
         raise ValueError(f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, "
                          f"total_steps={config.total_steps}): set --config.optimizer."
@@ -71,7 +103,9 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     if config.batch_size % jax.process_count():
         raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
-    data_lib.data_config(config.data)  # ValueError for a missing file path or a bad data field
+    data = data_lib.data_config(config.data)  # ValueError for a missing path or a bad field
+    if data.name == "bytes":  # the file, before any work (a folder, a pipe, a missing file)
+        sources.require_file(data.path)
     logs.check_profile_steps(config.profile_steps, config.total_steps)
     context_stages(config, cfg)
     return cfg
@@ -249,8 +283,8 @@ def resume_changes(saved, config, workdir: str) -> dict[str, tuple]:
         raise ValueError(
             f"{workdir} holds checkpoints trained with another config; refusing to touch them. "
             f"Differences: {'; '.join(describe_differences(refused))}. On resume only "
-            f"{', '.join(RESUMABLE)} may change: use another --workdir, or the saved config "
-            f"({os.path.join(workdir, RECORD)}).")
+            f"{', '.join(RESUMABLE)} may change: use another --workdir, or the config saved "
+            f"there ({RECORD}).")
     return changed
 
 

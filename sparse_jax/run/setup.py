@@ -13,8 +13,9 @@ be checked without reading data or compiling, in this order:
 4. **the mesh and the sequence split**: the ("data", "fsdp", "seq") mesh over all devices, each
    micro-batch split evenly over it and, with ``mesh.seq > 1``, every layer's pattern split over
    the seq devices at every context (``make_mesh``);
-5. **the workdir's run**: a config that differs from the one the run in ``workdir`` trained with
-   in a field a resume may not change is refused (``run.config.resume_changes``).
+5. **the workdir**, read only: a file in its place, files this project did not write, or a
+   config that differs from the one the run in ``workdir`` trained with in a field a resume may
+   not change (``run.config.resume_changes``) is refused (``run.workdir.admit``).
 
 What it returns (``Run``) is what ``train.train`` runs; what a run records in its workdir
 (``config.json``) is this completed config, which evaluation and sampling read back with
@@ -44,39 +45,54 @@ class Run(NamedTuple):
 
     config: ml_collections.ConfigDict  # completed: shapes from the data, the warmup
     model: ModelConfig
-    mesh: Mesh
+    mesh: Mesh | None  # None when completed for a device count (`complete(..., devices=N)`)
     stages: tuple[Stage, ...]  # the context stages, then the full context until total_steps
     notes: tuple[str, ...]  # one line per field completing changed, for the console
     warnings: tuple[str, ...]  # settings that change nothing here (e.g. unused kernel options)
+    mesh_shape: dict[str, int]  # {"data", "fsdp", "seq"}: devices per axis
 
 
 def complete(config: ml_collections.ConfigDict, workdir: str | None = None,
-             preset_total_steps: int | None = None) -> Run:
+             preset_total_steps: int | None = None, devices: int | None = None) -> Run:
     """Completes ``config`` in place and checks it (ValueError, one line, before any work; see
     the module docstring). ``workdir``: where the run trains (its recorded run, if any, keeps
     its warmup and bounds what may change); None for a config alone (the pattern study,
     ``describe.py``). ``preset_total_steps``: the total_steps of the config file when the user
-    left its warmup alone (``cli.preset_total_steps``)."""
+    left its warmup alone (``cli.preset_total_steps``). ``devices``: check the mesh and the
+    batch split for that many devices instead of this machine's (``describe.py --devices``;
+    the Run's mesh is then None)."""
     recorded = workdir_lib.resumable_record(workdir) if workdir else None
     notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
              config_lib.follow_total_steps(config, preset_total_steps, recorded)]
     cfg = config_lib.check_config(config)
-    mesh = make_mesh(config, cfg)
-    if recorded is not None:
-        config_lib.resume_changes(recorded, config, workdir)
+    shape = mesh_shape(config, cfg, jax.device_count() if devices is None else devices)
+    mesh = None if devices is not None else sharding_lib.make_mesh(
+        config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))
+    if workdir:
+        workdir_lib.admit(workdir, config)  # what is there, read only: a run it may resume
     return Run(config, cfg, mesh, tuple(run_stages(config, cfg)),
                tuple(note for note in notes if note),
-               (cfg.kernel_unused,) if cfg.kernel_unused else ())
+               (cfg.kernel_unused,) if cfg.kernel_unused else (), shape)
 
 
 def make_mesh(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None) -> Mesh:
     """The ("data", "fsdp", "seq") mesh of config.mesh over all devices (see
-    ``sparse_jax.sharding``); with mesh.seq > 1 the model's context (and each context stage's)
-    must split over the seq devices for every layer's pattern (``context.check_model_split``),
-    and every micro-batch must split evenly over the devices its sequences are spread over."""
+    ``sparse_jax.sharding``), after `mesh_shape`'s checks."""
+    cfg = cfg or model_config(config.model)
+    mesh_shape(config, cfg, jax.device_count())
+    return sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))
+
+
+def mesh_shape(config: ml_collections.ConfigDict, cfg: ModelConfig | None,
+               devices: int) -> dict[str, int]:
+    """The mesh of config.mesh over `devices` devices, {"data", "fsdp", "seq"}, checked
+    without any device (so a run can be planned for a machine it is not on): the axes must
+    divide the devices; with mesh.seq > 1 the model's context (and each context stage's) must
+    split over the seq devices for every layer's pattern (``context.check_model_split``); every
+    micro-batch must split evenly over the devices its sequences are spread over."""
     cfg = cfg or model_config(config.model)
     seq = config.mesh.get("seq", 1)
-    mesh = sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, seq)
+    shape = sharding_lib.mesh_shape(devices, config.mesh.data, config.mesh.fsdp, seq)
     if seq > 1:
         if jax.process_count() > 1 and jax.local_device_count() % seq:
             raise ValueError(f"mesh.seq={seq} must divide the {jax.local_device_count()} devices "
@@ -84,7 +100,7 @@ def make_mesh(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None)
         lengths = {cfg.seq_len} | {s.seq_len for s in config_lib.context_stages(config, cfg)}
         for length in sorted(lengths):
             context.check_model_split(cfg.specs(), length, seq)
-    sequences = mesh.size // seq  # the devices a batch's sequences are split over
+    sequences = devices // seq  # the devices a batch's sequences are split over
     batches = {"batch_size": config.batch_size}
     batches.update({f"context_stages[{i}] batch_size": stage.batch_size for i, stage in
                     enumerate(config_lib.context_stages(config, cfg))})
@@ -96,7 +112,7 @@ def make_mesh(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None)
             split = "" if seq == 1 else f" (mesh.data x mesh.fsdp; mesh.seq={seq} splits positions)"
             raise ValueError(f"the micro-batch of {micro} sequences ({name} / grad_accum) does "
                              f"not split evenly over {sequences} devices{split}{hint}")
-    return mesh
+    return shape
 
 
 def run_stages(config: ml_collections.ConfigDict, cfg: ModelConfig) -> list[Stage]:

@@ -70,6 +70,19 @@ def prepare_workdir(workdir: str, config) -> dict[str, tuple] | None:
     except OSError as e:
         raise OSError(e.errno, f"cannot write to the workdir {workdir}: "
                                f"{e.strerror or e}; choose another --workdir") from e
+    return admit(workdir, config)
+
+
+def admit(workdir: str, config) -> dict[str, tuple] | None:
+    """`prepare_workdir`'s checks of what `workdir` holds, reading only (`run.setup.complete`
+    makes them before any work): a file in its place, files this project did not write, a
+    record that is not ours, checkpoints without a record, a config the run there may not
+    resume with. None for a new run (also a folder not created yet), else the changes."""
+    if os.path.lexists(workdir) and not os.path.isdir(workdir):
+        raise NotADirectoryError(errno.ENOTDIR, f"--workdir={workdir} is a file, not a folder; "
+                                                "choose another --workdir")
+    if not os.path.isdir(workdir):
+        return None
     entries = [n for n in os.listdir(workdir) if not n.startswith(PROBE + ".")]
     foreign = sorted(n for n in entries if n not in OURS  # a temporary file being written:
                      and not (n.endswith(".tmp") and n[:-4] in OURS))
