@@ -287,8 +287,11 @@ def child(script: str, without=()) -> dict:
 
 def env() -> dict:
     """The children's environment: the CPU split into 2 devices (the mesh checks see the same
-    count on every machine), no traceback switch, no restart for huge pages."""
-    out = {k: v for k, v in os.environ.items() if k != "SPARSE_JAX_TRACEBACK"}
+    count on every machine), no traceback switch, no restart for huge pages, and no compile
+    tools named by the environment (CI's .ci/run names them; an empty --tools then falls back
+    to the default folder, which the table's cases expect to be absent)."""
+    out = {k: v for k, v in os.environ.items() if k not in (
+        "SPARSE_JAX_TRACEBACK", "SPARSE_JAX_GPU_TOOLS", "SPARSE_JAX_TPU_TOOLS")}
     out.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join([ROOT, out.get("PYTHONPATH", "")]).rstrip(os.pathsep))

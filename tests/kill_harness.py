@@ -191,7 +191,7 @@ def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
 
 
 SIZE = 200_000_000  # bytes of the decompressed data: ~1 s to decompress and hash, most of a load
-LOAD = ("import sys; from sparse_jax import sources; "
+LOAD = ("import sys; from sparse_jax.data import sources; "
         "print(sources.load_bytes(sys.argv[1])[:0].size)")
 
 

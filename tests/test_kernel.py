@@ -634,18 +634,20 @@ def test_kernel_options_are_checked_for_the_platform_traced_for():
 
 def test_training_says_once_that_an_unused_kernel_option_is_not_used(tmp_path, capsys):
     """On a CPU, auto runs the CPU kernels (or XLA): --config.model.kernel=chained changes
-    nothing, and one warning line says so at start-up, before the workdir is touched (here a
-    file, refused next, and left as it was)."""
+    nothing, and one warning line says so at start-up, before the data is read (here a file
+    too short for a window, refused next; the new workdir is removed again)."""
     import configs
     from sparse_jax import train
 
-    config = configs.load("quickstart.py:data=embedded",
-                          {"model.attention": "auto", "model.kernel": "chained"})
-    workdir = tmp_path / "a_file"
-    workdir.write_text("mine")
-    with pytest.raises(OSError, match="cannot write to the workdir"):
+    data = tmp_path / "short.txt"
+    data.write_bytes(b"too short for a window")
+    config = configs.load("bytes.py:size=tiny", {"model.attention": "auto",
+                                                 "model.kernel": "chained",
+                                                 "data.path": str(data)})
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError):
         train.train(config, str(workdir))
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and warnings[0].startswith(
         "warning: model.kernel='chained' is not used: attention='auto' runs "), warnings
-    assert workdir.read_text() == "mine"
+    assert not workdir.exists()
