@@ -15,6 +15,7 @@ LAYERS = [
     ("data",),  # sources, datasets, batches
     ("run",),  # what a run reads and writes: config, setup, checkpoints, workdir, logs
     ("evaluate",),
+    ("attention_stats",),  # where a trained model looks (beside evaluate: reads a checkpoint)
     ("train",),
     ("sample",),
     ("bench",),  # benchmarks and studies, apart from the library

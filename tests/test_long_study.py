@@ -61,6 +61,14 @@ def test_dry_run_measures_every_planned_row(tmp_path):
     assert "Table 4" in text and f"test ≥ {m}" in text
     for name in baselines.copy_class_names(plan["copy_edges"]):
         assert f"| {name} |" in text
+    for row in result["runs"]:  # where each model looks: mass beyond the edges it can reach
+        far = row["attention"]["far"]
+        assert list(far) == [str(e) for e in plan["copy_edges"] if e < row["seq_len"] - 1]
+        for f in far.values():
+            assert len(f["mean"]) == 1 and 0 <= f["mean"][0] <= f["max"][0] <= 1
+            assert 0 < f["uniform"][0] < 1
+    assert "Attention beyond" in text and f"| long sparse | {plan['short']} |" in text
+    assert f"Beyond the short model's context ({plan['short']} bytes): long sparse puts" in text
 
 
 def test_what_the_real_plan_measures():
@@ -136,6 +144,31 @@ def test_dense_attention_on_a_gpu_falls_back_to_xla_without_cudnn(monkeypatch):
     out = attention.sparse_attention(q, k, v, PatternSpec("dense"), "pallas")
     np.testing.assert_allclose(out, reference, atol=1e-5)
     assert jnp.isfinite(out).all()
+
+
+def test_the_attention_table_says_where_each_run_looks():
+    """Each run's attention beyond each copy edge, per layer (mean over heads, largest head),
+    "—" past a run's context, a run whose statistics failed named with why; and the sentence
+    on the reach beyond the short context, from the figures."""
+    def far(*edges):
+        return {str(e): {"mean": [0.001 * e, 0.002 * e], "max": [0.01, 0.02 * e],
+                         "uniform": [0.5, 0.25]} for e in edges}
+
+    result = {"config": "c", "run_seconds": 30, "matched_context": 32, "copy_edges": [8, 64, 256],
+              "runs": [_row("short sparse", [0, 32], attention={"windows": 2, "far": far(8)}),
+                       _row("long sparse", [0, 32], attention={"windows": 2, "far": far(8, 64)}),
+                       _row("long dense", [0, 32], attention={"error": "boom"})]}
+    text = "\n".join(long_study.markdown(result))
+    assert "| run | beyond | layer 0 | layer 1 |" in text
+    assert "| short sparse | 8 | 0.0080 / 0.010 / 0.500 | 0.0160 / 0.160 / 0.250 |" in text
+    assert "| short sparse | 64 | — | — |" in text and "| long sparse | 256 |" not in text
+    assert "| long sparse | 64 | 0.0640 / 0.010 / 0.500 | 0.1280 / 1.280 / 0.250 |" in text
+    assert "| long dense (not measured: boom) |" in text
+    assert ("Beyond the short model's context (64 bytes): long sparse puts at most 12.80% of a "
+            "layer's attention there (layer 1, 25.00% by chance; its most far-looking head "
+            "128.00%).") in text
+    assert "Attention beyond" not in "\n".join(long_study.markdown(
+        {**result, "runs": [_row("x", [0, 32])]}))
 
 
 def test_no_time_left_runs_nothing_and_says_so(tmp_path):

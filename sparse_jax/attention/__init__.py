@@ -12,7 +12,9 @@ Lower modules are imported by higher ones only, in this order:
 * ``reference`` (the dense references the fast paths are held to), ``xla`` (the block terms in
   plain ``jnp``, custom backward), ``causal`` (dense causal attention without an n x n array),
   ``api`` (``sparse_attention`` and friends: which implementation runs);
-* ``shards`` and ``context``: one sequence split over devices, exact.
+* ``shards`` and ``context``: one sequence split over devices, exact;
+* ``weights``: the attention weights of a pattern's queries, by key distance and term (what
+  ``sparse_jax.attention_stats`` reads a trained model with).
 
 The names below are the public surface (``from sparse_jax.attention import sparse_attention``).
 """

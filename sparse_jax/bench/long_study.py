@@ -30,6 +30,8 @@ chip and at contexts no run has measured yet. Then `sparse_jax.train.train` trai
                  the bits fall with guaranteed context (the paper's Tables 3-4 protocol)
   copy classes   every pass split by how far back an exact copier finds the byte
                  (`baselines.copy_classes`, k = 12): <= 512, 513-4,096, 4,097-16,384, the rest
+  attention      where each model looks (`sparse_jax.attention_stats`, a few test windows): each
+                 layer's mass beyond 512 and 4,096 bytes (the short context), and by chance
 
   plan(dry_run)   the sizes: one H100, or toy ones for a CPU
   run(plan, emit) runs the study (plan["deadline"]: time.time() to end by; plan["workdir"]: a
@@ -97,15 +99,16 @@ def plan(dry_run: bool) -> dict:
         # max_steps decides: run_seconds only has to hold any CPU's start-up, however loaded
         # (the stage's cap, not this, bounds the dry run's time)
         p = {"run_seconds": 3600, "min_steps": 2, "max_steps": 4, "data_bytes": 40_000,
-             "need_s": 40, "evals": 2}
+             "need_s": 45, "evals": 2, "attention_windows": 2}
         strides, batches = (8, 16), (8, 2)
     else:
         short, long = 4096, 16384
         model = {}
         # A run's whole time, need_s: run_seconds, and beyond them start-up and imports
-        # (~10 s), calibration (~25 s), test passes (~15-20 s); 3 x 145 = 435 s of the cap.
+        # (~10 s), calibration (~25 s), test passes (~15-20 s), attention statistics (~5-10 s);
+        # 3 x 150 = 450 s of the cap (2026-11-28, before the statistics: 360 s for all three).
         p = {"run_seconds": 85, "min_steps": 2, "max_steps": 20000, "data_bytes": None,
-             "need_s": 145, "evals": 4}
+             "need_s": 150, "evals": 4, "attention_windows": 4}
         strides, batches = (64, 128), (16, 4)
     matched = matched_context(short)
     # budget_config keeps the number of validation passes and the warmup's share: p["evals"]
@@ -182,7 +185,8 @@ def run(plan: dict, emit) -> dict:
         run_dir = os.path.join(workdir, slug(spec["name"]))
         os.makedirs(run_dir, exist_ok=True)
         config_lib.write_record(run_dir, configs[spec["name"]])  # what the worker reads
-        job = {k: p[k] for k in ("run_seconds", "min_steps", "max_steps", "copy_edges")}
+        job = {k: p[k] for k in ("run_seconds", "min_steps", "max_steps", "copy_edges",
+                                 "attention_windows")}
         job["test_contexts"] = spec["test_contexts"]
 
         def update(line, row=row):
@@ -318,6 +322,19 @@ def _train_and_score(run_dir: str, job: dict, emit) -> None:
                       **({"by_position": r["by_position"]} if not context else {})})
         emit(test=tests)
     emit(phase="done")
+    try:  # after "done": a run cut short here keeps its scores, without this table
+        from sparse_jax import attention_stats
+
+        edges, windows = job["copy_edges"], job["attention_windows"]
+        stats = attention_stats.attention_stats(
+            run_dir, "test", windows=windows, write=False, progress=False,
+            bands=[e for e in edges if e < config.model.seq_len - 1])
+        emit(attention={"windows": windows, "far": attention_stats.far_by_layer(stats, edges)})
+    except Exception as e:  # noqa: BLE001  the table says it is missing and why
+        import traceback
+
+        traceback.print_exc()
+        emit(attention={"error": " ".join(f"{type(e).__name__}: {e}".split())[:300]})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +463,24 @@ def markdown(result: dict) -> list[str]:
             cells = [_f(t["copy_classes"][i]["bits"]) if t else "—"
                      for r in scored for t in (test_row(r, 0), test_row(r, m))]
             lines.append(f"| {name} | {share:.1%} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + attention_lines(result) + [""]
+
+
+def attention_lines(result: dict) -> list[str]:
+    """Where each run looks (``attention_stats.format_far``) and what that says about the reach
+    beyond the short context; [] when no run has the figures."""
+    from sparse_jax.attention_stats import far_text, format_far
+
+    if not (rows := [r for r in result.get("runs", []) if r.get("attention")]):
+        return []
+    runs, short = [(r["name"], r["attention"]) for r in rows], result["copy_edges"][1]
+    said = far_text(runs, short)
+    return ["", f"Attention beyond … bytes back ({rows[0]['attention'].get('windows')} test "
+            "windows, `sparse_jax.attention_stats`): each layer's share of its attention, the "
+            "mean over its heads / its most far-looking head's / the mean if its heads spread "
+            "their weight evenly over their keys (chance); — where the context ends:", "",
+            *format_far(runs, result["copy_edges"])] + (
+        ["", f"Beyond the short model's context ({short:,} bytes): {said}."] if said else [])
 
 
 if __name__ == "__main__":  # one run, in its own process: python -m ... worker RUN_DIR JOB_JSON

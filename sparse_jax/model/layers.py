@@ -85,7 +85,7 @@ class SparseSelfAttention(nnx.Module):
     Weights ~ N(0, init_std²) (default 0.125/√d_model), the output projection
     N(0, out_std²) (default init_std), biases 0. ``implementation``: of the sparse attention
     ("xla", "pallas" or "auto", ``attention.sparse_attention``); ``block_sizes``: the Pallas
-    kernel's tiles and variant (``kernel.BlockSizes``; None: the backend's default). ``rotary``:
+    kernel's tiles and variant (``attention.BlockSizes``; None: the backend's default). ``rotary``:
     queries and keys
     rotated by their position (``rotate``; not in the paper), so scores can depend on distance;
     ``rotary_dims``: how many of each head's query/key features (None: all).
@@ -148,12 +148,7 @@ class SparseSelfAttention(nnx.Module):
         each device attending its positions' rows and exchanging the keys the pattern needs
         (``context.context_attention``)."""
         batch, seq_len, _ = x.shape
-        split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        if self.rotary:
-            q, k = (rotate(y, jnp.arange(seq_len), dims=self.rotary_dims) for y in (q, k))
-        if self.shifts is not None:
-            k, v = shift_kv(k, v, self.shifts)
+        q, k, v = self.project(x)
         attend = functools.partial(multi_spec_attention, specs=self.specs,
                                    implementation=self.implementation,
                                    block_sizes=self.block_sizes)
@@ -176,6 +171,21 @@ class SparseSelfAttention(nnx.Module):
                 attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3,
                                        out_specs=spec, check_vma=False)
         return self.out(attend(q, k, v).reshape(batch, seq_len, -1))
+
+    def project(self, x):
+        """The queries, keys and values ``__call__`` attends with: x [B, n, d_model] -> q, k
+        [B, n, H, qk_dim / H] and v [B, n, H, d_model / H], in the compute dtype, projected,
+        rotated by position (``rotary``) and with each shifted head's keys and values moved
+        (``shift_kv``). Query i and key j then score ``q[i] . k[j] / sqrt(qk_dim / H)`` for
+        the keys j of i's pattern (``sparse_jax.attention_stats`` reads them)."""
+        batch, seq_len, _ = x.shape
+        split = lambda y: y.reshape(batch, seq_len, self.num_heads, -1)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.rotary:
+            q, k = (rotate(y, jnp.arange(seq_len), dims=self.rotary_dims) for y in (q, k))
+        if self.shifts is not None:
+            k, v = shift_kv(k, v, self.shifts)
+        return q, k, v
 
     def decode_step(self, x_B1D, cache, layer, i):
         """The layer at position ``i`` alone, on a key/value cache: x [B, 1, d_model] ->
