@@ -230,9 +230,12 @@ def test_larger_mosaic_tiles_and_head_groups_lower_for_a_tpu(sizes):
     (PatternSpec("fixed", stride=16, c=4), 80, SMALL),
     # a grid step for both heads, tiles larger than the pattern's blocks (as 256 x 256 on l=128)
     (PatternSpec("strided", stride=16), 93, K.BlockSizes(32, 32, heads_per_program=2)),
-    (PatternSpec("fixed", stride=16, c=4), 80, K.BlockSizes(32, 16, heads_per_program=2))],
+    (PatternSpec("fixed", stride=16, c=4), 80, K.BlockSizes(32, 16, heads_per_program=2)),
+    # the summary term on its own tiles (sumQxK)
+    (PatternSpec("fixed", stride=16, c=4), 96, K.BlockSizes(16, 16, summary_q=32, summary_k=16))],
     ids=lambda c: str(c) if not isinstance(c, K.BlockSizes) else
-    f"{c.block_q}x{c.block_k}-h{c.heads_per_program}")
+    f"{c.block_q}x{c.block_k}-h{c.heads_per_program}"
+    + (f"-sum{c.summary_q}x{c.summary_k}" if c.summary_q else ""))
 def test_tpu_kernels_match_dense_in_interpret_mode(spec, seq_len, sizes):
     """The TPU flavour (a grid step per list entry and head group, running softmax in scratch)
     computes the same as the dense reference, forward and gradients, float32, for the three

@@ -27,11 +27,11 @@ def test_each_choice_compiles_for_a_gpu_and_its_report_holds_its_figures(choice)
 
 
 def test_defaults_follow_the_measurements_and_only_on_a_compiled_gpu_kernel():
-    chained = measured.default_sizes("triton", "strided", 16_384, interpret=False)
+    chained = measured.default_sizes("triton", False, "strided", 16_384)
     assert chained == BlockSizes(variant="chained")
-    assert measured.default_sizes("triton", "fixed", 4_096, interpret=False).variant == "chained"
+    assert measured.default_sizes("triton", False, "fixed", 4_096).variant == "chained"
     for kind, n in (("strided", 65_536), ("fixed", 32_768), ("local", 1_024)):
-        assert measured.default_sizes("triton", kind, n, interpret=False) == BlockSizes()
-    assert measured.default_sizes("triton", "strided", 16_384, interpret=True) == BlockSizes()
-    assert measured.default_sizes("mosaic", "strided", 16_384, interpret=False) \
+        assert measured.default_sizes("triton", False, kind, n) == BlockSizes()
+    assert measured.default_sizes("triton", True, "strided", 16_384) == BlockSizes()
+    assert measured.default_sizes("mosaic", False, "strided", 16_384) \
         == BlockSizes.for_backend("mosaic")

@@ -52,7 +52,6 @@ def _marked(marker: str) -> list[int]:
 
 
 @pytest.mark.slow  # starts the scripts
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
 @pytest.mark.parametrize("script", sorted(COMMANDS))
 def test_a_stopped_script_leaves_no_process_and_no_temporary_folder(script, sig, tmp_path):

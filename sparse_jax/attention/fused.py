@@ -210,17 +210,24 @@ def _pad_head(x, backend):
     return _pad_to(x, max(16, pl.next_power_of_2(x.shape[-1])), axis=3)
 
 
+def _target(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """(backend, interpret) with their defaults: "mosaic" on a TPU, else "triton"; compiled on
+    the backend's own platform (``tiles.target_platform``) and interpreted elsewhere."""
+    platform = tiles.target_platform()
+    backend = backend or ("mosaic" if platform == "tpu" else "triton")
+    patterns.check_choice("backend", backend, tiles.BACKENDS)
+    if interpret is None:
+        interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
+    return backend, interpret
+
+
 def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
                  interpret: bool | None = None) -> pallas.Compiler:
     """How to build the kernels here: ``backend`` "triton" or "mosaic" (default: "mosaic" on
     a TPU, else "triton"), compiled on its own platform and interpreted elsewhere (default; the
     platform is ``tiles.target_platform``, this process's unless ``compiling_for``),
     ``sizes`` default ``BlockSizes.for_backend``."""
-    platform = tiles.target_platform()
-    backend = backend or ("mosaic" if platform == "tpu" else "triton")
-    patterns.check_choice("backend", backend, tiles.BACKENDS)
-    if interpret is None:
-        interpret = platform != {"triton": "gpu", "mosaic": "tpu"}[backend]
+    backend, interpret = _target(backend, interpret)
     sizes = sizes or BlockSizes.for_backend(backend)
     sizes.check_backend(backend, tiles=not interpret)
     return pallas.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
@@ -242,12 +249,8 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     fastest for the pattern at this length (``attention.measured``).
     """
     if sizes is None:  # the options measured fastest for this pattern and length (GPU)
-        platform = tiles.target_platform()
-        chosen = backend or ("mosaic" if platform == "tpu" else "triton")
-        compiled = not interpret if interpret is not None else \
-            platform == {"triton": "gpu", "mosaic": "tpu"}.get(chosen)
-        sizes = measured.default_sizes(chosen, spec.kind, q.shape[1 if seq_major else 2],
-                                       interpret=not compiled)
+        sizes = measured.default_sizes(*_target(backend, interpret), spec.kind,
+                                       q.shape[1 if seq_major else 2])
     compiler = compiler_for(sizes, backend, interpret)
     variant = sizes.variant
     heads = q.shape[2 if seq_major else 1]

@@ -47,7 +47,7 @@ CHOICES = (
 )
 
 
-def default_sizes(backend: str, kind: str, seq_len: int, interpret: bool) -> BlockSizes:
+def default_sizes(backend: str, interpret: bool, kind: str, seq_len: int) -> BlockSizes:
     """The kernel's options for pattern ``kind`` at ``seq_len`` when the caller gives none:
     ``CHOICES`` for a compiled GPU kernel (``backend`` "triton", not ``interpret``), else
     ``BlockSizes.for_backend(backend)``."""

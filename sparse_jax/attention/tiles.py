@@ -64,7 +64,7 @@ class Compiler:
     num_stages: int = 2
     heads_per_program: int = 1
     one_loop: bool = False
-    band: int = 0  # band kernels' block rows (kernel.BlockSizes.band; 0: none)
+    band: int = 0  # band kernels' block rows (BlockSizes.band; 0: none)
     band_group: int = 16  # band kernels' blocks a grid step
     summary_q: int = 0  # the summary term's tiles (BlockSizes.summary_q; 0: block_q)
     summary_k: int = 0  # (BlockSizes.summary_k; 0: block_k)

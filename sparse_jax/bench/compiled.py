@@ -148,7 +148,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     from sparse_jax.attention import fused, measured
 
     # no options: the kernel compiles with the GPU's defaults chosen by measurement
-    sizes = sizes or measured.default_sizes("triton", spec.kind, n, interpret=False)
+    sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
     sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
     compiler = fused.compiler_for(sizes, "triton", interpret=False)
     rows = -(-n // spec.block)

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 from sparse_jax.bench.accelerator.common import REPO, emit, fmt, one_line
 
@@ -138,7 +139,7 @@ def run(plan: dict) -> dict:
                    else _ncu_command(ncu, variant, p))
         try:
             proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                  timeout=max(5.0, plan["deadline"] - _now() - 2))
+                                  timeout=max(5.0, plan["deadline"] - time.time() - 2))
         except subprocess.TimeoutExpired:
             entry["error"] = "not run: stage time up"
             emit(out)
@@ -158,12 +159,6 @@ def run(plan: dict) -> dict:
                                   + (f"; names seen: {seen}" if seen else ""))
         emit(out)
     return out
-
-
-def _now() -> float:
-    import time
-
-    return time.time()
 
 
 def check(result: dict, plan: dict) -> tuple[str, str] | None:
