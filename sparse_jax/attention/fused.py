@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, measured, pallas, patterns, tiles
+from sparse_jax.attention import blocks, measured, pallas, pallas_onepass, patterns, tiles
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
@@ -160,13 +160,56 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
 
 
+def _onepass(spec, n, compiler):
+    """The one-pass variant's plan (``pallas_onepass``): ``_chain``'s, each term as the
+    persistent kernels read it; ValueError for a summary term (the fixed pattern's)."""
+    length, plan = _chain(spec, n // spec.block, compiler)
+    if any(layout.kind == "summary" for layout, *_ in plan):
+        raise ValueError(f"kernel variant onepass serves band and column terms (strided, "
+                         f"local), not {spec}'s summary term: give chained or terms")
+    return length, [(comp, pallas_onepass.Term(keep, lists, *at), layout.kind)
+                    for layout, keep, lists, comp, at in plan]
+
+
+def _onepass_forward(spec, compiler, q, k, v, seq_major=False):
+    """``_chained_forward`` on the persistent kernels; log-sum-exp [..., 1]."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    length, plan = _onepass(spec, n, compiler)
+    q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
+    state = ()
+    for i, (comp, term, kind) in enumerate(plan):
+        state = pallas_onepass.forward(
+            comp, term, q, k, v, init=state,
+            dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
+    return tuple(jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state)
+
+
+def _onepass_backward(spec, compiler, seq_major, q, k, v, out, lse, d_out):
+    """Gradients of the one-pass variant: a kernel a term, each adding to the previous term's
+    float32 gradients, delta and the empty rows' log-sum-exp handled inside."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    length, plan = _onepass(spec, n, compiler)
+    q, k, v, out, lse, do = (_pad_to(x, length, axis)
+                             for x in (q, k, v, out, lse, d_out.astype(v.dtype)))
+    grads = ()
+    for i, (comp, term, kind) in enumerate(plan):
+        grads = pallas_onepass.backward(
+            comp, term, q, k, v, out, do, lse, init=grads,
+            dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _attention(spec, compiler, variant, seq_major, q, k, v):
     return _attention_fwd(spec, compiler, variant, seq_major, q, k, v)[0]
 
 
 def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
-    if variant == "chained":
+    if variant == "onepass":  # log-sum-exp [..., 1], as its backward reads it
+        out, lse = _onepass_forward(spec, compiler, q, k, v, seq_major)
+    elif variant == "chained":
         out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
     else:
         out, lse = _forward(spec, compiler, q, k, v)
@@ -175,6 +218,8 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
+    if variant == "onepass":  # no XLA before its kernels: delta is theirs
+        return _onepass_backward(spec, compiler, seq_major, q, k, v, out, lse, d_out)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
@@ -257,7 +302,7 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     if heads % compiler.heads_per_program:
         raise ValueError(f"BlockSizes.heads_per_program={compiler.heads_per_program} must "
                          f"divide the {heads} heads")
-    if seq_major and variant != "chained":  # the terms' layouts start from [B, H, n, d]
+    if seq_major and variant == "terms":  # the terms' layouts start from [B, H, n, d]
         swap = lambda x: x.swapaxes(1, 2)  # noqa: E731
         out = sequence_attention(spec, *map(swap, (q, k, v)), sizes=sizes, backend=backend,
                                  interpret=interpret, return_lse=return_lse)
@@ -265,7 +310,10 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     dv = v.shape[-1]
     q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
     if return_lse:
-        if variant == "chained":
+        if variant == "onepass":
+            out, lse = _onepass_forward(spec, compiler, q, k, v, seq_major)
+            lse = lse[..., 0]
+        elif variant == "chained":
             out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
         else:
             out, lse = _forward(spec, compiler, q, k, v)
