@@ -53,7 +53,7 @@ _FAR = 1 << 29  # segment of padding: queries get no key, keys reach no query (i
 _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when listing blocks
 
 
-VARIANTS = ("terms", "chained", "onepass")  # BlockSizes.variant: how the terms' kernels are combined
+VARIANTS = ("terms", "chained", "onepass")  # BlockSizes.variant: how the terms' kernels combine
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
 _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
@@ -138,7 +138,8 @@ class BlockSizes:
                 values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, onepass, hG, wN, sN, one_loop, bandTxG or sumQxK")
+                                 "QxK, terms, chained, onepass, hG, wN, sN, one_loop, bandTxG "
+                                 "or sumQxK")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \

@@ -171,8 +171,9 @@ def _onepass(spec, n, compiler):
                     for layout, keep, lists, comp, at in plan]
 
 
-def _onepass_forward(spec, compiler, q, k, v, seq_major=False):
-    """``_chained_forward`` on the persistent kernels; log-sum-exp [..., 1]."""
+def _onepass_forward(spec, compiler, scale, q, k, v, seq_major=False):
+    """``_chained_forward`` on the persistent kernels, q scaled by ``scale`` inside them;
+    log-sum-exp [..., 1]."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
     length, plan = _onepass(spec, n, compiler)
@@ -180,12 +181,12 @@ def _onepass_forward(spec, compiler, q, k, v, seq_major=False):
     state = ()
     for i, (comp, term, kind) in enumerate(plan):
         state = pallas_onepass.forward(
-            comp, term, q, k, v, init=state,
+            comp, term, q, k, v, init=state, scale=scale,
             dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
     return tuple(jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state)
 
 
-def _onepass_backward(spec, compiler, seq_major, q, k, v, out, lse, d_out):
+def _onepass_backward(spec, compiler, scale, seq_major, q, k, v, out, lse, d_out):
     """Gradients of the one-pass variant: a kernel a term, each adding to the previous term's
     float32 gradients, delta and the empty rows' log-sum-exp handled inside."""
     axis = 1 if seq_major else 2
@@ -196,7 +197,7 @@ def _onepass_backward(spec, compiler, seq_major, q, k, v, out, lse, d_out):
     grads = ()
     for i, (comp, term, kind) in enumerate(plan):
         grads = pallas_onepass.backward(
-            comp, term, q, k, v, out, do, lse, init=grads,
+            comp, term, q, k, v, out, do, lse, init=grads, scale=scale,
             dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
 
@@ -207,9 +208,7 @@ def _attention(spec, compiler, variant, seq_major, q, k, v):
 
 
 def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
-    if variant == "onepass":  # log-sum-exp [..., 1], as its backward reads it
-        out, lse = _onepass_forward(spec, compiler, q, k, v, seq_major)
-    elif variant == "chained":
+    if variant == "chained":
         out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
     else:
         out, lse = _forward(spec, compiler, q, k, v)
@@ -218,8 +217,6 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
-    if variant == "onepass":  # no XLA before its kernels: delta is theirs
-        return _onepass_backward(spec, compiler, seq_major, q, k, v, out, lse, d_out)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
@@ -246,6 +243,24 @@ def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _onepass_attention(spec, compiler, scale, seq_major, q, k, v):
+    """The one-pass variant, q scaled inside its kernels (no XLA kernel scales q or dq)."""
+    return _onepass_forward(spec, compiler, scale, q, k, v, seq_major)[0]
+
+
+def _onepass_fwd(spec, compiler, scale, seq_major, q, k, v):
+    out, lse = _onepass_forward(spec, compiler, scale, q, k, v, seq_major)
+    return out, (q, k, v, out, lse)
+
+
+def _onepass_bwd(spec, compiler, scale, seq_major, residuals, d_out):
+    return _onepass_backward(spec, compiler, scale, seq_major, *residuals, d_out)
+
+
+_onepass_attention.defvjp(_onepass_fwd, _onepass_bwd)
 
 
 def _pad_head(x, backend):
@@ -283,7 +298,8 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
                        backend: str | None = None, interpret: bool | None = None,
-                       return_lse: bool = False, seq_major: bool = False):
+                       return_lse: bool = False, seq_major: bool = False,
+                       scale: float | None = None):
     """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] ([B, n, H, d] if
     ``seq_major``) with n a multiple of ``spec.block`` and q already scaled by 1/√d; returns
     the output like v (differentiable), float32 for ``sizes.variant`` "terms" and q's dtype for
@@ -291,7 +307,9 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     ([B, n, H]; a row with no key: -1e30; not differentiable). The chained variant reads
     ``seq_major`` arrays as they are; "terms" transposes them. ``sizes``, ``backend``,
     ``interpret``: ``compiler_for``, except that ``sizes`` None on a GPU is the options measured
-    fastest for the pattern at this length (``attention.measured``).
+    fastest for the pattern at this length (``attention.measured``). ``scale``: q not yet
+    scaled, scale it by this (inside the kernels for the "onepass" variant, which then returns
+    [B, n, H]-like arrays as "chained" does).
     """
     if sizes is None:  # the options measured fastest for this pattern and length (GPU)
         sizes = measured.default_sizes(*_target(backend, interpret), spec.kind,
@@ -305,15 +323,19 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     if seq_major and variant == "terms":  # the terms' layouts start from [B, H, n, d]
         swap = lambda x: x.swapaxes(1, 2)  # noqa: E731
         out = sequence_attention(spec, *map(swap, (q, k, v)), sizes=sizes, backend=backend,
-                                 interpret=interpret, return_lse=return_lse)
+                                 interpret=interpret, return_lse=return_lse, scale=scale)
         return tuple(map(swap, out)) if return_lse else swap(out)
     dv = v.shape[-1]
+    if scale is not None and variant != "onepass":
+        q, scale = q * jnp.asarray(scale, q.dtype), None
     q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
+    if variant == "onepass":
+        if return_lse:
+            out, lse = _onepass_forward(spec, compiler, scale, q, k, v, seq_major)
+            return out[..., :dv], lse[..., 0]
+        return _onepass_attention(spec, compiler, scale, seq_major, q, k, v)[..., :dv]
     if return_lse:
-        if variant == "onepass":
-            out, lse = _onepass_forward(spec, compiler, q, k, v, seq_major)
-            lse = lse[..., 0]
-        elif variant == "chained":
+        if variant == "chained":
             out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
         else:
             out, lse = _forward(spec, compiler, q, k, v)

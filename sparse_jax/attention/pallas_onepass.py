@@ -70,6 +70,16 @@ class Term:
     own_q: Rows
     own_k: Rows
 
+    @property
+    def flagged(self) -> bool:
+        """Whether some key is unflagged; if none is, the kernels take no flags (an array of
+        ones would be an XLA kernel of its own)."""
+        return not self.lists.k_attrs[2].all()
+
+    def attrs(self):
+        """The position attributes the kernels take: q's two, k's two or three."""
+        return [*self.lists.q_attrs, *self.lists.k_attrs[:3 if self.flagged else 2]]
+
 
 def _access(seq_major, interpret):
     """``get(ref, b, h, rows)`` and ``put(ref, b, h, rows, x)``: batch row b, head h, ``rows``
@@ -127,9 +137,26 @@ def _safe_lse(lse):
     return jnp.where(lse > tiles.NEG / 2, lse, -tiles.NEG)
 
 
-def _forward_kernel(table_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref, v_ref,
-                    *refs, term, resume, one_loop, seq_major, interpret, batch, heads):
+def _attr_refs(refs, term):
+    """(q's attribute refs, a function giving a key tile's attributes, the other refs)."""
+    n = 5 if term.flagged else 4
+    qp, qs, kp, ks, *kf = refs[:n]
+
+    def key_attrs(a):
+        return (kp[:, a], ks[:, a], kf[0][:, a] if kf else 1)
+
+    return (qp, qs), key_attrs, refs[n:]
+
+
+def _scaled(q, scale):
+    """q scaled as XLA would have scaled it outside (rounded to q's dtype)."""
+    return q if scale is None else (q * jnp.asarray(scale, q.dtype)).astype(q.dtype)
+
+
+def _forward_kernel(table_ref, *refs, term, scale, resume, one_loop, seq_major, interpret,
+                    batch, heads):
     get, put = _access(seq_major, interpret)
+    (qp_ref, qs_ref), key_attrs, (q_ref, k_ref, v_ref, *refs) = _attr_refs(refs, term)
     o_ref, lse_ref = refs[-2:]
     block_k = term.own_k.block
 
@@ -137,13 +164,13 @@ def _forward_kernel(table_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_
         t, b, h = _split(i, batch, heads)
         rows, attrs = term.own_q(t), Rows(term.own_q.block)(t)
         q_attrs = (qp_ref[attrs, :], qs_ref[attrs, :])
-        q = get(q_ref, b, h, rows)
+        q = _scaled(get(q_ref, b, h, rows), scale)
 
         def step(masked, kb, carry):
-            a = Rows(block_k)(kb)
-            s = tiles.scores(term.keep, q, get(k_ref, b, h, term.own_k(kb)), q_attrs,
-                             (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a]), masked)
-            return tiles.online(s, *carry, get(v_ref, b, h, term.own_k(kb)))
+            at = term.own_k(kb)
+            s = tiles.scores(term.keep, q, get(k_ref, b, h, at), q_attrs,
+                             key_attrs(Rows(block_k)(kb)), masked)
+            return tiles.online(s, *carry, get(v_ref, b, h, at))
 
         if resume:
             lse = get(refs[1], b, h, rows)
@@ -159,12 +186,14 @@ def _forward_kernel(table_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_
     _items(table_ref.shape[0] * batch * heads, item)
 
 
-def _backward_kernel(fwd_ref, bwd_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q_ref, k_ref,
-                     v_ref, o_ref, do_ref, lse_ref, *refs, term, resume, one_loop, seq_major,
+def _backward_kernel(fwd_ref, bwd_ref, *refs, term, scale, resume, one_loop, seq_major,
                      interpret, batch, heads):
     """The dq items (query tiles over ``fwd_ref``'s rows) first, then the dk/dv items (key
-    tiles over ``bwd_ref``'s); ``resume``: refs dq, dk, dv so far come first."""
+    tiles over ``bwd_ref``'s); ``resume``: refs dq, dk, dv so far come first. With ``scale``
+    the scores are of the scaled q, and dq is scaled back (dq of the unscaled q)."""
     get, put = _access(seq_major, interpret)
+    (qp_ref, qs_ref), key_attrs, refs = _attr_refs(refs, term)
+    q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *refs = refs
     dq_ref, dk_ref, dv_ref = refs[-3:]
     bq, bk = term.own_q.block, term.own_k.block
     n_dq = fwd_ref.shape[0] * batch * heads
@@ -174,8 +203,8 @@ def _backward_kernel(fwd_ref, bwd_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q
         do = get(do_ref, b, h, rows)
         delta = (do.astype(jnp.float32) * get(o_ref, b, h, rows).astype(jnp.float32)).sum(
             -1, keepdims=True)
-        return (get(q_ref, b, h, rows), do, _safe_lse(get(lse_ref, b, h, rows)), delta,
-                (qp_ref[a, :], qs_ref[a, :]))
+        return (_scaled(get(q_ref, b, h, rows), scale), do,
+                _safe_lse(get(lse_ref, b, h, rows)), delta, (qp_ref[a, :], qs_ref[a, :]))
 
     def dq_item(i):
         t, b, h = _split(i, batch, heads)
@@ -183,21 +212,22 @@ def _backward_kernel(fwd_ref, bwd_ref, qp_ref, qs_ref, kp_ref, ks_ref, kf_ref, q
         rows = term.own_q(t)
 
         def step(masked, kb, acc):
-            a, at = Rows(bk)(kb), term.own_k(kb)
+            at = term.own_k(kb)
             k = get(k_ref, b, h, at)
-            s = tiles.scores(term.keep, q, k, q_attrs, (kp_ref[:, a], ks_ref[:, a],
-                                                        kf_ref[:, a]), masked)
+            s = tiles.scores(term.keep, q, k, q_attrs, key_attrs(Rows(bk)(kb)), masked)
             ds = tiles.grads(s, lse, delta, do, get(v_ref, b, h, at))[1]
             return acc + tiles.dot(ds.astype(k.dtype), k)
 
-        start = get(refs[0], b, h, rows) if resume else jnp.zeros(q.shape, jnp.float32)
-        dq = _over_list(fwd_ref, t, step, start, one_loop)
+        dq = _over_list(fwd_ref, t, step, jnp.zeros(q.shape, jnp.float32), one_loop)
+        dq = dq if scale is None else dq * scale
+        if resume:
+            dq = dq + get(refs[0], b, h, rows)
         put(dq_ref, b, h, rows, dq.astype(dq_ref.dtype))
 
     def dkv_item(i):
         t, b, h = _split(i - n_dq, batch, heads)
-        rows, a = term.own_k(t), Rows(bk)(t)
-        k_attrs = (kp_ref[:, a], ks_ref[:, a], kf_ref[:, a])
+        rows = term.own_k(t)
+        k_attrs = key_attrs(Rows(bk)(t))
         k, v = get(k_ref, b, h, rows), get(v_ref, b, h, rows)
 
         def step(masked, qb, acc):
@@ -244,35 +274,36 @@ def _dims(x, seq_major):
     return batch, heads, (lambda d: (*x.shape[:3], d))
 
 
-def forward(compiler, term: Term, q, k, v, *, init=(), dtype=jnp.float32, seq_major=False,
-            tag=""):
+def forward(compiler, term: Term, q, k, v, *, init=(), scale=None, dtype=jnp.float32,
+            seq_major=False, tag=""):
     """Output (``dtype``) and log-sum-exp ([..., 1], float32) of one term over sequence-order
-    arrays, resuming from ``init`` = (o, lse) of the earlier terms where given."""
+    arrays, resuming from ``init`` = (o, lse) of the earlier terms where given; q scaled by
+    ``scale`` in the kernel (None: already scaled)."""
     batch, heads, like = _dims(q, seq_major)
     lists = term.lists
     items = lists.forward.shape[0] * batch * heads
-    kernel = functools.partial(_forward_kernel, term=term, resume=bool(init),
+    kernel = functools.partial(_forward_kernel, term=term, scale=scale, resume=bool(init),
                                one_loop=compiler.one_loop, seq_major=seq_major,
                                interpret=compiler.interpret, batch=batch, heads=heads)
     cost = tiles.cost("forward", lists.forward, term.own_q.block, term.own_k.block,
                       batch * heads, q.shape[-1], v.shape[-1], q.dtype.itemsize,
                       jnp.dtype(dtype).itemsize)
     return _call(compiler, kernel, programs(compiler, "forward", items),
-                 [lists.forward, *lists.q_attrs, *lists.k_attrs, q, k, v, *init],
+                 [lists.forward, *term.attrs(), q, k, v, *init],
                  [(like(v.shape[-1]), dtype), (like(1), jnp.float32)],
                  f"sparse_forward_onepass_{tag}", cost)
 
 
-def backward(compiler, term: Term, q, k, v, out, do, lse, *, init=(), dtype=jnp.float32,
-             seq_major=False, tag=""):
+def backward(compiler, term: Term, q, k, v, out, do, lse, *, init=(), scale=None,
+             dtype=jnp.float32, seq_major=False, tag=""):
     """dq, dk, dv (``dtype``) of one term's share of the output for the joint log-sum-exp
     ``lse`` ([..., 1]), ``out`` the final output (for delta), adding to ``init`` = (dq, dk, dv)
-    of the earlier terms (float32) where given: one kernel, the dq and dk/dv items on one
-    persistent grid."""
+    of the earlier terms (float32) where given, ``scale`` as ``forward``'s: one kernel, the dq
+    and dk/dv items on one persistent grid."""
     batch, heads, like = _dims(q, seq_major)
     lists = term.lists
     items = (lists.forward.shape[0] + lists.backward.shape[0]) * batch * heads
-    kernel = functools.partial(_backward_kernel, term=term, resume=bool(init),
+    kernel = functools.partial(_backward_kernel, term=term, scale=scale, resume=bool(init),
                                one_loop=compiler.one_loop, seq_major=seq_major,
                                interpret=compiler.interpret, batch=batch, heads=heads)
     sizes = (batch * heads, q.shape[-1], v.shape[-1], q.dtype.itemsize, jnp.dtype(dtype).itemsize)
@@ -282,7 +313,6 @@ def backward(compiler, term: Term, q, k, v, out, do, lse, *, init=(), dtype=jnp.
                            transcendentals=dq_cost.transcendentals + dkv_cost.transcendentals,
                            bytes_accessed=dq_cost.bytes_accessed + dkv_cost.bytes_accessed)
     return _call(compiler, kernel, programs(compiler, "backward", items),
-                 [lists.forward, lists.backward, *lists.q_attrs, *lists.k_attrs, q, k, v, out,
-                  do, lse, *init],
+                 [lists.forward, lists.backward, *term.attrs(), q, k, v, out, do, lse, *init],
                  [(like(q.shape[-1]), dtype), (like(k.shape[-1]), dtype),
                   (like(v.shape[-1]), dtype)], f"sparse_backward_onepass_{tag}", cost)
