@@ -151,6 +151,8 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
     sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
     compiler = fused.compiler_for(sizes, "triton", interpret=False)
+    if sizes.variant == "onepass":
+        return _onepass_work(spec, n, compiler, heads, head_dim, dtype_bytes)
     rows = -(-n // spec.block)
     chained = sizes.variant == "chained"
     if chained:
@@ -190,6 +192,40 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
                 "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
                 "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
                 "block_q": bq, "block_k": bk}
+    return out
+
+
+def _onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes: int) -> dict:
+    """``_tile_work`` of the one-pass variant's persistent kernels (``pallas_onepass``): per
+    kernel its programs (the grid: resident slots) and the key tiles each walks over all its
+    items (an item: a tile of one head; program p takes items p, p + P, ...), the backward's
+    dq and dk/dv items together (``products``: matrix products a tile, on average)."""
+    import numpy as np
+
+    from sparse_jax.attention import fused, pallas_onepass
+
+    d = max(16, 1 << (head_dim - 1).bit_length())
+    _, plan = fused._onepass(spec, n, compiler)
+    out = {}
+    for index, (comp, term, kind) in enumerate(plan):
+        out_bytes = dtype_bytes if index == len(plan) - 1 else 4
+        bq, bk = term.own_q.block, term.own_k.block
+        fwd = term.lists.forward[:, 0] + term.lists.forward[:, 1]
+        bwd = term.lists.backward[:, 0] + term.lists.backward[:, 1]
+        for name, visits, products, per_item, per_visit in (
+                ("forward", [fwd], [2], bq * d * (dtype_bytes + out_bytes) + 8 * bq,
+                 2 * bk * d * dtype_bytes),
+                ("backward", [fwd, bwd], [3, 4], 2 * bq * d * (2 * dtype_bytes + out_bytes),
+                 bq * (3 * d * dtype_bytes + 4))):
+            items = np.concatenate([np.repeat(v, heads) for v in visits])  # batch 1
+            grid = pallas_onepass.programs(comp, name, len(items))
+            walk = np.bincount(np.arange(len(items)) % grid, weights=items, minlength=grid)
+            tiles = [int(v.sum()) * heads for v in visits]
+            out[f"sparse_{name}_onepass_{kind}"] = {
+                "tiles_mean": float(walk.mean()), "tiles_max": int(walk.max()),
+                "programs": grid, "items": len(items), "block_q": bq, "block_k": bk,
+                "products": sum(p * t for p, t in zip(products, tiles)) / sum(tiles),
+                "hbm_bytes": int(len(items) * per_item + sum(tiles) * per_visit)}
     return out
 
 
@@ -401,9 +437,8 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
                                     thunk["shared_memory"]))
             kernel["waves"] = programs / (kernel["blocks_per_sm"] * t.sms)
         if base in work:
-            kernel.update(tiles_mean=work[base]["tiles_mean"], tiles_max=work[base]["tiles_max"],
-                          hbm_bytes=work[base]["hbm_bytes"], block_q=work[base]["block_q"],
-                          block_k=work[base]["block_k"])
+            kernel.update({key: value for key, value in work[base].items()
+                           if key != "programs"})
         kernels.append(kernel)
     row["kernels"] = kernels
     row["max_spill_bytes"] = max((k["spill_bytes"] for k in kernels), default=0)

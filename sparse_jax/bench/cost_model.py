@@ -136,11 +136,12 @@ def features(row: dict, pattern: str) -> dict:
     kernels = []
     for kernel in row["kernels"]:
         bq, bk = kernel.get("block_q", q), kernel.get("block_k", k)
-        kind = kernel["name"].split("_")[1]
+        # a kernel of both backward passes (onepass) says its products a tile (on average)
+        products = kernel.get("products") or PRODUCTS[kernel["name"].split("_")[1]]
         kernels.append({"name": kernel["name"], "programs": kernel["programs"],
                         "tiles": kernel["tiles_mean"], "blocks_per_sm": kernel["blocks_per_sm"],
                         "threads": kernel["threads"], "spill_bytes": kernel["spill_bytes"],
-                        "pairs": bq * bk, "flops": 2.0 * bq * bk * HEAD_DIM * PRODUCTS[kind]})
+                        "pairs": bq * bk, "flops": 2.0 * bq * bk * HEAD_DIM * products})
     return {"kernels": kernels, "xla_kernels": row["xla_kernel_bytes"]["kernels"],
             "xla_bytes": row["xla_kernel_bytes"]["bytes"], "one_loop": "one_loop" in pattern}
 
