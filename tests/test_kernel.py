@@ -24,6 +24,7 @@ from flax import nnx
 from sparse_jax import attention as A
 from sparse_jax.attention import blocks as K
 from sparse_jax.attention import patterns as P
+from sparse_jax.attention import tiles
 from sparse_jax.attention.fused import _terms, compiler_for, sequence_attention, sparsity
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.model.config import ModelConfig
@@ -184,6 +185,32 @@ def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, size
         hlo = [line for line in text.splitlines() if "triton" not in line]
         assert not any("stablehlo.transpose" in line or "stablehlo.exponential" in line
                        for line in hlo)
+
+
+@pytest.mark.parametrize("spec,terms", [(PatternSpec("strided", stride=128), 2),
+                                         (PatternSpec("local", stride=128), 1)])
+def test_onepass_lowers_to_two_kernels_a_term_and_nothing_between(spec, terms):
+    """Without a GPU: the one-pass variant lowers through Triton to a forward and a backward
+    kernel per term (persistent grids of the H100's resident slots), on [B, n, H, d] arrays
+    with nothing left to XLA: no transpose, no merge (exponential), no delta (reduction), no
+    scaling of q or dq (multiply). (The compile check counts XLA's kernels: the loss's own.)"""
+    x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return A.sparse_attention(q, k, v, spec, "pallas",
+                                  K.BlockSizes(variant="onepass", num_stages=1))
+
+    with tiles.compiling_for("gpu"):
+        text = jax.jit(jax.grad(lambda *a: loss(*a).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2))).trace(x, x, x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton(") == 2 * terms
+    hlo = [line for line in text.splitlines() if "triton" not in line]
+    for op in ("transpose", "exponential", "reduce", "multiply", "select"):
+        assert not any(f"stablehlo.{op}" in line for line in hlo), op
+    with pytest.raises(ValueError, match="onepass serves band and column terms .* summary"):
+        A.sparse_attention(*qkv(64, 16, jnp.float32)[:3], PatternSpec("fixed", stride=16, c=4),
+                           "pallas", ONEPASS)
 
 
 TPU_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype
@@ -400,6 +427,19 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
 ]
 
 
+ONEPASS = K.BlockSizes(16, 16, variant="onepass")
+VARIANT_CASES += [  # the one-pass variant: every band and column pattern it serves
+    (PatternSpec("strided", stride=16), 117, 64, "float32", ONEPASS),  # paper: l + 1 keys
+    (PatternSpec("strided", stride=16, local_width=16), 128, 64, "bfloat16", ONEPASS),  # l
+    (PatternSpec("strided", stride=12, local_width=30), 96, 48, "float32", ONEPASS),
+    (PatternSpec("strided", stride=16, part="strided"), 75, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass")),
+    (PatternSpec("local", stride=24, local_width=24), 100, 64, "float32", ONEPASS),
+    (PatternSpec("strided", stride=32), 200, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass", one_loop=True)),
+]
+
+
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_CASES, ids=[
     f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
     + ("-one_loop" if c[4].one_loop else "")
@@ -407,7 +447,9 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
     for c in VARIANT_CASES])
 def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
     """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
-    strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads;
+    strided from sequence-order arrays; the one-pass kernels, whose programs walk several
+    items each in interpret mode (``pallas_onepass.INTERPRET_PROGRAMS``), with q scaled and
+    head dims padded inside (d = 48); ``heads_per_program``: one list walk for two heads;
     ``one_loop``: partial and full blocks in one loop)
     gives the dense reference's output and gradients, at lengths that need padding (the
     chained column term pads rows to its tile), tolerances as ``test_kernel_matches_dense``."""
@@ -425,7 +467,7 @@ def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
 
 
 def test_chained_log_sum_exp_matches_dense():
-    """The chained variant's log-sum-exp is the joint one over every term's keys, also on
+    """The chained (and one-pass) variant's log-sum-exp is the joint one over every term's keys, also on
     sequence-major arrays."""
     spec, n = PatternSpec("strided", stride=16), 64
     q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
@@ -439,6 +481,11 @@ def test_chained_log_sum_exp_matches_dense():
         got = sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
         np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
         np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
+    # the one-pass variant's, q scaled inside its kernels
+    got = sequence_attention(spec, q * 2, k, k, sizes=ONEPASS, return_lse=True, seq_major=True,
+                             scale=0.5)
+    np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
+    np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
 
 
 def test_log_sum_exp_and_half_size_values():
@@ -478,6 +525,8 @@ def test_implementation_choice():
         K.BlockSizes(64, 32, 8, 3, variant="chained", heads_per_program=2, one_loop=True))
     with pytest.raises(ValueError, match="unknown kernel option"):
         parse_pattern("strided:128@pallas:fused", 1024)
+    assert parse_pattern("strided:128@pallas:onepass:s1", 1024)[2] == K.BlockSizes(
+        variant="onepass", num_stages=1)
     assert parse_pattern("strided:128@pallas:512x512:band128x4", 1024)[2] == K.BlockSizes(
         512, 512, band=128, band_group=4)
     assert K.BlockSizes.parse("band0", K.BlockSizes.for_backend("mosaic")).band == 0
@@ -553,6 +602,7 @@ def test_model_attention_kernel_variant_matches_dense():
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
+    assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1", on_mesh=False)
     with pytest.raises(ValueError, match="ModelConfig.kernel='h3'.*power of two"):
         ModelConfig(**base, kernel="h3")
 

@@ -73,9 +73,12 @@ ATTENTION_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
 REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
                  "strided:128@pallas:chained:h2:one_loop", "strided:128@pallas:chained:h2",
                  "strided:128@pallas:h2")
-# The defaults (attention.measured: chained at 16k) and the other variant, terms.
+# The one-pass variant (attention.pallas_onepass), one stage: the forward's 3 blocks an SM,
+# the backward's 2 without spills (two stages: 2 and spills), as its persistent grid assumes.
+ONEPASS = "strided:128@pallas:onepass:s1"
+# The defaults (attention.measured: chained at 16k), the other variant, terms, and onepass.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
-               "attention 16k strided:128@pallas:terms")
+               "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}")
 
 
 def programs() -> list[dict]:
@@ -96,6 +99,9 @@ def programs() -> list[dict]:
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
                         **ATTENTION_SHAPE})
+    for n in (8192, 16384, 32768, 65536):
+        out.append({"name": f"attention {n // 1024}k {ONEPASS}", "group": "onepass",
+                    "kind": "attention", "pattern": ONEPASS, "seq_len": n, **ATTENTION_SHAPE})
     for pattern in REFERENCE_16K:
         out.append({"name": f"attention 16k {pattern}", "group": "reference16k",
                     "kind": "attention",
@@ -114,8 +120,8 @@ def programs() -> list[dict]:
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
-    "attention32k", "reference16k", "steps", "study", "million", "ci" for the CI check's three,
-    "all"); ValueError naming an unknown one."""
+    "attention32k", "onepass", "reference16k", "steps", "study", "million", "ci" for the CI
+    check's four, "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -128,7 +134,7 @@ def select(names: list[str] | None) -> list[dict]:
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
                              f"attention16k, attention64k, attention8k, attention32k, "
-                             f"reference16k, steps, study, million "
+                             f"onepass, reference16k, steps, study, million "
                              f"or a "
                              f"name "
                              f"(--list prints them)")
