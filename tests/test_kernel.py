@@ -467,8 +467,8 @@ def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
 
 
 def test_chained_log_sum_exp_matches_dense():
-    """The chained (and one-pass) variant's log-sum-exp is the joint one over every term's keys, also on
-    sequence-major arrays."""
+    """The chained (and one-pass) variant's log-sum-exp is the joint one over every term's
+    keys, also on sequence-major arrays."""
     spec, n = PatternSpec("strided", stride=16), 64
     q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
     seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
