@@ -25,7 +25,7 @@ from sparse_jax.bench.accelerator.common import (
 )
 
 # The H100 report: 67 s for 24 rows (~2.8 s a row with its compilation), two left out at 70.
-CAP, DRY_CAP = 125, 40  # 29 rows interleaved: 7 rounds of 3 runs each, after compiling
+CAP, DRY_CAP = 125, 40  # 31 rows interleaved: 7 rounds of 3 runs each, after compiling
 # A row compiled but not yet timed when the stage printed its results (a length's rows are timed
 # together, once all are compiled): what the row says if the stage stops there.
 NOT_TIMED = "compiled, not timed: the stage stopped first"
@@ -44,12 +44,14 @@ BASELINES = ["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas"]
 # compiled for an H100 with 248 bytes spilled in its dk/dv kernel; with 8 warps (no spill) or
 # 128 x 32 tiles it predicts 1.98 and 2.05 ms: not timed (docs/benchmarks/compiled_h100/
 # summary_tiles).
-VARIANTS_16K = ["fixed:128:32@pallas:chained:sum128x64",
+# strided's one-pass kernels (attention.pallas_onepass), first: the cost model predicts 0.279 ms
+# at 16k and 1.24 ms at 64k on an H200 (docs/benchmarks/cost_model/predictions_strided.json).
+VARIANTS_16K = ["strided:128@pallas:onepass:s1", "fixed:128:32@pallas:chained:sum128x64",
                 "strided:128@pallas:terms", "strided:128@pallas:chained:64x32",
                 "strided:128@pallas:chained:one_loop", "strided:128@pallas:chained:32x32",
                 "fixed:128:32@pallas:terms", "fixed:128:32@pallas:128x64:chained:w8",
                 "fixed:128:32@pallas:chained:64x32"]
-VARIANTS_64K = ["fixed:128:32@pallas:sum128x64",
+VARIANTS_64K = ["strided:128@pallas:onepass:s1", "fixed:128:32@pallas:sum128x64",
                 "strided:128@pallas:chained", "fixed:128:32@pallas:chained",
                 "strided:128@pallas:chained:64x32:one_loop", "fixed:128:32@pallas:chained:64x32"]
 VARIANTS_8K_32K = ["strided:128@pallas:terms", "fixed:128:32@pallas:terms",
