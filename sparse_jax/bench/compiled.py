@@ -83,7 +83,8 @@ CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@p
 
 def programs() -> list[dict]:
     """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
-    16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), the training
+    16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), strided's
+    onepass kernels at 8k-64k (group "onepass", the report's 16k and 64k rows too), the training
     steps (train_step's cases) and the long-context study's runs. Each: name, group, kind and
     what to build."""
     from sparse_jax.bench.accelerator import attention, train_step
@@ -96,6 +97,8 @@ def programs() -> list[dict]:
                             ("attention8k", 8192, attention.BASELINES),
                             ("attention32k", 32768, attention.BASELINES)):
         for pattern in names:
+            if pattern == ONEPASS:  # the onepass group's, at every length
+                continue
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
                         **ATTENTION_SHAPE})
