@@ -617,6 +617,7 @@ BAD_KERNEL_OPTIONS = [  # (model.kernel, the one line's tail); the model has 4 h
     ("h2:h4", "'h2' and 'h4' both set the heads per program; give each option once"),
     ("64x64:32x32", "'64x64' and '32x32' both set the tiles; give each option once"),
     ("chained:chained", "'chained' is given twice; give each option once"),
+    ("onepass:h2", "kernel variant onepass walks one head a work item: leave out h2"),
 ]
 
 
@@ -647,6 +648,12 @@ def test_heads_per_program_are_checked_against_each_head_group():
             "ModelConfig.kernel='h4': h4 heads per program must divide the heads of each head "
             "group (2: the 4 heads split evenly over a layer's patterns); give h1, h2")):
         ModelConfig(**base, mode="multihead", kernel="h4")
+    with pytest.raises(ValueError, match=re.escape(  # the onepass variant serves no summary
+            "ModelConfig.kernel='onepass': kernel variant onepass serves band and column terms "
+            "(strided, local), not fixed(stride=8, c=2)'s summary term: give chained or terms")):
+        ModelConfig(**{**base, "pattern": "fixed", "c": 2}, kernel="onepass")
+    ModelConfig(**{**base, "pattern": "fixed", "c": 2, "num_layers": 1}, mode="interleaved",
+                kernel="onepass")  # its one layer attends fixed's block part alone
 
 
 def test_kernel_options_are_checked_for_the_platform_traced_for():

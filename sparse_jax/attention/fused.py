@@ -160,13 +160,22 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
 
 
-def _onepass(spec, n, compiler):
-    """The one-pass variant's plan (``pallas_onepass``): ``_chain``'s, each term as the
-    persistent kernels read it; ValueError for a summary term (the fixed pattern's)."""
-    length, plan = _chain(spec, n // spec.block, compiler)
-    if any(layout.kind == "summary" for layout, *_ in plan):
+def check_onepass(spec: PatternSpec, heads_per_program: int) -> None:
+    """ValueError (one line) where the one-pass variant cannot run: a summary term (the fixed
+    pattern's), or heads per program (its items are one head each)."""
+    if any(isinstance(term, SummaryTerm) for term in spec.terms()):
         raise ValueError(f"kernel variant onepass serves band and column terms (strided, "
                          f"local), not {spec}'s summary term: give chained or terms")
+    if heads_per_program != 1:
+        raise ValueError(f"kernel variant onepass walks one head a work item: leave out "
+                         f"h{heads_per_program}")
+
+
+def _onepass(spec, n, compiler):
+    """The one-pass variant's plan (``pallas_onepass``): ``_chain``'s, each term as the
+    persistent kernels read it (``check_onepass`` first)."""
+    check_onepass(spec, compiler.heads_per_program)
+    length, plan = _chain(spec, n // spec.block, compiler)
     return length, [(comp, pallas_onepass.Term(keep, lists, *at), layout.kind)
                     for layout, keep, lists, comp, at in plan]
 

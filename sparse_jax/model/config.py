@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from sparse_jax.attention import IMPLEMENTATIONS, patterns, resolve_implementation, tiles
+from sparse_jax.attention import IMPLEMENTATIONS, fused, patterns, resolve_implementation, tiles
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.patterns import MODES
 from sparse_jax.attention.spec import PatternSpec, layer_specs
@@ -171,6 +171,12 @@ class ModelConfig:
                      f"{self.num_heads} heads split evenly over a layer's patterns)")
             fail("kernel", f"h{sizes.heads_per_program} heads per program must divide {heads}; "
                            f"give {', '.join(fits)}")
+        if sizes is not None and sizes.variant == "onepass":
+            for spec in {s for specs in self.specs() for s in specs if s.kind != "dense"}:
+                try:
+                    fused.check_onepass(spec, sizes.heads_per_program)
+                except ValueError as e:
+                    fail("kernel", str(e))
         if self.shifted_heads:  # the pattern is strided (checked above)
             column_groups = {self.num_heads // len(specs) for specs in self.specs()
                              for spec in specs if _has_column(spec)}
