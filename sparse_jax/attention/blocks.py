@@ -70,10 +70,11 @@ class BlockSizes:
     serves (``heads_per_program``). Hashable: a static argument. Defaults: ``for_backend``.
 
     ``variant``: "terms" (each term's kernels in the term's own layout, float32 outputs merged
-    by log-sum-exp in XLA; both backends) or "chained" (Triton only: every kernel reads and
+    by log-sum-exp in XLA; both backends), "chained" (Triton only: every kernel reads and
     writes the sequence-order arrays, the column term with strided loads; each term's kernel
     resumes from the previous terms' float32 partial result and the last writes the final
-    output and gradients in the input dtype: no transposes and no merges in XLA).
+    output and gradients in the input dtype: no transposes and no merges in XLA) or "onepass"
+    (chained on persistent grids, a backward kernel a term: ``attention.pallas_onepass``).
     ``heads_per_program``: a power of two dividing the head count; a program (on a TPU, a grid
     step) walks its block list once for all its heads. ``one_loop``: a GPU program walks its
     partial and full blocks in one loop, masking every block, which Triton can pipeline (two
@@ -137,9 +138,8 @@ class BlockSizes:
                     option[0]],)
                 values = (int(option[1:]),)
             else:
-                raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, onepass, hG, wN, sN, one_loop, bandTxG "
-                                 "or sumQxK")
+                raise ValueError(f"unknown kernel option {option!r} in {options!r}: give QxK, "
+                                 f"{', '.join(VARIANTS)}, hG, wN, sN, one_loop, bandTxG or sumQxK")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \

@@ -16,14 +16,16 @@ with the backward's two passes in one kernel and nothing left to XLA between the
   the inputs' dtype (the chained variant's order), so a column key's dk and dv need no
   separate sweep and no merge.
 * **No XLA between the kernels.** ``delta = rowsum(dO · O)`` is computed where a tile of dO
-  is read (own query tiles in the dq items, listed ones in the dk/dv items), and a row with no
-  key (log-sum-exp ``tiles.NEG``) is handled where the log-sum-exp is read.
+  is read (own query tiles in the dq items, listed ones in the dk/dv items), a row with no
+  key (log-sum-exp ``tiles.NEG``) is handled where the log-sum-exp is read, q is scaled by
+  1/√d where it is loaded (and dq scaled back), and a term whose keys are all flagged takes
+  no array of flags.
 
 The forward stays two kernels: the band term's output needs the column term's partial
 softmax for the same queries, whose tiles lie across the grid (strided) where the band's lie
 along it, so one program cannot hold both. Four kernels for a two-term pattern (strided),
-two for a one-term one (local, a single part); the fixed pattern's summary term is the
-chained variant's (``fused``).
+two for a one-term one (local, a single part); a pattern with a summary term (fixed) is
+refused (``fused.check_onepass``): its packed keys are the chained variant's.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from sparse_jax.attention import tiles
 from sparse_jax.attention.pallas_gpu import Rows
 
 SMS = 132  # an H100's or H200's SMs: the grid of a deviceless compile (no device to ask)
-# Programs an SM holds of each kernel (64 x 64 tiles, 4 warps): the forward's 3 (≤ 168
-# registers), the backward's 2 (≤ 255), as the deviceless compile for sm_90a reports them.
+# Programs an SM holds of each kernel (64 x 64 tiles, 4 warps, one stage: option s1): the
+# forward's 3 (165 registers), the backward's 2 (243-248), as the deviceless compile for sm_90a
+# reports them (docs/benchmarks/compiled_h100/onepass; tests/test_compiled.py checks the grid
+# against them). With two stages the forward holds 2 and the backward spills.
 BLOCKS_PER_SM = {"forward": 3, "backward": 2}
 INTERPRET_PROGRAMS = 3  # interpret mode: a few programs, each walking several items
 
