@@ -205,36 +205,38 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
 
 
 def _onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes: int) -> dict:
-    """``_tile_work`` of the one-pass variant's persistent kernels (``pallas_onepass``): per
-    kernel its programs (the grid: resident slots) and the key tiles each walks over all its
-    items (an item: a tile of one head; program p takes items p, p + P, ...), the backward's
-    dq and dk/dv items together (``products``: matrix products a tile, on average)."""
+    """``_tile_work`` of the one-pass kernels (``pallas_onepass``): per kernel its programs (a
+    grid of resident slots), the key tiles each walks over its items (an item: a tile of one
+    head; program p takes items p, p + P, ...), the backward's dq and dk/dv items together
+    (``products``: matrix products a tile, their mean); bytes as ``_tile_work``'s."""
     import numpy as np
 
     from sparse_jax.attention import fused, pallas_onepass
 
-    d = max(16, 1 << (head_dim - 1).bit_length())
+    d, b = max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes
     _, plan = fused._onepass(spec, n, compiler)
     out = {}
     for index, (comp, term, kind) in enumerate(plan):
-        out_bytes = dtype_bytes if index == len(plan) - 1 else 4
+        o = b if index == len(plan) - 1 else 4  # the output's bytes an element
+        r = 4 / o if index else 0  # partial results read back, float32
         bq, bk = term.own_q.block, term.own_k.block
         fwd = term.lists.forward[:, 0] + term.lists.forward[:, 1]
         bwd = term.lists.backward[:, 0] + term.lists.backward[:, 1]
-        for name, visits, products, per_item, per_visit in (
-                ("forward", [fwd], [2], bq * d * (dtype_bytes + out_bytes) + 8 * bq,
-                 2 * bk * d * dtype_bytes),
-                ("backward", [fwd, bwd], [3, 4], 2 * bq * d * (2 * dtype_bytes + out_bytes),
-                 bq * (3 * d * dtype_bytes + 4))):
-            items = np.concatenate([np.repeat(v, heads) for v in visits])  # batch 1
+        passes = {  # (visits, products a tile, bytes an item, bytes a visit) of each kind
+            "forward": [(fwd, 2, bq * (d * b + (d * o + 4) * (1 + r)), 2 * bk * d * b)],
+            "backward": [(fwd, 3, bq * (3 * d * b + 4 + d * o * (1 + r)), 2 * bk * d * b),
+                         (bwd, 4, bk * 2 * d * (b + o * (1 + r)), bq * (3 * d * b + 4))]}
+        for name, kinds in passes.items():
+            items = np.concatenate([np.repeat(v, heads) for v, *_ in kinds])  # batch 1
             grid = pallas_onepass.programs(comp, name, len(items))
             walk = np.bincount(np.arange(len(items)) % grid, weights=items, minlength=grid)
-            tiles = [int(v.sum()) * heads for v in visits]
+            tiles = [int(v.sum()) * heads for v, *_ in kinds]
             out[f"sparse_{name}_onepass_{kind}"] = {
                 "tiles_mean": float(walk.mean()), "tiles_max": int(walk.max()),
                 "programs": grid, "items": len(items), "block_q": bq, "block_k": bk,
-                "products": sum(p * t for p, t in zip(products, tiles)) / sum(tiles),
-                "hbm_bytes": int(len(items) * per_item + sum(tiles) * per_visit)}
+                "products": sum(k[1] * t for k, t in zip(kinds, tiles)) / sum(tiles),
+                "hbm_bytes": int(sum(len(v) * heads * item + t * visit
+                                     for (v, _, item, visit), t in zip(kinds, tiles)))}
     return out
 
 
