@@ -481,11 +481,13 @@ def test_chained_log_sum_exp_matches_dense():
         got = sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
         np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
         np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
-    # the one-pass variant's, q scaled inside its kernels
-    got = sequence_attention(spec, q * 2, k, k, sizes=ONEPASS, return_lse=True, seq_major=True,
-                             scale=0.5)
-    np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
-    np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
+    # the one-pass variant's, q scaled inside its kernels, on either layout
+    for seq_major, x, lse in ((True, seq, lambda a: a.swapaxes(1, 2)),
+                              (False, lambda a: a, lambda a: a)):
+        got = sequence_attention(spec, *(x(seq(a)) for a in (q * 2, k, k)), sizes=ONEPASS,
+                                 return_lse=True, seq_major=seq_major, scale=0.5)
+        np.testing.assert_allclose(got[0], x(out), atol=1e-5)
+        np.testing.assert_allclose(got[1], lse(want), atol=1e-5, rtol=0)
 
 
 def test_log_sum_exp_and_half_size_values():
