@@ -1,14 +1,24 @@
 """Stage train_step: a training step (loss, gradients, AdamW) of the one-GPU preset at 4,096
 bytes, batch 16 (Pallas and XLA: the faster one and its measured step time set the preset
 stage's training), and of the paper's enwik8 model at 16,384 bytes, batch 2: fixed through XLA
-and Pallas, and dense (cuDNN). With the report's --profile, a jax.profiler trace of a few
-steps of the preset's and the paper's Pallas steps goes to the report folder (profile/)."""
+and Pallas, and dense (cuDNN). Then:
+
+  kernel profile  one more step of the cases in ``kernel_profile`` (the paper's fixed and dense
+                  steps) traced with jax.profiler and read back (``bench.kernel_profile``): the
+                  ten costliest kernels with their time, attention's kernels and the rest
+                  summed, so a report says where the step's time outside attention goes
+  dense check     one step's loss and gradients of the paper's model dense through cuDNN,
+                  through XLA and with the float32 reference attention (``dense_check``)
+
+With the report's --profile, a jax.profiler trace of a few steps of the preset's and the
+paper's Pallas steps goes to the report folder (profile/)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+from sparse_jax.bench.accelerator import dense_check
 from sparse_jax.bench.accelerator.common import (
     TIME_UP,
     emit,
@@ -34,7 +44,8 @@ def plan(dry_run: bool) -> dict:
             {"name": "tiny strided@xla", "batch_size": 2, "model": dict(
                 seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided",
                 stride=8, c=2, attention="xla")}], "steps": 2,
-            "profile": ["tiny strided@xla"], "profile_steps": 2}
+            "profile": ["tiny strided@xla"], "profile_steps": 2,
+            "kernel_profile": ["tiny strided@xla"], "dense_check": dense_check.plan(True)}
     preset_model = dict(seq_len=4096, num_layers=8, d_model=512, num_heads=8,
                         pattern="strided", stride=64, rotary=True, dtype="bfloat16")
     paper = dict(seq_len=16384, num_layers=30, d_model=512, num_heads=8, pattern="fixed",
@@ -54,7 +65,9 @@ def plan(dry_run: bool) -> dict:
          "model": {**paper, "attention": "xla"}},
         {"name": "paper 16k dense (cuDNN)", "batch_size": 2,
          "model": {**paper, "pattern": "dense", "attention": "pallas"}}], "steps": 4,
-        "profile": ["preset strided@pallas", "paper 16k fixed@pallas"], "profile_steps": 3}
+        "profile": ["preset strided@pallas", "paper 16k fixed@pallas"], "profile_steps": 3,
+        "kernel_profile": ["paper 16k fixed@pallas", "paper 16k dense (cuDNN)"],
+        "dense_check": dense_check.plan(False)}
 
 
 def run(plan: dict) -> dict:
@@ -74,9 +87,11 @@ def run(plan: dict) -> dict:
             continue
         row = {"name": case["name"], "batch_size": case["batch_size"], "model": case["model"]}
         try:
-            result = run_model_case({"kind": "step", "model": case["model"],
-                                     "batch_size": case["batch_size"], "steps": p["steps"],
-                                     "update": True})
+            traced = case["name"] in p.get("kernel_profile", ())
+            result = run_model_case({
+                "kind": "step", "model": case["model"], "batch_size": case["batch_size"],
+                "steps": p["steps"], "update": True,
+                **({"trace_dir": _trace_dir(case["name"])} if traced else {})})
             cfg = ModelConfig(**case["model"])
             info = sizing.describe(cfg, case["batch_size"])
             step_s = result["median_step_s"]
@@ -87,9 +102,20 @@ def run(plan: dict) -> dict:
                        model_tflops=info["flops_per_step"] / step_s / 1e12,
                        params=info.get("params"))
             row["mfu"] = row["model_tflops"] / peak if peak else None
+            if "kernel_profile" in result:
+                row["kernel_profile"] = result["kernel_profile"]
         except (Exception, SystemExit) as e:  # noqa: BLE001  run_model_case may skip (exit)
             row["error"] = one_line(e)
         rows.append(row)
+        emit(out)
+    if "dense_check" in p:
+        if time.time() > plan["deadline"] - 5:
+            out["dense_check"] = {"error": TIME_UP}
+        else:
+            try:
+                out["dense_check"] = dense_check.run_check(p["dense_check"])
+            except Exception as e:  # noqa: BLE001
+                out["dense_check"] = {"error": one_line(e)}
         emit(out)
     if plan.get("profile_dir"):  # after the timed cases, so that it cannot crowd them out
         out["profiles"] = []
@@ -106,6 +132,14 @@ def run(plan: dict) -> dict:
             out["profiles"].append(entry)
             emit(out)
     return out
+
+
+def _trace_dir(name: str) -> str:
+    """A fresh folder for a case's kernel-profile trace, in the stage's temporary folder (the
+    report's TMPDIR, which goes with it)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="".join(c if c.isalnum() else "_" for c in name) + "_")
 
 
 def _profile(case: dict, folder: str, steps: int) -> str:
@@ -136,9 +170,25 @@ def _profile(case: dict, folder: str, steps: int) -> str:
 
 def check(result: dict, plan: dict) -> tuple[str, str] | None:
     verdict = rows_verdict(result.get("rows", []), lambda r: r["name"])
-    missing = [p for p in result.get("profiles", []) if "error" in p]
-    if verdict or not missing:
+    if verdict:
         return verdict
+    p = plan["train_step"]
+    for row in result.get("rows", []):
+        if row["name"] in p.get("kernel_profile", ()):
+            profile = row.get("kernel_profile") or {"error": "no kernel profile"}
+            if "error" in profile:
+                return "partial", f"kernel profile of {row['name']}: {profile['error']}"
+    if "dense_check" in p:
+        check_ = result.get("dense_check") or {"error": "not run"}
+        legs = check_.get("legs", {})
+        needed = ("xla", "reference") if plan.get("dry_run") else dense_check.LEGS
+        missing = [leg for leg in needed if "loss" not in legs.get(leg, {})]
+        if "error" in check_ or missing:
+            return "partial", "dense check: " + (check_.get("error") or "; ".join(
+                f"{leg} {legs.get(leg, {}).get('not_measured', 'not run')}" for leg in missing))
+    missing = [p for p in result.get("profiles", []) if "error" in p]
+    if not missing:
+        return None
     return "partial", f"profile of {missing[0]['name']} not written: {missing[0]['error']}"
 
 
@@ -159,6 +209,12 @@ def summary(report: dict) -> list[str]:
                      f"{fmt(r.get('model_tflops'))} | {fmt(r.get('mfu'), '.1%')} | "
                      f"{fmt(r.get('planned_gb'))} | {fmt(r.get('compile_s'))} | "
                      f"{r.get('error', 'ok')} |")
+    for r in rows:
+        lines += profile_lines(r)
+    check_ = result.get("dense_check")
+    if check_:
+        lines += [""] + (dense_check.summary(check_, report["plan"]["train_step"]["dense_check"])
+                         if "legs" in check_ else [f"Dense check: {check_['error']}.", ""])
     for p in result.get("profiles", []):
         lines += ["", f"Profile of {p['name']}: "
                   + (f"`{os.path.relpath(p['path'], report['plan']['profile_dir'] + '/..')}`"
@@ -166,3 +222,23 @@ def summary(report: dict) -> list[str]:
                      "`tensorboard --logdir=` that folder, Profile tab)"
                      if "path" in p else p["error"])]
     return lines + [""]
+
+
+def profile_lines(row: dict) -> list[str]:
+    """A profiled case's kernels: the costliest, then attention's and the rest's sums."""
+    k = row.get("kernel_profile")
+    if not k:
+        return []
+    if "error" in k:
+        return ["", f"Kernel profile of {row['name']}: {k['error']}"]
+    step = row.get("step_s")
+    lines = ["", f"Kernel profile of {row['name']} (jax.profiler, {k['steps']} step traced; "
+             f"per step: {k['kernels_ms']:.4g} ms in {k['launches']:.0f} launches of "
+             f"{k['kernels']} kernels"
+             + (f", the timed step {step * 1e3:.4g} ms" if step else "") + "; attention "
+             f"{k['attention_ms']:.4g} ms, the rest {k['rest_ms']:.4g} ms):", "",
+             "| kernel | ms per step | launches | share | attention |", "|---|---|---|---|---|"]
+    for t in k["top"]:
+        lines.append(f"| `{t['name'][:80]}` | {t['ms']:.4g} | {t['launches']:.0f} | "
+                     f"{fmt(t['share'], '.1%')} | {'yes' if t['attention'] else ''} |")
+    return lines
