@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from sparse_jax.bench.accelerator import mgpu
 from sparse_jax.bench.accelerator.common import (
     TIME_UP,
     attention_flops,
@@ -62,12 +63,13 @@ def plan(dry_run: bool) -> dict:
     ``repeats`` runs."""
     if dry_run:
         return {"batch": 1, "heads": 2, "head_dim": 16, "rounds": 3, "repeats": 1, "groups": [
-            {"seq_len": 256, "patterns": ["dense@xla", "strided:16@xla",
+            {"seq_len": 256, "patterns": ["dense@xla", "dense@mgpu", "dense@mgpu:fwd",
+                                          "dense@xla:fwd", "strided:16@xla",
                                           "strided:16@pallas:16x16", "fixed:16:4@xla",
                                           "strided:16@pallas:16x16:chained:h2:one_loop"]},
             {"seq_len": 128, "patterns": ["fixed:16:4@pallas:16x32"]}]}
     return {"batch": 1, "heads": 8, "head_dim": 64, "rounds": 7, "repeats": 3, "groups": [
-        {"seq_len": 16384, "patterns": BASELINES},
+        {"seq_len": 16384, "patterns": BASELINES + mgpu.ROWS},
         {"seq_len": 16384, "patterns": VARIANTS_16K},
         {"seq_len": 65536, "patterns": [*BASELINES, *VARIANTS_64K]},
         {"seq_len": 8192, "patterns": [*BASELINES, *VARIANTS_8K_32K[:2]]},
@@ -98,7 +100,13 @@ def run(plan: dict) -> dict:
                 row["error"] = TIME_UP
                 continue
             try:
-                spec, implementation, sizes = parse_pattern(row["pattern"], n)
+                pattern, forward_only = mgpu.split(row["pattern"])
+                if mgpu.is_mgpu(pattern):
+                    spec, implementation, sizes = parse_pattern("dense", n)
+                else:
+                    spec, implementation, sizes = parse_pattern(pattern, n)
+                if forward_only:
+                    row["pass"] = "fwd"
                 if spec.kind == "dense":
                     def attend(q, k, v, implementation=implementation):
                         return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -106,10 +114,18 @@ def run(plan: dict) -> dict:
                 else:
                     def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
                         return sparse_attention(q, k, v, spec, implementation, sizes)
-                fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
-                    jnp.float32).sum(), argnums=(0, 1, 2)))
+                def build(f, forward_only=forward_only):
+                    return jax.jit(f) if forward_only else jax.jit(jax.grad(
+                        lambda a, b, c: f(a, b, c).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2)))
                 start = time.perf_counter()
-                compiled = fn.lower(q, k, v).compile()
+                if mgpu.is_mgpu(pattern):
+                    compiled = mgpu.compile_row(row, build, q, k, v)
+                    if compiled is None:  # refused, or no GPU here: said, never a base
+                        emit({"rows": done + of_n[:of_n.index(row) + 1]})
+                        continue
+                else:
+                    compiled = build(attend).lower(q, k, v).compile()
                 row["compile_s"] = time.perf_counter() - start
                 memory = compiled.memory_analysis()
                 row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
@@ -120,7 +136,8 @@ def run(plan: dict) -> dict:
                 calls[row["pattern"]], specs[row["pattern"]] = call, spec
             except Exception as e:  # noqa: BLE001  one line, and the next case runs
                 row["error"] = one_line(e)
-            emit({"rows": done + [r if "error" in r else {**r, "error": NOT_TIMED}
+            emit({"rows": done + [r if "error" in r or "not_measured" in r
+                                  else {**r, "error": NOT_TIMED}
                                   for r in of_n[:of_n.index(row) + 1]]})
         anchor_of = anchors(list(calls))
         try:
@@ -132,12 +149,12 @@ def run(plan: dict) -> dict:
             rounds = []
         stats = tools.interleaved_stats(rounds, anchor_of)
         for row in of_n:
-            if row["pattern"] not in stats or "error" in row:
+            if row["pattern"] not in stats or "error" in row or "not_measured" in row:
                 continue
             row.update(stats[row["pattern"]], anchor=anchor_of[row["pattern"]])
             keys = specs[row["pattern"]].mean_keys(n)
             tflops = attention_flops(p["batch"], p["heads"], n, keys, p["head_dim"]) / (
-                row["median_ms"] / 1e3) / 1e12
+                row["median_ms"] / 1e3) / 1e12 * (0.4 if row.get("pass") == "fwd" else 1.0)
             row.update(keys_per_query=keys, tflops=tflops,
                        of_peak=tflops / peak if peak else None,
                        device_peak_gb=tools.device_peak_memory_gb())
@@ -171,8 +188,8 @@ def summary(report: dict) -> list[str]:
     rows = stages.get("attention", {}).get("rows", []) + stages.get("flex", {}).get("rows", [])
     if not rows:
         return []
-    dense = {r["seq_len"]: r["median_ms"] for r in rows
-             if r["pattern"].startswith("dense@cudnn") and "median_ms" in r}
+    dense = {(r["seq_len"], r.get("pass") == "fwd"): r["median_ms"] for r in rows
+             if mgpu.split(r["pattern"])[0] == "dense@cudnn" and "median_ms" in r}
     a = report["plan"]["attention"]
     timing = (f"{a['rounds']} rounds after compilation, interleaved: each variant between two "
               "runs of its pattern's default kernel (a sample the median of "
@@ -189,16 +206,26 @@ def summary(report: dict) -> list[str]:
              "planned / peak GB | compile s | result |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["seq_len"], r["pattern"])):
-        speedup = (dense[r["seq_len"]] / r["median_ms"]
-                   if r["seq_len"] in dense and "median_ms" in r else None)
+        base = dense.get((r["seq_len"], r.get("pass") == "fwd"))
+        speedup = base / r["median_ms"] if base and "median_ms" in r else None
         memory = r.get("planned_gb", r.get("device_peak_gb"))
-        name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd" else "")
+        name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd"
+                               and not r["pattern"].endswith(":fwd") else "")
         lines.append(f"| {name} | {r['seq_len']} | {fmt(r.get('median_ms'))} | "
                      f"{ratio_cell(r)} | "
                      f"{fmt(r.get('tflops'))} | {fmt(r.get('of_peak'), '.1%')} | "
                      f"{fmt(speedup)} | {fmt(memory)} | {fmt(r.get('compile_s'))} | "
-                     f"{r.get('error', 'ok')} |")
-    return lines + [""] + fastest(rows)
+                     f"{result_cell(r)} |")
+    return lines + [""] + mgpu.summary_lines(rows) + fastest(rows)
+
+
+def result_cell(row: dict) -> str:
+    """"ok", the row's error, or "not measured: why" (a kernel that refused, not a failure)."""
+    if "not_measured" in row:
+        return f"not measured: {row['not_measured']}"
+    if "error" in row:
+        return row["error"]
+    return "ok" + (f" ({row['dtype']}; {row['note']})" if row.get("note") else "")
 
 
 def ratio_cell(row: dict) -> str:
