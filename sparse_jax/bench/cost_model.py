@@ -97,7 +97,8 @@ def measured_rows(root: str = REPO, paths=MEASURED) -> list[dict]:
             device = _device(data["stages"]["env"]["device_kind"])
             rows = [{"pattern": r["pattern"], "n": r["seq_len"], "ms": r["median_ms"],
                      "min_ms": r.get("min_ms"), "max_ms": r.get("max_ms")}
-                    for r in data["stages"]["attention"]["rows"] if "median_ms" in r]
+                    for r in data["stages"]["attention"]["rows"]
+                    if "median_ms" in r and r.get("pass", "fwdbwd") != "fwd"]
         else:  # the summary's attention table: | pattern | n | ms | ... | result |
             device = _device(re.search(r"^Device: (.+?) \(", text, re.M).group(1))
             rows = []
@@ -240,12 +241,15 @@ def groups(rows: list[dict]) -> list[dict]:
     return out
 
 
-def calibrate(root: str = REPO, held_out=HELD_OUT, starts: int = 24) -> dict:
+def calibrate(root: str = REPO, held_out=HELD_OUT, starts: int = 24, measured=MEASURED,
+              static_paths=STATIC) -> dict:
     """The model fitted on every measured row but the held-out programs', and what it says of
     each row: params, cost, rows (measured, predicted, ratio, held_out, within), groups, and the
-    shares within ``TARGET_WITHIN`` (all rows, held-out rows)."""
-    static = static_rows(root)
-    rows = measured_rows(root)
+    shares within ``TARGET_WITHIN`` (all rows, held-out rows). `measured`: the reports, as
+    ``MEASURED`` (a new report's folder joins with scripts/cost_model.py --measured);
+    `static_paths`: the compile reports, as ``STATIC``."""
+    static = static_rows(root, static_paths)
+    rows = measured_rows(root, measured)
     missing = sorted({(r["pattern"], r["n"]) for r in rows} - set(static))
     if missing:
         raise ValueError(f"no static figures for {missing}: compile them "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from sparse_jax.bench import predictions
 from sparse_jax.bench.accelerator import mgpu
 from sparse_jax.bench.accelerator.common import (
     TIME_UP,
@@ -26,7 +27,9 @@ from sparse_jax.bench.accelerator.common import (
 )
 
 # The H100 report: 67 s for 24 rows (~2.8 s a row with its compilation), two left out at 70.
-CAP, DRY_CAP = 125, 40  # 29 rows interleaved: 7 rounds of 3 runs each, after compiling
+# 32 rows interleaved: 7 rounds of 3 runs each, after compiling; the three Mosaic GPU / forward
+# rows at 16k ~10 s (cuDNN's forward compiles in ~1 s; jax's kernel compiles or refuses).
+CAP, DRY_CAP = 135, 60
 # A row compiled but not yet timed when the stage printed its results (a length's rows are timed
 # together, once all are compiled): what the row says if the stage stops there.
 NOT_TIMED = "compiled, not timed: the stage stopped first"
@@ -82,7 +85,6 @@ def run(plan: dict) -> dict:
 
     from sparse_jax.attention import sparse_attention
     from sparse_jax.bench import tools
-    from sparse_jax.bench.attention import parse_pattern
 
     p = plan["attention"]
     peak = peak_tflops(jax.devices()[0].device_kind)
@@ -101,10 +103,7 @@ def run(plan: dict) -> dict:
                 continue
             try:
                 pattern, forward_only = mgpu.split(row["pattern"])
-                if mgpu.is_mgpu(pattern):
-                    spec, implementation, sizes = parse_pattern("dense", n)
-                else:
-                    spec, implementation, sizes = parse_pattern(pattern, n)
+                spec, implementation, sizes, forward_only = parse(row["pattern"], n)
                 if forward_only:
                     row["pass"] = "fwd"
                 if spec.kind == "dense":
@@ -163,6 +162,17 @@ def run(plan: dict) -> dict:
     return {"rows": done}
 
 
+def parse(pattern: str, n: int):
+    """A row's pattern as (spec, implementation, kernel sizes, forward only): ``parse_pattern``'s,
+    and the stage's own rows (``mgpu``: dense@mgpu, PATTERN:fwd)."""
+    from sparse_jax.bench.attention import parse_pattern
+
+    pattern, forward_only = mgpu.split(pattern)
+    if mgpu.is_mgpu(pattern):
+        return (*parse_pattern("dense", n)[:2], None, forward_only)
+    return (*parse_pattern(pattern, n), forward_only)
+
+
 def anchors(patterns: list[str]) -> dict[str, str | None]:
     """Each pattern's anchor in interleaved timing: the first Pallas kernel of the same pattern
     (the default kernel, in the plan's order), None for that kernel itself and for a pattern
@@ -202,17 +212,20 @@ def summary(report: dict) -> list[str]:
              "FLOPs 10·B·H·n·|S|·d (|S| the mean keys per query; forward alone: "
              "4·B·H·n·|S|·d); memory: XLA's plan (arguments, outputs, temporaries) or "
              "torch's peak:", "",
-             "| pattern | n | ms | / default | TFLOP/s | of bf16 peak | × vs cuDNN dense | "
-             "planned / peak GB | compile s | result |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pattern | n | ms | predicted ms | / predicted | / default | TFLOP/s | "
+             "of bf16 peak | × vs cuDNN dense | planned / peak GB | compile s | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    device = stages.get("env", {}).get("device_kind")
     for r in sorted(rows, key=lambda r: (r["seq_len"], r["pattern"])):
         base = dense.get((r["seq_len"], r.get("pass") == "fwd"))
         speedup = base / r["median_ms"] if base and "median_ms" in r else None
         memory = r.get("planned_gb", r.get("device_peak_gb"))
         name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd"
                                and not r["pattern"].endswith(":fwd") else "")
+        predicted = predictions.cells(report.get("predictions"), "attention", r["pattern"],
+                                      r["seq_len"], device, r.get("median_ms"))
         lines.append(f"| {name} | {r['seq_len']} | {fmt(r.get('median_ms'))} | "
-                     f"{ratio_cell(r)} | "
+                     f"{' | '.join(predicted)} | {ratio_cell(r)} | "
                      f"{fmt(r.get('tflops'))} | {fmt(r.get('of_peak'), '.1%')} | "
                      f"{fmt(speedup)} | {fmt(memory)} | {fmt(r.get('compile_s'))} | "
                      f"{result_cell(r)} |")
