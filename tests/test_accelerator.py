@@ -87,7 +87,7 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert all("median_ms" in r or "not_measured" in r and "mgpu" in r["pattern"]
                for r in stages["attention"]["rows"]), stages["attention"]
     assert {r["pattern"].split("@")[1].split(":")[0] for r in stages["attention"]["rows"]} == {
-        "xla", "pallas"}
+        "xla", "pallas", "mgpu"}
     rounds = report["plan"]["attention"]["rounds"]  # timed interleaved with the default kernel
     by_pattern = {r["pattern"]: r for r in stages["attention"]["rows"]}
     variant = by_pattern["strided:16@pallas:16x16:chained:h2:one_loop"]
