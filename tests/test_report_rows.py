@@ -298,7 +298,8 @@ def test_a_step_with_another_kernel_moves_by_its_attention_times_both_passes():
         base["ms"] - calls * 0.5)
     assert predictions.step_cases([("fixed:128:32@pallas:new", 16384),
                                    ("fixed:128:32@pallas:new", 65536)]) == {
-        **predictions.STEP_KERNELS, "paper 16k fixed@pallas:new": "fixed:128:32@pallas:new"}
+        **predictions.STEP_KERNELS,
+        "paper 16k fixed@pallas:new": ("fixed:128:32@pallas:new", False)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,10 +46,11 @@ STAGES = ("attention", "train_step")
 STEP_BASE = {"case": "paper 16k fixed@pallas", "report": "h200_2026-11-28", "ms": 173.92,
              "kernel": "fixed:128:32@pallas:terms", "n": 16384, "layers": 30, "batch": 2,
              "device": "NVIDIA H200"}
-# The report's training steps and the attention row each runs at 16k (a row without a variant
-# runs the measured default there, chained: ``static_for``)
-STEP_KERNELS = {"paper 16k fixed@pallas": "fixed:128:32@pallas",
-                "paper 16k fixed@pallas:terms": "fixed:128:32@pallas:terms"}
+# The report's training steps: the attention row each runs at 16k (a row without a variant runs
+# the measured default there, chained: ``static_for``) and whether its remat recomputes the
+# kernels' forward pass (remat "full" does; "attention", the report's paper steps', does not)
+STEP_KERNELS = {"paper 16k fixed@pallas": ("fixed:128:32@pallas", False),
+                "paper 16k fixed@pallas remat=full": ("fixed:128:32@pallas", True)}
 
 
 def _row(entry: dict, where: str) -> dict:
@@ -274,15 +275,17 @@ def step_ms(fwdbwd_ms: float, fwd_ms: float, base_fwdbwd_ms: float, base_fwd_ms:
     return base["ms"] + calls * (new - old)
 
 
-def step_cases(patterns) -> dict[str, str]:
-    """The report's paper steps to predict, by case name, with the attention row each runs:
-    ``STEP_KERNELS``, and for another fixed:128:32 Pallas kernel at 16k "paper 16k
-    fixed@pallas:OPTIONS" (the name a train_step case of it takes)."""
+def step_cases(patterns) -> dict[str, tuple[str, bool]]:
+    """The report's paper steps to predict, by case name, with the attention row each runs and
+    whether its forward is recomputed: ``STEP_KERNELS``, and for another fixed:128:32 Pallas
+    kernel at 16k "paper 16k fixed@pallas:OPTIONS" (the name a train_step case of it takes,
+    with the paper steps' remat "attention")."""
     out = dict(STEP_KERNELS)
     for pattern, n in patterns:
         head, _, options = pattern.partition("@pallas")
-        if head == "fixed:128:32" and n == STEP_BASE["n"] and pattern not in out.values():
-            out[f"paper 16k fixed@pallas{options}"] = pattern
+        name = f"paper 16k fixed@pallas{options}"
+        if head == "fixed:128:32" and n == STEP_BASE["n"] and name not in out:
+            out[name] = (pattern, False)
     return out
 
 
@@ -296,16 +299,19 @@ def table(params: dict, patterns, root: str = cost_model.REPO, static_paths=STAT
     rows, missing = attention_rows(params, patterns, static)
     device, n = STEP_BASE["device"], STEP_BASE["n"]
     base = forward_ms(params, *reversed(static_for(STEP_BASE["kernel"], n, static)), device)
-    for case, kernel in step_cases(patterns).items():
+    for case, (kernel, recompute) in step_cases(patterns).items():
         found = static_for(kernel, n, static)
         if found is None or (cases is not None and case not in cases):
             continue
         new = forward_ms(params, *reversed(found), device)
         rows.append({"stage": "train_step", "row": case, "device": device,
-                     "ms": round(step_ms(*new, *base), 2),
+                     "ms": round(step_ms(*new, *base, recompute=recompute), 2),
                      "how": f"the measured step ({STEP_BASE['report']}, {STEP_BASE['ms']} ms "
-                            f"with {STEP_BASE['kernel']}) with {kernel}'s modelled forward + "
-                            "backward and remat's recomputed forward in its place"})
+                            f"with {STEP_BASE['kernel']}, remat full) with {kernel}'s modelled "
+                            "forward + backward in its place, and its forward once more"
+                            + ("" if recompute else " no longer (remat attention keeps its "
+                               "residuals; the q, k, v projections no longer recomputed are "
+                               "not counted)")})
     return {"basis": "the cost model fitted on the measured rows (docs/benchmarks/cost_model/"
                      "results.json) over the compile reports' static figures", "rows": rows,
             "no_static_figures": [f"{p} at {n}" for p, n in missing]}
