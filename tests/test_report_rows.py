@@ -336,3 +336,43 @@ def test_the_script_writes_predictions_for_a_new_kernel_in_one_command(tmp_path)
     proc = subprocess.run([sys.executable, "scripts/cost_model.py", "--patterns=dense@cudnn",
                            f"--predictions={out}"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith("error: --patterns: dense@cudnn")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a compiled step's work goes.
+
+
+def test_a_compiled_scans_kernels_count_once_per_trip_with_their_flops():
+    import jax
+    import jax.numpy as jnp
+
+    from sparse_jax.bench import step_costs
+
+    def f(x, ws):  # three layers of a 32 × 64 by 64 × 64 product, scanned
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+    text = jax.jit(f).lower(jnp.ones((32, 64)), jnp.ones((3, 64, 64))).compile().as_text()
+    c = step_costs.costs(text)
+    matmul = c["layers"]["matmul"]
+    assert matmul["launches"] == 3 and matmul["tflop"] == pytest.approx(3 * 2 * 32 * 64 * 64
+                                                                        / 1e12)
+    # each product reads its layer's 64 × 64 slice of the stacked weights, not all three
+    assert matmul["gb"] * 1e9 <= 3 * (32 * 64 + 64 * 64 + 32 * 64) * 4 + 1
+    assert c["outside_layers"]["matmul"]["launches"] == 0
+    assert c["layers"]["elementwise"]["launches"] > 0  # the tanh, once per layer
+    assert sum(g["launches"] for g in c["layers"].values()) % 3 == 0
+    lines = step_costs.table({"toy": c})
+    assert lines[0].startswith("| step | where | group |") and "| toy | layers | matmul | 3 |" in (
+        "\n".join(lines))
+
+
+def test_the_committed_step_figures_say_what_remat_attention_saves():
+    with open(os.path.join(ROOT, "docs", "benchmarks", "compiled_h100", "step_costs",
+                           "results.json")) as f:
+        rows = json.load(f)["rows"]
+    full, kept = rows["fixed remat=full"], rows["fixed remat=attention"]
+    # the forward kernels once, not twice: 6 launches a layer instead of 8, over 30 layers
+    assert (full["layers"]["attention"]["launches"], kept["layers"]["attention"]["launches"]) == (
+        240, 180)
+    assert kept["layers"]["matmul"]["tflop"] < full["layers"]["matmul"]["tflop"] - 1.5
+    assert full["planned_gb"] < kept["planned_gb"] < full["planned_gb"] + 4.5

@@ -165,7 +165,9 @@ def _kernel(inst, shapes: dict, comps: dict, texts: dict) -> tuple[str, float, f
     if op in ("reduce", "scatter", "sort"):
         return "reduce", nbytes, 0.0
     if op == "dot":
-        return "matmul", nbytes, 0.0
+        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        dims = [int(d) for d in found.group(1).split(",") if d] if found else []
+        return "matmul", nbytes, _dot_flops(shape, texts.get(_operands(rest)[0], ""), dims)
     return "other", nbytes, 0.0
 
 
