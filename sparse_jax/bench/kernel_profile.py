@@ -45,7 +45,7 @@ def trace_steps(fn, steps: int, folder: str) -> str:
 def kernel_times(folder: str) -> dict[str, dict]:
     """{kernel name: {"ms": summed milliseconds, "count": launches}} over every ``*.xplane.pb``
     under `folder` (see the module's docstring for which events are kernels). A ValueError if
-    there is no trace there."""
+    there is no trace there, or no kernel in it."""
     from jax.profiler import ProfileData
 
     paths = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
@@ -79,6 +79,9 @@ def kernel_times(folder: str) -> dict[str, dict]:
             entry = out.setdefault(name, {"ms": 0.0, "count": 0})
             entry["ms"] += ns / 1e6
             entry["count"] += 1
+    if not out:
+        raise ValueError(f"the trace under {folder} holds no kernel events (on a GPU the device "
+                         "plane needs CUPTI: pip install nvidia-cuda-cupti-cu12)")
     return out
 
 
