@@ -220,6 +220,10 @@ def test_predictions_are_read_checked_and_looked_up_by_the_reports_names(tmp_pat
         with pytest.raises(ValueError, match=message) as e:
             predictions.load(str(tmp_path), pattern)
         assert "\n" not in str(e.value) and "predictions_b.json" in str(e.value)
+        # the report's reading: the bad file left out and said, the good one's rows kept
+        lenient = predictions.load(str(tmp_path), pattern, strict=False)
+        assert lenient["rows"] == p["rows"] and lenient["sources"] == p["sources"]
+        assert len(lenient["errors"]) == 1 and "predictions_b.json" in lenient["errors"][0]
 
 
 def test_the_report_prints_predictions_beside_measurements_and_flags_the_far_ones(tmp_path):
@@ -246,8 +250,9 @@ def test_the_report_prints_predictions_beside_measurements_and_flags_the_far_one
     assert line.startswith("Predictions (docs/predictions.json): 2 of 3 predicted rows within "
                            "25% of the measurement; off by more: strided:128@pallas at 16384 "
                            "measured 0.7 ms, predicted 0.5 (1.40)")
-    assert prediction_lines({**report, "predictions": None, "predictions_error": "bad"}) == [
-        "Predictions not read: bad", ""]
+    with_bad = {**report, "predictions": {**preds, "errors": ["docs/p_x.json: not JSON"]}}
+    assert prediction_lines(with_bad)[-2:] == ["Predictions not read: docs/p_x.json: not JSON",
+                                               ""]
 
 
 def test_the_committed_predictions_load_and_cover_the_reports_pallas_rows():

@@ -74,33 +74,49 @@ def _row(entry: dict, where: str) -> dict:
             "device": device, "ms": float(ms), "how": entry.get("how", "")}
 
 
-def load(root: str = cost_model.REPO, pattern: str = PATTERN) -> dict:
+def _file_rows(path: str, rel: str, seen: dict) -> list[dict]:
+    """A file's rows, checked (a ValueError of one line naming it and the row)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{rel}: not a predictions file ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{rel}: a predictions file is an object with a list of rows")
+    rows, keys = [], {}
+    for i, entry in enumerate(data["rows"]):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{rel}: row {i} is not an object")
+        row = _row({"device": data.get("device"), **entry}, f"{rel} row {i}")
+        key = (row["stage"], row["row"], row["n"], row["device"])
+        if key in seen or key in keys:
+            raise ValueError(f"{rel} row {i}: {row['row']} (n={row['n']}, "
+                             f"{row['device'] or 'any device'}) is predicted in "
+                             f"{seen.get(key, rel)} too; keep one")
+        keys[key] = rel
+        rows.append({**row, "source": rel})
+    seen.update(keys)
+    return rows
+
+
+def load(root: str = cost_model.REPO, pattern: str = PATTERN, strict: bool = True) -> dict:
     """Every predictions file under `root` matching `pattern`, checked: {"rows": [each with
-    its "source"], "sources": [paths]}. A ValueError of one line for a file that is not JSON,
-    a row without its key or time, or a row predicted twice."""
-    rows, sources, seen = [], [], {}
+    its "source"], "sources": [paths], "errors": [one line per file left out]}. A file that is
+    not JSON, a row without its key or time, or a row predicted twice: a ValueError of one line
+    (`strict`), else that file is left out and its line kept in "errors" (the report: one bad
+    file costs its own rows, not every prediction)."""
+    rows, sources, errors, seen = [], [], [], {}
     for path in sorted(glob.glob(os.path.join(root, pattern))):
         rel = os.path.relpath(path, root)
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{rel}: not a predictions file ({e})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            raise ValueError(f"{rel}: a predictions file is an object with a list of rows")
-        for i, entry in enumerate(data["rows"]):
-            if not isinstance(entry, dict):
-                raise ValueError(f"{rel}: row {i} is not an object")
-            row = _row({"device": data.get("device"), **entry}, f"{rel} row {i}")
-            key = (row["stage"], row["row"], row["n"], row["device"])
-            if key in seen:
-                raise ValueError(f"{rel} row {i}: {row['row']} (n={row['n']}, "
-                                 f"{row['device'] or 'any device'}) is predicted in "
-                                 f"{seen[key]} too; keep one")
-            seen[key] = rel
-            rows.append({**row, "source": rel})
+            rows += _file_rows(path, rel, seen)
+        except ValueError as e:
+            if strict:
+                raise
+            errors.append(str(e))
+            continue
         sources.append(rel)
-    return {"rows": rows, "sources": sources}
+    return {"rows": rows, "sources": sources, "errors": errors}
 
 
 def lookup(predictions: dict | None, stage: str, row: str, n: int | None,
