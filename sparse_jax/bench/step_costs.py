@@ -269,9 +269,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tools", default=os.environ.get("SPARSE_JAX_GPU_TOOLS", ".gpu_tools"))
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args(argv)
+    from sparse_jax.bench import compiled
+    from sparse_jax.model.config import ModelConfig
+
+    models = {}
+    try:  # every model and the tools checked before the first compile
+        for remat in args.remat.split(","):
+            models[remat] = {**PAPER, "remat": remat, "attention": args.attention,
+                             "pattern": args.pattern}
+            ModelConfig(**models[remat])
+        compiled.check_tools(args.tools)
+    except ValueError as e:
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     rows = {}
-    for remat in args.remat.split(","):
-        model = {**PAPER, "remat": remat, "attention": args.attention, "pattern": args.pattern}
+    for remat, model in models.items():
         hlo, planned = compile_step(model, 2, args.tools)
         label = f"{args.pattern} remat={remat}"
         rows[label] = {**costs(hlo), "planned_gb": planned}
