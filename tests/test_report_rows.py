@@ -381,3 +381,19 @@ def test_the_committed_step_figures_say_what_remat_attention_saves():
         240, 180)
     assert kept["layers"]["matmul"]["tflop"] < full["layers"]["matmul"]["tflop"] - 1.5
     assert full["planned_gb"] < kept["planned_gb"] < full["planned_gb"] + 4.5
+
+
+def test_a_kernel_that_only_gathers_is_read_without_products_and_predicted():
+    row = cost_model.static_rows()[("fixed:128:32@pallas", 16384)]
+    gather = {"name": "sparse_gather_summary", "programs": 264, "blocks_per_sm": 2,
+              "threads": 128, "spill_bytes": 0}
+    f = cost_model.features({**row, "kernels": [*row["kernels"], gather]}, "fixed:128:32@pallas")
+    added = f["kernels"][-1]
+    assert (added["flops"], added["tiles"]) == (0.0, 1.0)
+    params = cost_model.calibrate()["params"]
+    base = cost_model.predict(params, cost_model.features(row, "fixed:128:32@pallas"),
+                              "NVIDIA H200")
+    parts = cost_model.parts(params, f, "NVIDIA H200")
+    assert parts["total"] * 1e3 > base  # a launch and one wave of programs more
+    assert parts["kernels"]["sparse_gather_summary"] == pytest.approx(
+        (parts["total"] * 1e3 - base) / 1e3)

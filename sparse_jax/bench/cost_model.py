@@ -132,16 +132,21 @@ def _tiles(pattern: str) -> tuple[int, int]:
 def features(row: dict, pattern: str) -> dict:
     """What the model reads of a compiled program: per Triton kernel its programs, tiles per
     program (mean), blocks per SM, threads, spilled bytes, tile shape and flops per tile;
-    XLA's kernels (how many, their bytes); whether every tile is masked (``one_loop``)."""
+    XLA's kernels (how many, their bytes); whether every tile is masked (``one_loop``). A kernel
+    that is no forward, dq or dk/dv pass (``sparse_KIND_...`` with KIND not in ``PRODUCTS``: a
+    gather's own pass, e.g. the summary keys gathered once per layer) has no matrix products,
+    and one tile of work a program unless the compile's tile work says how many."""
     q, k = _tiles(pattern)
     kernels = []
     for kernel in row["kernels"]:
         bq, bk = kernel.get("block_q", q), kernel.get("block_k", k)
         kind = kernel["name"].split("_")[1]
         kernels.append({"name": kernel["name"], "programs": kernel["programs"],
-                        "tiles": kernel["tiles_mean"], "blocks_per_sm": kernel["blocks_per_sm"],
+                        "tiles": kernel.get("tiles_mean", 1.0),
+                        "blocks_per_sm": kernel["blocks_per_sm"],
                         "threads": kernel["threads"], "spill_bytes": kernel["spill_bytes"],
-                        "pairs": bq * bk, "flops": 2.0 * bq * bk * HEAD_DIM * PRODUCTS[kind]})
+                        "pairs": bq * bk,
+                        "flops": 2.0 * bq * bk * HEAD_DIM * PRODUCTS.get(kind, 0)})
     return {"kernels": kernels, "xla_kernels": row["xla_kernel_bytes"]["kernels"],
             "xla_bytes": row["xla_kernel_bytes"]["bytes"], "one_loop": "one_loop" in pattern}
 
