@@ -102,7 +102,6 @@ def run(plan: dict) -> dict:
                 row["error"] = TIME_UP
                 continue
             try:
-                pattern, forward_only = mgpu.split(row["pattern"])
                 spec, implementation, sizes, forward_only = parse(row["pattern"], n)
                 if forward_only:
                     row["pass"] = "fwd"
@@ -118,7 +117,7 @@ def run(plan: dict) -> dict:
                         lambda a, b, c: f(a, b, c).astype(jnp.float32).sum(),
                         argnums=(0, 1, 2)))
                 start = time.perf_counter()
-                if mgpu.is_mgpu(pattern):
+                if mgpu.is_mgpu(row["pattern"]):
                     compiled = mgpu.compile_row(row, build, q, k, v)
                     if compiled is None:  # refused, or no GPU here: said, never a base
                         emit({"rows": done + of_n[:of_n.index(row) + 1]})
