@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from sparse_jax.attention import blocks, measured, pallas, pallas_onepass, patterns, tiles
@@ -20,6 +21,10 @@ from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
 from sparse_jax.attention.tiles import NEG as _NEG
+
+# The name of the custom VJP's residuals (q, k, v, the output and its log-sum-exp) for
+# ``jax.checkpoint`` policies (``jax.ad_checkpoint.checkpoint_name``).
+RESIDUALS = "sparse_attention_residuals"
 
 # ---------------------------------------------------------------------------------------------
 # The terms of a pattern, merged; the custom VJP.
@@ -221,6 +226,10 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
         out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
     else:
         out, lse = _forward(spec, compiler, q, k, v)
+    # named, so that a remat policy can keep them (the model's remat="attention"): the backward
+    # then needs no second forward pass; the output too, or the primal output would be
+    # recomputed for the layers above (the names change no value)
+    q, k, v, out, lse = (checkpoint_name(x, RESIDUALS) for x in (q, k, v, out, lse))
     return out, (q, k, v, out, lse)
 
 
