@@ -59,7 +59,7 @@ _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and d
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
                  "band": "the band tile", "summary_q": "the summary tiles",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
-                 "num_stages": "the stages"}  # what each kind of option in `parse` sets
+                 "num_stages": "the stages", "gathered": "gathered"}  # what each kind of option in `parse` sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,10 @@ class BlockSizes:
     blocks at once, and a grid step serves ``band_group`` query blocks (key blocks in the
     backward's key pass), fewer where the sequence is short. ``summary_q`` × ``summary_k``
     (0: the tiles): the fixed pattern's summary term's own tiles, whose keys are packed (its
-    own array), so that its query tiles can be larger than the band term's."""
+    own array), so that its query tiles can be larger than the band term's. ``gathered``
+    (chained only): the summary term as a block-causal pass over its gathered keys, every
+    query row attending a prefix of them at full tiles, with no block list
+    (``attention.pallas_gathered``)."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -97,6 +100,7 @@ class BlockSizes:
     band_group: int = 16
     summary_q: int = 0
     summary_k: int = 0
+    gathered: bool = False
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -114,8 +118,8 @@ class BlockSizes:
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
         blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
-        tiles; e.g. "64x64:chained:h2", "chained:sum128x64",
-        "512x512:band128x4". An
+        tiles, ``gathered`` (with ``chained``); e.g. "64x64:chained:h2", "chained:sum128x64",
+        "512x512:band128x4", "chained:gathered:sum128x64". An
         option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
         refused (ValueError), not resolved by order."""
         fields, given = {}, {}  # given: which option set each field
@@ -124,8 +128,8 @@ class BlockSizes:
                 names, values = ("block_q", "block_k"), tuple(map(int, option.split("x")))
             elif option in VARIANTS:
                 names, values = ("variant",), (option,)
-            elif option == "one_loop":
-                names, values = ("one_loop",), (True,)
+            elif option in ("one_loop", "gathered"):
+                names, values = (option,), (True,)
             elif re.fullmatch(r"band0|band\d+x\d+", option):
                 names = ("band", "band_group")
                 values = (0, 16) if option == "band0" else tuple(map(int, option[4:].split("x")))
@@ -138,7 +142,8 @@ class BlockSizes:
                 values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG or sumQxK")
+                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG, sumQxK or "
+                                 "gathered")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -166,6 +171,10 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
+        if self.gathered is not False and (self.gathered is not True
+                                           or self.variant != "chained"):
+            raise ValueError(f"BlockSizes.gathered={self.gathered!r} (option gathered) needs "
+                             f"the chained variant, not {self.variant!r}: give chained:gathered")
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
@@ -198,8 +207,9 @@ class BlockSizes:
         if tiles and backend == "mosaic" and (self.block_q % 128 or self.block_k % 128):
             raise ValueError(f"kernel tiles {size}: Mosaic (a TPU) needs multiples of 128 "
                              "(e.g. 128x128, or 512x512, the default)")
-        if backend != "triton" and (self.variant != "terms" or self.one_loop):
-            raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}) "
+        if backend != "triton" and (self.variant != "terms" or self.one_loop or self.gathered):
+            raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}, "
+                             f"gathered={self.gathered}) "
                              f"needs the triton backend (a GPU), not {backend}")
         if backend == "triton" and self.band:
             raise ValueError(f"BlockSizes(band={self.band}) (option band{self.band}x"

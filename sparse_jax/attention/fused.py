@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, measured, pallas, patterns, tiles
+from sparse_jax.attention import blocks, measured, pallas, pallas_gathered, patterns, tiles
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
@@ -108,16 +108,25 @@ def _chain(spec, rows, compiler):
                                                                       comp.block_k))
         else:
             at = (pallas.Rows(comp.block_q), pallas.Rows(comp.block_k))
-        lists = blocks.block_lists(layout, comp.block_q, comp.block_k)[0]
+        lists = None if _gathered(layout, comp) else blocks.block_lists(
+            layout, comp.block_q, comp.block_k)[0]
         plan.append((layout, functools.partial(blocks.keep_rule, layout), lists, comp, at))
     return rows * block, plan
 
 
-def _packed(layout, lists, x, axis):
-    """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles."""
+def _gathered(layout, comp):
+    """Whether a chained term runs ``pallas_gathered`` (the summary term, option gathered)."""
+    return comp.gathered and layout.kind == "summary"
+
+
+def _packed(layout, lists, x, axis, comp=None):
+    """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles (the
+    block lists' keys; gathered: the key tile)."""
     if layout.kind != "summary":
         return x
-    return _pad_to(layout.keys(x, axis), lists.k_attrs[0].shape[1], axis)
+    width = (-(-layout.nk // comp.block_k) * comp.block_k if lists is None
+             else lists.k_attrs[0].shape[1])
+    return _pad_to(layout.keys(x, axis), width, axis)
 
 
 def _chained_forward(spec, compiler, q, k, v, seq_major=False):
@@ -129,6 +138,12 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
     q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
     state = ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
+        if _gathered(layout, comp):  # the first term (``_chain``'s order)
+            assert not state and i < len(plan) - 1
+            state = pallas_gathered.forward(
+                comp, q, *(_packed(layout, lists, x, axis, comp) for x in (k, v)),
+                block=layout.block, per_row=len(layout.residues), seq_major=seq_major)
+            continue
         state = pallas.forward(
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), rows=at,
             init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32,
@@ -148,10 +163,15 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
         last = i == len(plan) - 1
         summary = layout.kind == "summary"
-        grads = pallas.backward(
-            comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do, lse,
-            delta, rows=at, init=(dq, () if summary else dkv),
-            dtype=q.dtype if last else jnp.float32, seq_major=seq_major, tag=layout.kind)
+        if _gathered(layout, comp):
+            grads = pallas_gathered.backward(
+                comp, q, *(_packed(layout, lists, x, axis, comp) for x in (k, v)), do, lse,
+                delta, block=layout.block, per_row=len(layout.residues), seq_major=seq_major)
+        else:
+            grads = pallas.backward(
+                comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do,
+                lse, delta, rows=at, init=(dq, () if summary else dkv),
+                dtype=q.dtype if last else jnp.float32, seq_major=seq_major, tag=layout.kind)
         dq, dkv = grads[:1], grads[1:]
         if summary:  # the first term (``_chain``'s order): nothing to add to yet
             assert not last
@@ -233,7 +253,8 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     return pallas.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
-                                   sizes.band_group, sizes.summary_q, sizes.summary_k)
+                                   sizes.band_group, sizes.summary_q, sizes.summary_k,
+                                   sizes.gathered)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,

@@ -154,7 +154,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     rows = -(-n // spec.block)
     chained = sizes.variant == "chained"
     if chained:
-        _, plan = fused._chain(spec, rows, compiler)
+        length, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
     else:
         terms = [(layout, lists, comp) for layout, _, lists, _, comp in
@@ -166,6 +166,13 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     for index, (layout, lists, comp) in enumerate(terms):
         bq, bk = comp.block_q, comp.block_k
         last, resume = chained and index == len(terms) - 1, chained and index > 0
+        kind = layout.kind
+        if lists is None:  # the gathered summary (attention.pallas_gathered): no block lists
+            from sparse_jax.attention import pallas_gathered
+
+            kind = "gathered_summary"
+            lists = pallas_gathered.Tables(*pallas_gathered.tables(
+                length, -(-layout.nk // bk) * bk, bq, bk, layout.block, len(layout.residues)))
         out_bytes = dtype_bytes if last else 4
         for name, table, own, listed in (("forward", lists.forward, bq, bk),
                                          ("dq", lists.forward, bq, bk),
@@ -186,7 +193,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
             resume_in = (own_out * 4 // out_bytes) if resume and not (
                 name == "dkv" and layout.kind == "summary") else 0
             per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
-            out[f"sparse_{name}_{layout.kind}"] = {
+            out[f"sparse_{name}_{kind}"] = {
                 "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
                 "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
                 "block_q": bq, "block_k": bk}
