@@ -108,25 +108,16 @@ def _chain(spec, rows, compiler):
                                                                       comp.block_k))
         else:
             at = (pallas.Rows(comp.block_q), pallas.Rows(comp.block_k))
-        lists = None if _gathered(layout, comp) else blocks.block_lists(
-            layout, comp.block_q, comp.block_k)[0]
+        lists = blocks.block_lists(layout, comp.block_q, comp.block_k)[0]
         plan.append((layout, functools.partial(blocks.keep_rule, layout), lists, comp, at))
     return rows * block, plan
 
 
-def _gathered(layout, comp):
-    """Whether a chained term runs ``pallas_gathered`` (the summary term, option gathered)."""
-    return comp.gathered and layout.kind == "summary"
-
-
-def _packed(layout, lists, x, axis, comp=None):
-    """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles (the
-    block lists' keys; gathered: the key tile)."""
+def _packed(layout, lists, x, axis):
+    """Keys of a term in sequence order, or packed (summary keys) and padded to the tiles."""
     if layout.kind != "summary":
         return x
-    width = (-(-layout.nk // comp.block_k) * comp.block_k if lists is None
-             else lists.k_attrs[0].shape[1])
-    return _pad_to(layout.keys(x, axis), width, axis)
+    return _pad_to(layout.keys(x, axis), lists.k_attrs[0].shape[1], axis)
 
 
 def _chained_forward(spec, compiler, q, k, v, seq_major=False):
@@ -134,16 +125,16 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
     log-sum-exp [B, n, H] if ``seq_major``."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
+    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    if gathered:  # both terms at once (attention.pallas_gathered)
+        q, k, v = (_pad_to(x, gathered.length, axis) for x in (q, k, v))
+        out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in pallas_gathered.forward(
+            compiler, gathered, q, k, v, seq_major))
+        return out, lse[..., 0]
     length, plan = _chain(spec, n // spec.block, compiler)
     q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
     state = ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
-        if _gathered(layout, comp):  # the first term (``_chain``'s order)
-            assert not state and i < len(plan) - 1
-            state = pallas_gathered.forward(
-                comp, q, *(_packed(layout, lists, x, axis, comp) for x in (k, v)),
-                block=layout.block, per_row=len(layout.residues), seq_major=seq_major)
-            continue
         state = pallas.forward(
             comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), rows=at,
             init=state, dtype=q.dtype if i == len(plan) - 1 else jnp.float32,
@@ -157,21 +148,21 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     (packed summary keys' gradients are put back in sequence order by XLA)."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
-    length, plan = _chain(spec, n // spec.block, compiler)
+    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    length, plan = (gathered.length, ()) if gathered else _chain(spec, n // spec.block,
+                                                                 compiler)
     q, k, v, do, lse, delta = (_pad_to(x, length, axis) for x in (q, k, v, do, lse, delta))
+    if gathered:
+        return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in pallas_gathered.backward(
+            compiler, gathered, q, k, v, do, lse, delta, seq_major))
     dq, dkv = (), ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
         last = i == len(plan) - 1
         summary = layout.kind == "summary"
-        if _gathered(layout, comp):
-            grads = pallas_gathered.backward(
-                comp, q, *(_packed(layout, lists, x, axis, comp) for x in (k, v)), do, lse,
-                delta, block=layout.block, per_row=len(layout.residues), seq_major=seq_major)
-        else:
-            grads = pallas.backward(
-                comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do,
-                lse, delta, rows=at, init=(dq, () if summary else dkv),
-                dtype=q.dtype if last else jnp.float32, seq_major=seq_major, tag=layout.kind)
+        grads = pallas.backward(
+            comp, keep, lists, q, *(_packed(layout, lists, x, axis) for x in (k, v)), do, lse,
+            delta, rows=at, init=(dq, () if summary else dkv),
+            dtype=q.dtype if last else jnp.float32, seq_major=seq_major, tag=layout.kind)
         dq, dkv = grads[:1], grads[1:]
         if summary:  # the first term (``_chain``'s order): nothing to add to yet
             assert not last

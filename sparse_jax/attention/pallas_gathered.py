@@ -1,29 +1,34 @@
-"""The fixed pattern's summary term as *gathered* attention (``BlockSizes.gathered``, GPU,
-Triton): its keys and values gathered once a call into a contiguous array of ``rows × r``
-entries (``r`` summary residues a row, ``blocks._Layout.keys``), in which every query of grid
-row ``b`` attends the same prefix, entries ``[0, b·r)``. That is a block-causal pass at full
-tiles: a query tile walks the prefix's key tiles with no block list, no position attributes and
-no mask but on the one tile where the prefix ends (a tile of several rows: the tiles between
-its rows' ends); a gathered key tile's dk/dv program walks the contiguous query tiles of the
-rows after its own, masked only on those of its own rows. The loop bounds are arithmetic on the
-program's index, the loads contiguous tiles Triton can pipeline (``num_stages``), and the
-programs that walk most tiles run first.
+"""The fixed pattern through *gathered* attention (``BlockSizes.gathered``, GPU, Triton): the
+summary keys and values gathered once a call into one contiguous array of ``rows × r`` entries
+(``r`` summary residues a row of ``l`` positions), in which every query of grid row ``b``
+attends the same prefix, entries ``[0, b·r)``: a block-causal pass at full tiles, with no block
+list, no position attributes and no mask but on the tile where a prefix ends. Both terms of the
+pattern run here, on arrays in sequence order ([B, H, n, d], or [B, n, H, d] ``seq_major``):
 
-The three programs (forward, dq, dk/dv) start the chained variant (``fused._chained_*``): they
-write float32 partial results in sequence order (the gathered dk and dv in the gathered order,
-put back by ``fused``), from which the band term's kernels resume. They take every option of
-the chained variant: the summary tiles (``sumQxK``, else the tiles), ``hG``, ``wN``, ``sN``,
-sequence-major arrays.
+* forward and dq: a program per query tile walks its prefix's gathered key tiles (whole, then
+  the masked end), then its row's own keys up to the diagonal (the band term: same row, causal,
+  and a summary residue for ``part="summary"``), and writes its output, or dq, once, in the
+  inputs' dtype;
+* dk/dv, two programs: one per gathered key tile walks the contiguous query tiles of the rows
+  after its own (float32, gathered order); one per key tile in sequence order walks its row's
+  queries from the diagonal and adds the summary gradient of its summary keys, read back from
+  the gathered array with a shifted load per run of residues, before writing once.
 
-  forward, backward   the passes: (o, lse) and (dq, dk, dv), float32
-  tables              per program its masked and full tiles ([programs, 2], as ``Lists``' first
-                      two columns): the cost estimate and the compile report read them
+The loop bounds are arithmetic on the program's index, the loads contiguous tiles that Triton
+pipelines (``num_stages``), and the programs that walk most tiles start first. Tiles: the
+summary term's (``sumQxK``, else ``QxK``) for the gathered walks, ``QxK`` for the band's.
+
+  Plan, plan(spec, ...)   what the kernels need of a pattern; None: not one they serve
+  forward, backward       the passes (``fused`` calls them inside its custom VJP)
+  tables                  per program its masked and whole tiles ([programs, 2]), by kernel
+                          name: the cost estimates and the compile report read them
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,153 +36,327 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparse_jax.attention import tiles
-from sparse_jax.attention.pallas_gpu import _heads
+from sparse_jax.attention.terms import BandTerm, SummaryTerm
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A fixed pattern for these kernels: rows of ``block`` positions, summary ``residues``,
+    whether the band term keeps only residues (``part="summary"``); tiles ``bq`` × ``bk`` of
+    the gathered walks and ``band_q`` × ``band_k`` of the band's; ``length`` the padded
+    sequence and ``front`` the gathered array's leading zero rows (the read-back's reach)."""
+    block: int
+    residues: tuple[int, ...]
+    band_residues: bool
+    bq: int
+    bk: int
+    band_q: int
+    band_k: int
+    length: int
+    front: int
+
+    @property
+    def per_row(self) -> int:
+        return len(self.residues)
+
+    @property
+    def gathered(self) -> int:
+        """Rows of the gathered arrays: ``front``, the entries, a tail for every read."""
+        entries = self.length // self.block * self.per_row
+        return self.front + -(-entries // self.bk) * self.bk + self.front
+
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        return _runs(self.residues)
+
+
+def _runs(residues) -> tuple[tuple[int, int, int], ...]:
+    """Runs of consecutive residues: (first residue, count, index of the first among them)."""
+    out = []
+    for index, r in enumerate(residues):
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1][1] += 1
+        else:
+            out.append([r, 1, index])
+    return tuple(map(tuple, out))
+
+
+def plan(spec, n: int, compiler) -> Plan | None:
+    """The ``Plan`` of ``spec`` at ``n`` positions (padded to every tile and the block), or
+    None if the pattern is not a band of rows with a summary term (only "fixed" is)."""
+    terms = spec.terms()
+    if len(terms) != 2 or not isinstance(terms[1], SummaryTerm):
+        return None
+    band, summary = terms
+    if not (isinstance(band, BandTerm) and band.prev == 0 and band.same_row
+            and band.max_distance is None and band.block == summary.block):
+        return None
+    bq, bk = compiler.summary_q or compiler.block_q, compiler.summary_k or compiler.block_k
+    step = math.lcm(bq, bk, compiler.block_q, compiler.block_k, summary.block)
+    front = -(-(2 * summary.block + compiler.block_k) // bk) * bk
+    return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
+                compiler.block_q, compiler.block_k, -(-n // step) * step, front)
+
 
 # ---------------------------------------------------------------------------------------------
 # Which tiles each program walks: arithmetic on its index (the kernels' and the host's).
 
 
 def _div(x, y):
-    """``x // y`` for non-negative x (a traced int32 or a Python int) and a Python int y."""
-    return jax.lax.div(x, y) if isinstance(x, jax.Array) else x // y
+    """``x // y`` for non-negative x (traced int32, NumPy or Python int), a Python int y."""
+    return jax.lax.div(x, jnp.int32(y)) if isinstance(x, jax.Array) else x // y
 
 
-def _query_range(i, bq, bk, block, per_row):
-    """(full, total): query tile ``i`` attends gathered key tiles ``[0, full)`` whole and
-    ``[full, total)`` masked (the end of its rows' prefixes)."""
-    first, last = _div(i * bq, block), _div(i * bq + bq - 1, block)
-    return _div(first * per_row, bk), _div(last * per_row + bk - 1, bk)
+def _min(x, y):
+    return jnp.minimum(x, y) if isinstance(x, jax.Array) else np.minimum(x, y)
 
 
-def _key_range(j, bq, bk, block, per_row, nq_tiles):
-    """(start, full, end): gathered key tile ``j`` is attended by query tiles ``[start, full)``
-    masked (its own rows' next rows) and ``[full, end)`` whole."""
-    first, last = _div(j * bk, per_row), _div(j * bk + bk - 1, per_row)
-    start = _div((first + 1) * block, bq)
-    full = _div((last + 1) * block + bq - 1, bq)
-    minimum = jnp.minimum if isinstance(full, jax.Array) else np.minimum
-    return minimum(start, nq_tiles), minimum(full, nq_tiles), nq_tiles
+def _summary_q(i, p: Plan):
+    """(whole, end): query tile ``i`` walks gathered key tiles ``[0, whole)`` unmasked and
+    ``[whole, end)`` masked (the end of its rows' prefixes)."""
+    first, last = _div(i * p.bq, p.block), _div(i * p.bq + p.bq - 1, p.block)
+    return _div(first * p.per_row, p.bk), _div(last * p.per_row + p.bk - 1, p.bk)
 
 
-class Tables(NamedTuple):
-    """``tables``' result, named as ``tiles.Lists``' tables are."""
-    forward: np.ndarray
-    backward: np.ndarray
+def _summary_k(j, p: Plan):
+    """(start, whole, end): gathered key tile ``j`` is attended by query tiles ``[start,
+    whole)`` masked (the rows after its first) and ``[whole, end)`` unmasked."""
+    first, last = _div(j * p.bk, p.per_row), _div(j * p.bk + p.bk - 1, p.per_row)
+    end = p.length // p.bq
+    return (_min(_div((first + 1) * p.block, p.bq), end),
+            _min(_div((last + 1) * p.block + p.bq - 1, p.bq), end), end)
 
 
-def tables(nq: int, nk: int, bq: int, bk: int, block: int, per_row: int):
-    """(forward, backward): per query tile of ``nq`` queries and per gathered key tile of ``nk``
-    keys, its masked and full tiles ``[programs, 2]`` (int64)."""
-    nq_tiles = nq // bq
-    full, total = _query_range(np.arange(nq_tiles), bq, bk, block, per_row)
-    start, middle, end = _key_range(np.arange(nk // bk), bq, bk, block, per_row, nq_tiles)
-    return Tables(np.stack([total - full, full], 1), np.stack([middle - start, end - middle], 1))
+def _band_q(i, p: Plan):
+    """(start, end): query tile ``i`` (of ``bq``) walks key tiles ``[start, end)`` of its
+    rows, masked."""
+    first = _div(i * p.bq, p.block)
+    return _div(first * p.block, p.band_k), _div((i + 1) * p.bq + p.band_k - 1, p.band_k)
+
+
+def _band_k(j, p: Plan):
+    """(start, end): key tile ``j`` is attended by query tiles ``[start, end)``, masked."""
+    last = _div(j * p.band_k + p.band_k - 1, p.block)
+    return _div(j * p.band_k, p.band_q), _div((last + 1) * p.block + p.band_q - 1, p.band_q)
+
+
+def tables(p: Plan) -> dict[str, np.ndarray]:
+    """Per kernel (``sparse_{forward,dq,dkv}_gathered``, ``sparse_dkv_gathered_band``) and
+    program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq)."""
+    i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // p.bk)
+    whole, end = _summary_q(i, p)
+    band_start, band_end = _band_q(i, p)
+    start, middle, last = _summary_k(j, p)
+    k_start, k_end = _band_k(np.arange(p.length // p.band_k), p)
+    both = np.stack([end - whole + band_end - band_start, whole], 1)
+    return {"sparse_forward_gathered": both, "sparse_dq_gathered": both,
+            "sparse_dkv_gathered": np.stack([middle - start, last - middle], 1),
+            "sparse_dkv_gathered_band": np.stack([k_end - k_start, 0 * k_end], 1)}
 
 
 # ---------------------------------------------------------------------------------------------
-# The programs.
+# The programs' pieces.
 
 
-def _walk(lo, mid, hi, step, carry):
-    """``step(masked, j, carry)`` over tiles ``[lo, mid)`` masked, then ``[mid, hi)`` whole."""
-    carry = jax.lax.fori_loop(lo, mid, functools.partial(step, True), carry)
-    return jax.lax.fori_loop(mid, hi, functools.partial(step, False), carry)
+def _access(seq_major, interpret):
+    """``get(ref, g, rows, cols)`` and ``put(ref, g, rows, x)`` for head ``g`` of a [heads,
+    length, d] ref ([length, heads, d] if ``seq_major``), as ``pallas_gpu._heads``; ``cols``
+    a slice of the last axis."""
+    def index(g, rows, cols):
+        head = pl.ds(g, 1) if interpret else g
+        return (rows, head, cols) if seq_major else (head, rows, cols)
+
+    def get(ref, g, rows, cols=slice(None)):
+        x = ref[index(g, rows, cols)]
+        return x.reshape(x.shape[:1] + x.shape[2:] if seq_major else x.shape[1:]) \
+            if interpret else x
+
+    def put(ref, g, rows, x):
+        if interpret:
+            x = x.reshape((x.shape[0], 1, *x.shape[1:]) if seq_major else (1, *x.shape))
+        ref[index(g, rows, slice(None))] = x
+
+    return get, put
 
 
-def _rows_mask(q_start, bq, k_start, bk, block, per_row):
-    """[bq, bk]: query (sequence position) in a later row than the gathered key's row."""
-    q_row = _div(q_start + jnp.arange(bq, dtype=jnp.int32), block)
-    k_row = _div(k_start + jnp.arange(bk, dtype=jnp.int32), per_row)
+def _tile(start, size):
+    return pl.ds(pl.multiple_of(start * size, size), size)
+
+
+def _in_residues(offset, residues):
+    flag = offset < 0
+    for first, count, _ in _runs(residues):
+        flag = flag | ((offset >= first) & (offset < first + count))
+    return flag
+
+
+def _summary_mask(q0, bq, k0, bk, p: Plan):
+    """[bq, bk]: the query's row is after the gathered key's."""
+    q_row = _div(q0 + jnp.arange(bq, dtype=jnp.int32), p.block)
+    k_row = _div(k0 + jnp.arange(bk, dtype=jnp.int32), p.per_row)
     return q_row[:, None] > k_row[None, :]
 
 
-def _own(nq_tiles):
-    """The program's query tile: the last first (it walks the most key tiles)."""
-    return nq_tiles - 1 - pl.program_id(1)
+def _band_mask(q0, bq, k0, bk, p: Plan):
+    """[bq, bk]: same row, key at or before the query (and a residue, ``band_residues``)."""
+    q = (q0 + jnp.arange(bq, dtype=jnp.int32))[:, None]
+    k = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
+    keep = (_div(q, p.block) == _div(k, p.block)) & (k <= q)
+    if p.band_residues:
+        keep = keep & _in_residues(k - _div(k, p.block) * p.block, p.residues)
+    return keep
 
 
-def _forward(q_ref, k_ref, v_ref, o_ref, lse_ref, *, bq, bk, block, per_row, nq_tiles,
-             seq_major, interpret):
-    get, put = _heads(seq_major, interpret)
-    i = _own(nq_tiles)
-    rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+def _walks(p: Plan, i, step, carry):
+    """``step(kind, masked, j, carry)`` over query tile ``i``'s gathered key tiles, then its
+    band key tiles (kind "summary" or "band")."""
+    whole, end = _summary_q(i, p)
+    start, stop = _band_q(i, p)
+    carry = jax.lax.fori_loop(0, whole, functools.partial(step, "summary", False), carry)
+    carry = jax.lax.fori_loop(whole, end, functools.partial(step, "summary", True), carry)
+    return jax.lax.fori_loop(start, stop, functools.partial(step, "band", True), carry)
+
+
+def _keys(kind, j, p: Plan, d, dv):
+    """(rows, k columns, v columns, mask) of key tile ``j`` of a walk: the gathered array holds
+    k and v side by side; the sequence's k and v are apart."""
+    if kind == "summary":
+        rows = pl.ds(pl.multiple_of(p.front + j * p.bk, p.bk), p.bk)
+        return rows, pl.ds(0, d), pl.ds(d, dv), functools.partial(_summary_mask, k0=j * p.bk,
+                                                                  bk=p.bk, p=p)
+    return _tile(j, p.band_k), slice(None), slice(None), functools.partial(
+        _band_mask, k0=j * p.band_k, bk=p.band_k, p=p)
+
+
+def _own(p: Plan):
+    """The program's query tile: the last first (it walks the most tiles)."""
+    return p.length // p.bq - 1 - pl.program_id(1)
+
+
+def _forward(q_ref, k_ref, v_ref, kv_ref, o_ref, lse_ref, *, p, seq_major, interpret):
+    get, put = _access(seq_major, interpret)
+    i = _own(p)
+    rows = _tile(i, p.bq)
     heads = range(q_ref.shape[1 if seq_major else 0])
     qs = [get(q_ref, g, rows) for g in heads]
-    full, total = _query_range(i, bq, bk, block, per_row)
+    d, dv = q_ref.shape[-1], o_ref.shape[-1]
 
-    def step(masked, j, carry):
-        keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        keep = _rows_mask(i * bq, bq, j * bk, bk, block, per_row) if masked else None
+    def step(kind, masked, j, carry):
+        at, kc, vc, mask = _keys(kind, j, p, d, dv)
+        k_src, v_src = (kv_ref, kv_ref) if kind == "summary" else (k_ref, v_ref)
+        keep = mask(i * p.bq, p.bq) if masked else None
         out = []
         for g in heads:
-            s = tiles.dot(qs[g], get(k_ref, g, keys), trans_b=True)
+            s = tiles.dot(qs[g], get(k_src, g, at, kc), trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            out.append(tiles.online(s, *carry[g], get(v_ref, g, keys)))
+            out.append(tiles.online(s, *carry[g], get(v_src, g, at, vc)))
         return tuple(out)
 
-    start = tuple(tiles.start(bq, o_ref.shape[-1]) for _ in heads)
-    carry = jax.lax.fori_loop(0, full, functools.partial(step, False), start)
-    carry = jax.lax.fori_loop(full, total, functools.partial(step, True), carry)
+    carry = _walks(p, i, step, tuple(tiles.start(p.bq, dv) for _ in heads))
     for g, state in enumerate(carry):
         o, lse = tiles.finish(*state)
         put(o_ref, g, rows, o.astype(o_ref.dtype))
         put(lse_ref, g, rows, lse)
 
 
-def _dq(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *, bq, bk, block, per_row,
-        nq_tiles, seq_major, interpret):
-    get, put = _heads(seq_major, interpret)
-    i = _own(nq_tiles)
-    rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+def _dq(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kv_ref, dq_ref, *, p, seq_major,
+        interpret):
+    get, put = _access(seq_major, interpret)
+    i = _own(p)
+    rows = _tile(i, p.bq)
     heads = range(q_ref.shape[1 if seq_major else 0])
     qs, dos, lses, deltas = ([get(ref, g, rows) for g in heads]
                              for ref in (q_ref, do_ref, lse_ref, delta_ref))
-    full, total = _query_range(i, bq, bk, block, per_row)
+    d, dv = q_ref.shape[-1], do_ref.shape[-1]
 
-    def step(masked, j, carry):
-        keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        keep = _rows_mask(i * bq, bq, j * bk, bk, block, per_row) if masked else None
+    def step(kind, masked, j, carry):
+        at, kc, vc, mask = _keys(kind, j, p, d, dv)
+        k_src, v_src = (kv_ref, kv_ref) if kind == "summary" else (k_ref, v_ref)
+        keep = mask(i * p.bq, p.bq) if masked else None
         out = []
         for g in heads:
-            k = get(k_ref, g, keys)
+            k = get(k_src, g, at, kc)
             s = tiles.dot(qs[g], k, trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            ds = tiles.grads(s, lses[g], deltas[g], dos[g], get(v_ref, g, keys))[1]
+            ds = tiles.grads(s, lses[g], deltas[g], dos[g], get(v_src, g, at, vc))[1]
             out.append(carry[g] + tiles.dot(ds.astype(k.dtype), k))
         return tuple(out)
 
-    start = tuple(jnp.zeros(qs[g].shape, jnp.float32) for g in heads)
-    carry = jax.lax.fori_loop(0, full, functools.partial(step, False), start)
-    carry = jax.lax.fori_loop(full, total, functools.partial(step, True), carry)
+    carry = _walks(p, i, step, tuple(jnp.zeros(qs[g].shape, jnp.float32) for g in heads))
     for g, dq in enumerate(carry):
         put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
 
 
-def _dkv(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, bq, bk, block,
-         per_row, nq_tiles, seq_major, interpret):
-    get, put = _heads(seq_major, interpret)
-    j = pl.program_id(1)  # the first gathered keys are attended by the most query tiles
-    own = pl.ds(pl.multiple_of(j * bk, bk), bk)
-    heads = range(k_ref.shape[1 if seq_major else 0])
-    ks, vs = ([get(ref, g, own) for g in heads] for ref in (k_ref, v_ref))
-    start, full, end = _key_range(j, bq, bk, block, per_row, nq_tiles)
-
+def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
+    """``step(masked, i, carry)`` of a key tile's walk over query tiles of ``bq``."""
     def step(masked, i, carry):
-        rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-        keep = _rows_mask(i * bq, bq, j * bk, bk, block, per_row) if masked else None
+        rows = _tile(i, bq)
+        keep = mask(i * bq, bq) if masked else None
         out = []
         for g in heads:
             q, do = get(q_ref, g, rows), get(do_ref, g, rows)
             s = tiles.dot(q, ks[g], trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            p, ds = tiles.grads(s, get(lse_ref, g, rows), get(delta_ref, g, rows), do, vs[g])
+            prob, ds = tiles.grads(s, get(lse_ref, g, rows), get(delta_ref, g, rows), do, vs[g])
             out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
-                        carry[g][1] + tiles.dot(p.astype(do.dtype), do, trans_a=True)))
+                        carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
         return tuple(out)
+    return step
 
-    zeros = tuple((jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
+
+def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_major,
+         interpret):
+    """The gathered keys' dk, dv (float32, gathered order, ``front`` rows ahead)."""
+    get, put = _access(seq_major, interpret)
+    j = pl.program_id(1)  # the first gathered keys are attended by the most query tiles
+    own = pl.ds(pl.multiple_of(p.front + j * p.bk, p.bk), p.bk)
+    heads = range(q_ref.shape[1 if seq_major else 0])
+    d, dv = q_ref.shape[-1], do_ref.shape[-1]
+    ks = [get(kv_ref, g, own, pl.ds(0, d)) for g in heads]
+    vs = [get(kv_ref, g, own, pl.ds(d, dv)) for g in heads]
+    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.bq,
+                      lambda q0, bq: _summary_mask(q0, bq, j * p.bk, p.bk, p))
+    start, whole, end = _summary_k(j, p)
+    carry = tuple((jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
                   for g in heads)
-    carry = _walk(start, full, end, step, zeros)
+    carry = jax.lax.fori_loop(start, whole, functools.partial(step, True), carry)
+    carry = jax.lax.fori_loop(whole, end, functools.partial(step, False), carry)
+    for g, (dk, dv_) in enumerate(carry):
+        put(dk_ref, g, own, dk.astype(dk_ref.dtype))
+        put(dv_ref, g, own, dv_.astype(dv_ref.dtype))
+
+
+def _read_back(get, ref, g, j, p: Plan, width):
+    """[band_k, width]: the gathered rows of key tile ``j``'s summary keys, zeros elsewhere: for
+    each row the tile touches and each run of residues, one shifted load."""
+    pos = j * p.band_k + jnp.arange(p.band_k, dtype=jnp.int32)
+    row, offset = _div(pos, p.block), pos - _div(pos, p.block) * p.block
+    first = _div(j * p.band_k, p.block)
+    spans = 1 if p.block % p.band_k == 0 else -(-p.band_k // p.block) + 1
+    out = jnp.zeros((p.band_k, width), jnp.float32)
+    for s in range(spans):
+        r = first + s
+        for residue, count, index in p.runs():
+            start = p.front + r * p.per_row + index + j * p.band_k - r * p.block - residue
+            rows = get(ref, g, pl.ds(start, p.band_k))
+            keep = (row == r) & (offset >= residue) & (offset < residue + count)
+            out = out + jnp.where(keep[:, None], rows, 0.0)
+    return out
+
+
+def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, dk_ref, dv_ref,
+              *, p, seq_major, interpret):
+    """dk, dv of key tile ``j`` in sequence order: its row's band queries, plus its summary
+    keys' gathered dk, dv (``_dkv``'s), written once in the output dtype."""
+    get, put = _access(seq_major, interpret)
+    j = pl.program_id(1)
+    own = _tile(j, p.band_k)
+    heads = range(k_ref.shape[1 if seq_major else 0])
+    ks, vs = ([get(ref, g, own) for g in heads] for ref in (k_ref, v_ref))
+    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.band_q,
+                      lambda q0, bq: _band_mask(q0, bq, j * p.band_k, p.band_k, p))
+    start = tuple((_read_back(get, gk_ref, g, j, p, ks[g].shape[-1]),
+                   _read_back(get, gv_ref, g, j, p, vs[g].shape[-1])) for g in heads)
+    carry = jax.lax.fori_loop(*_band_k(j, p), functools.partial(step, True), start)
     for g, (dk, dv) in enumerate(carry):
         put(dk_ref, g, own, dk.astype(dk_ref.dtype))
         put(dv_ref, g, own, dv.astype(dv_ref.dtype))
@@ -188,17 +367,16 @@ def _dkv(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, bq,
 
 
 def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
-    """pallas_call over (head group, tile, batch): the heads fastest, so a tile's heads run
-    together and the longest tiles first; every array whole along its length ([B, H, N, d], or
-    [B, N, H, d] if ``seq_major``), the program's heads; ``out``: (shape, dtype) pairs."""
+    """pallas_call over (head group, tile, batch), heads fastest (a tile's heads run together,
+    the longest tiles first); every array whole along its length, the program's heads;
+    ``out``: (shape, dtype) pairs."""
     heads = compiler.heads_per_program
     shape = out[0][0]
     grid = (shape[2 if seq_major else 1] // heads, programs, shape[0])
 
     def spec(shape):
         if seq_major:
-            return pl.BlockSpec((None, shape[1], heads, shape[3]),
-                                lambda h, i, b: (b, 0, h, 0))
+            return pl.BlockSpec((None, shape[1], heads, shape[3]), lambda h, i, b: (b, 0, h, 0))
         return pl.BlockSpec((None, heads, shape[2], shape[3]), lambda h, i, b: (b, h, 0, 0))
 
     params = {}
@@ -214,46 +392,64 @@ def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
     )(*inputs)
 
 
-def _setup(compiler, q, k, v, block, per_row, seq_major):
+def gather(p: Plan, k, v, seq_major=False):
+    """The summary keys and values side by side, [B, H, gathered, w] ([B, gathered, H, w]):
+    k's columns, v's, zeros to a power of two; ``p.front`` zero rows before the entries."""
     axis = 1 if seq_major else 2
-    bq, bk = compiler.block_q, compiler.block_k
-    nq, nk = q.shape[axis], k.shape[axis]
-    if nq % bq or nk % bk:
-        raise ValueError(f"gathered summary: {nq} queries and {nk} gathered keys must be "
-                         f"multiples of the tiles {bq}x{bk}")
+    width = pl.next_power_of_2(k.shape[-1] + v.shape[-1])
+    kv = jnp.concatenate([k, v, jnp.zeros((*k.shape[:-1], width - k.shape[-1] - v.shape[-1]),
+                                          k.dtype)], -1)
+    grid = kv.reshape(*kv.shape[:axis], p.length // p.block, p.block, *kv.shape[axis + 1:])
+    picked = jnp.take(grid, np.array(p.residues), axis=axis + 1)
+    flat = picked.reshape(*kv.shape[:axis], -1, *kv.shape[axis + 1:])
+    widths = [(0, 0)] * kv.ndim
+    widths[axis] = (p.front, p.gathered - p.front - flat.shape[axis])
+    return jnp.pad(flat, widths)
+
+
+def _setup(p: Plan, q, v, seq_major):
     batch, heads = q.shape[0], q.shape[2 if seq_major else 1]
     like = (lambda n, d: (batch, n, heads, d)) if seq_major else (
         lambda n, d: (batch, heads, n, d))
-    statics = dict(bq=bq, bk=bk, block=block, per_row=per_row, nq_tiles=nq // bq,
-                   seq_major=seq_major, interpret=compiler.interpret)
     sizes = (batch * heads, q.shape[-1], v.shape[-1], q.dtype.itemsize)
-    return bq, bk, nq, nk, like, statics, sizes, tables(nq, nk, bq, bk, block, per_row)
+    return like, dict(p=p, seq_major=seq_major), sizes, tables(p)
 
 
-def forward(compiler, q, k, v, *, block: int, per_row: int, seq_major=False,
-            tag="gathered_summary"):
-    """Output [B, H, Nq, dv] and log-sum-exp [B, H, Nq, 1], float32, of the summary term: q in
-    sequence order (scaled, Nq a multiple of ``block`` and the tiles), k and v gathered
-    (``per_row`` entries a row of ``block`` positions, padded to the key tile)."""
-    bq, bk, nq, nk, like, statics, sizes, (fwd, _) = _setup(compiler, q, k, v, block, per_row,
-                                                            seq_major)
-    cost = tiles.cost("forward", fwd, bq, bk, *sizes)
-    return _call(compiler, functools.partial(_forward, **statics), nq // bq, [q, k, v],
-                 [(like(nq, v.shape[-1]), jnp.float32), (like(nq, 1), jnp.float32)],
-                 f"sparse_forward_{tag}", seq_major, cost)
+def forward(compiler, p: Plan, q, k, v, seq_major=False):
+    """Output (q's dtype) and log-sum-exp [B, H, length, 1] (float32) of the pattern: q (scaled),
+    k, v in sequence order, ``p.length`` long."""
+    like, statics, sizes, table = _setup(p, q, v, seq_major)
+    statics["interpret"] = compiler.interpret
+    name = "sparse_forward_gathered"
+    cost = tiles.cost("forward", table[name], p.bq, p.bk, *sizes, q.dtype.itemsize)
+    return _call(compiler, functools.partial(_forward, **statics), p.length // p.bq,
+                 [q, k, v, gather(p, k, v, seq_major)],
+                 [(like(p.length, v.shape[-1]), q.dtype), (like(p.length, 1), jnp.float32)],
+                 name, seq_major, cost)
 
 
-def backward(compiler, q, k, v, do, lse, delta, *, block: int, per_row: int, seq_major=False,
-             tag="gathered_summary"):
-    """(dq, dk, dv), float32, of the summary term's share of the output for the joint ``lse``
-    ([B, H, Nq, 1]); dk and dv in the gathered order. Arrays as ``forward``'s."""
-    bq, bk, nq, nk, like, statics, sizes, (fwd, bwd) = _setup(compiler, q, k, v, block,
-                                                               per_row, seq_major)
-    dq = _call(compiler, functools.partial(_dq, **statics), nq // bq,
-               [q, do, lse, delta, k, v], [(like(nq, q.shape[-1]), jnp.float32)],
-               f"sparse_dq_{tag}", seq_major, tiles.cost("dq", fwd, bq, bk, *sizes))[0]
-    dk, dv = _call(compiler, functools.partial(_dkv, **statics), nk // bk,
-                   [k, v, q, do, lse, delta],
-                   [(like(nk, k.shape[-1]), jnp.float32), (like(nk, v.shape[-1]), jnp.float32)],
-                   f"sparse_dkv_{tag}", seq_major, tiles.cost("dkv", bwd, bq, bk, *sizes))
+def backward(compiler, p: Plan, q, k, v, do, lse, delta, seq_major=False):
+    """(dq, dk, dv) in q's dtype for the output's gradient ``do``, the log-sum-exp and
+    ``delta = do·o`` ([B, H, length, 1], float32); arrays as ``forward``'s."""
+    like, statics, sizes, table = _setup(p, q, v, seq_major)
+    statics["interpret"] = compiler.interpret
+    kv = gather(p, k, v, seq_major)
+    dq = _call(compiler, functools.partial(_dq, **statics), p.length // p.bq,
+               [q, do, lse, delta, k, v, kv], [(like(p.length, q.shape[-1]), q.dtype)],
+               "sparse_dq_gathered", seq_major,
+               tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
+                          q.dtype.itemsize))[0]
+    gk, gv = _call(compiler, functools.partial(_dkv, **statics),
+                   (p.gathered - 2 * p.front) // p.bk, [kv, q, do, lse, delta],
+                   [(like(p.gathered, k.shape[-1]), jnp.float32),
+                    (like(p.gathered, v.shape[-1]), jnp.float32)], "sparse_dkv_gathered",
+                   seq_major, tiles.cost("dkv", table["sparse_dkv_gathered"], p.bq, p.bk,
+                                         *sizes))
+    dk, dv = _call(compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
+                   [k, v, q, do, lse, delta, gk, gv],
+                   [(like(p.length, k.shape[-1]), k.dtype), (like(p.length, v.shape[-1]),
+                                                             v.dtype)],
+                   "sparse_dkv_gathered_band", seq_major,
+                   tiles.cost("dkv", table["sparse_dkv_gathered_band"], p.band_q, p.band_k,
+                              *sizes, k.dtype.itemsize))
     return dq, dk, dv

@@ -145,7 +145,7 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
     keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
     outputs out; float32 partial results; no reuse through L2)."""
-    from sparse_jax.attention import fused, measured
+    from sparse_jax.attention import fused, measured, pallas_gathered
 
     # no options: the kernel compiles with the GPU's defaults chosen by measurement
     sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
@@ -153,8 +153,12 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     compiler = fused.compiler_for(sizes, "triton", interpret=False)
     rows = -(-n // spec.block)
     chained = sizes.variant == "chained"
+    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    if gathered:
+        return _gathered_work(gathered, heads // compiler.heads_per_program, heads,
+                              max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes)
     if chained:
-        length, plan = fused._chain(spec, rows, compiler)
+        _, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
     else:
         terms = [(layout, lists, comp) for layout, _, lists, _, comp in
@@ -166,13 +170,6 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
     for index, (layout, lists, comp) in enumerate(terms):
         bq, bk = comp.block_q, comp.block_k
         last, resume = chained and index == len(terms) - 1, chained and index > 0
-        kind = layout.kind
-        if lists is None:  # the gathered summary (attention.pallas_gathered): no block lists
-            from sparse_jax.attention import pallas_gathered
-
-            kind = "gathered_summary"
-            lists = pallas_gathered.Tables(*pallas_gathered.tables(
-                length, -(-layout.nk // bk) * bk, bq, bk, layout.block, len(layout.residues)))
         out_bytes = dtype_bytes if last else 4
         for name, table, own, listed in (("forward", lists.forward, bq, bk),
                                          ("dq", lists.forward, bq, bk),
@@ -193,10 +190,40 @@ def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int 
             resume_in = (own_out * 4 // out_bytes) if resume and not (
                 name == "dkv" and layout.kind == "summary") else 0
             per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
-            out[f"sparse_{name}_{kind}"] = {
+            out[f"sparse_{name}_{layout.kind}"] = {
                 "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
                 "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
                 "block_q": bq, "block_k": bk}
+    return out
+
+
+def _gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> dict:
+    """``_tile_work`` of the gathered kernels (``attention.pallas_gathered``): tiles from its
+    ``tables``; bytes as there, the gathered k and v side by side (2d columns) read per visit,
+    the gathered dk and dv written in float32 and read back by the band's dk/dv."""
+    from sparse_jax.attention import pallas_gathered
+
+    stats = 2 * 4  # log-sum-exp and delta, float32, per query
+    row = 2 * d * dtype_bytes  # a query's q and dO, or a key's k and v
+    # (own tile in, out, per visit, block_q, block_k) per kernel
+    shape = {"sparse_forward_gathered": (plan.bq * d * dtype_bytes, plan.bq * (
+                 d * dtype_bytes + 4), plan.bk * row, plan.bq, plan.bk),
+             "sparse_dq_gathered": (plan.bq * (row + stats), plan.bq * d * dtype_bytes,
+                                    plan.bk * row, plan.bq, plan.bk),
+             "sparse_dkv_gathered": (plan.bk * row, plan.bk * 2 * d * 4,
+                                     plan.bq * (row + stats), plan.bq, plan.bk),
+             "sparse_dkv_gathered_band": (plan.band_k * (row + 2 * d * 4 * len(plan.runs())),
+                                          plan.band_k * row, plan.band_q * (row + stats),
+                                          plan.band_q, plan.band_k)}
+    out = {}
+    for name, table in pallas_gathered.tables(plan).items():
+        own_in, own_out, per_visit, bq, bk = shape[name]
+        visits = table[:, 0] + table[:, 1]
+        out[name] = {"tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
+                     "programs": int(len(visits) * groups),
+                     "hbm_bytes": int((len(visits) * (own_in + own_out)
+                                       + int(visits.sum()) * per_visit) * heads),
+                     "block_q": bq, "block_k": bk}
     return out
 
 
