@@ -59,7 +59,8 @@ _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and d
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
                  "band": "the band tile", "summary_q": "the summary tiles",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
-                 "num_stages": "the stages", "gathered": "gathered"}  # what each kind of option in `parse` sets
+                 "num_stages": "the stages", "gathered": "gathered",
+                 "dkv_q": "the gathered dk/dv tiles"}  # what each kind of option in `parse` sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,9 @@ class BlockSizes:
     own array), so that its query tiles can be larger than the band term's. ``gathered``
     (chained only): the summary term as a block-causal pass over its gathered keys, every
     query row attending a prefix of them at full tiles, with no block list
-    (``attention.pallas_gathered``)."""
+    (``attention.pallas_gathered``); ``dkv_q`` × ``dkv_k`` and ``dkv_warps`` (0: the summary
+    tiles and ``num_warps``): the tiles (queries walked × gathered keys owned) and warps of its
+    gathered keys' dk/dv program, whose registers bound it differently."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -101,6 +104,9 @@ class BlockSizes:
     summary_q: int = 0
     summary_k: int = 0
     gathered: bool = False
+    dkv_q: int = 0
+    dkv_k: int = 0
+    dkv_warps: int = 0
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -118,7 +124,8 @@ class BlockSizes:
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
         blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
-        tiles, ``gathered`` (with ``chained``); e.g. "64x64:chained:h2", "chained:sum128x64",
+        tiles, ``gathered`` (with ``chained``), ``dkvQxK`` or ``dkvQxKwN`` its gathered keys'
+        dk/dv tiles and warps; e.g. "64x64:chained:h2", "chained:sum128x64",
         "512x512:band128x4", "chained:gathered:sum128x64". An
         option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
         refused (ValueError), not resolved by order."""
@@ -136,14 +143,17 @@ class BlockSizes:
             elif re.fullmatch(r"sum\d+x\d+", option):
                 names = ("summary_q", "summary_k")
                 values = tuple(map(int, option[3:].split("x")))
+            elif re.fullmatch(r"dkv\d+x\d+(w\d+)?", option):
+                names = ("dkv_q", "dkv_k", "dkv_warps")
+                values = tuple(map(int, re.findall(r"\d+", option))) + (0,)
             elif re.fullmatch(r"[hws]\d+", option):
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
             else:
                 raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG, sumQxK or "
-                                 "gathered")
+                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG, sumQxK, "
+                                 "gathered or dkvQxKwN")
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -175,6 +185,18 @@ class BlockSizes:
                                            or self.variant != "chained"):
             raise ValueError(f"BlockSizes.gathered={self.gathered!r} (option gathered) needs "
                              f"the chained variant, not {self.variant!r}: give chained:gathered")
+        for name in ("dkv_q", "dkv_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
+                    or value & (value - 1) or (value == 0) != (self.dkv_q == 0):
+                raise ValueError(f"BlockSizes.{name}={value} (option dkvQxKwN) must be a power "
+                                 "of two, or 0 with the other (the summary tiles)")
+        if self.dkv_warps not in (0, *WARPS) or isinstance(self.dkv_warps, bool):
+            raise ValueError(f"BlockSizes.dkv_warps={self.dkv_warps} (option dkvQxKwN) must be "
+                             f"a power of two from 1 to {WARPS[-1]}, or 0 (num_warps)")
+        if (self.dkv_q or self.dkv_warps) and not self.gathered:
+            raise ValueError("BlockSizes.dkv_q, dkv_k, dkv_warps (option dkvQxKwN) set the "
+                             "gathered summary's dk/dv program: give them with gathered")
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \

@@ -148,13 +148,8 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     (packed summary keys' gradients are put back in sequence order by XLA)."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
-    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
-    length, plan = (gathered.length, ()) if gathered else _chain(spec, n // spec.block,
-                                                                 compiler)
+    length, plan = _chain(spec, n // spec.block, compiler)
     q, k, v, do, lse, delta = (_pad_to(x, length, axis) for x in (q, k, v, do, lse, delta))
-    if gathered:
-        return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in pallas_gathered.backward(
-            compiler, gathered, q, k, v, do, lse, delta, seq_major))
     dq, dkv = (), ()
     for i, (layout, keep, lists, comp, at) in enumerate(plan):
         last = i == len(plan) - 1
@@ -169,6 +164,16 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
             dkv = tuple(_pad_to(layout.keys_back(jax.lax.slice_in_dim(g, 0, layout.nk, axis=axis),
                                                  axis), length, axis) for g in dkv)
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
+
+
+def _gathered_backward(plan, compiler, seq_major, q, k, v, out, do, lse):
+    """Gradients through ``pallas_gathered`` (both terms of the fixed pattern at once)."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    grads = pallas_gathered.backward(
+        compiler, plan, *(_pad_to(x, plan.length, axis) for x in (q, k, v, out, do,
+                                                                  lse[..., None])), seq_major)
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -186,6 +191,11 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
+    gathered = variant == "chained" and compiler.gathered and pallas_gathered.plan(
+        spec, q.shape[1 if seq_major else 2], compiler)
+    if gathered:  # delta and the log-sum-exp's fix in the dq program
+        return _gathered_backward(gathered, compiler, seq_major, q, k, v, out,
+                                  d_out.astype(v.dtype), lse)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
@@ -245,7 +255,7 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
                                    sizes.band_group, sizes.summary_q, sizes.summary_k,
-                                   sizes.gathered)
+                                   sizes.gathered, sizes.dkv_q, sizes.dkv_k, sizes.dkv_warps)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,

@@ -54,6 +54,9 @@ class Plan:
     band_k: int
     length: int
     front: int
+    dkv_q: int = 0  # the gathered keys' dk/dv program: the query tiles it walks,
+    dkv_k: int = 0  # its own gathered keys
+    dkv_warps: int = 0  # and its warps (0: the compiler's)
 
     @property
     def per_row(self) -> int:
@@ -61,9 +64,14 @@ class Plan:
 
     @property
     def gathered(self) -> int:
-        """Rows of the gathered arrays: ``front``, the entries, a tail for every read."""
+        """Rows of the gathered arrays: ``front``, the entries (to a multiple of ``front``, the
+        tiles' multiple), a tail for every read."""
         entries = self.length // self.block * self.per_row
-        return self.front + -(-entries // self.bk) * self.bk + self.front
+        return (-(-entries // self.front) + 2) * self.front
+
+    def for_dkv(self) -> Plan:
+        """The gathered keys' dk/dv program's plan: its own tiles as ``bq`` × ``bk``."""
+        return dataclasses.replace(self, bq=self.dkv_q, bk=self.dkv_k)
 
     def runs(self) -> tuple[tuple[int, int, int], ...]:
         return _runs(self.residues)
@@ -91,10 +99,12 @@ def plan(spec, n: int, compiler) -> Plan | None:
             and band.max_distance is None and band.block == summary.block):
         return None
     bq, bk = compiler.summary_q or compiler.block_q, compiler.summary_k or compiler.block_k
-    step = math.lcm(bq, bk, compiler.block_q, compiler.block_k, summary.block)
-    front = -(-(2 * summary.block + compiler.block_k) // bk) * bk
+    dkv_q, dkv_k = compiler.dkv_q or bq, compiler.dkv_k or bk
+    step = math.lcm(bq, bk, dkv_q, dkv_k, compiler.block_q, compiler.block_k, summary.block)
+    front = -(-(2 * summary.block + compiler.block_k) // step) * step  # a tile multiple
     return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
-                compiler.block_q, compiler.block_k, -(-n // step) * step, front)
+                compiler.block_q, compiler.block_k, -(-n // step) * step, front, dkv_q, dkv_k,
+                compiler.dkv_warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,10 +152,11 @@ def _band_k(j, p: Plan):
 def tables(p: Plan) -> dict[str, np.ndarray]:
     """Per kernel (``sparse_{forward,dq,dkv}_gathered``, ``sparse_dkv_gathered_band``) and
     program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq)."""
-    i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // p.bk)
+    dkv = p.for_dkv()
+    i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // dkv.bk)
     whole, end = _summary_q(i, p)
     band_start, band_end = _band_q(i, p)
-    start, middle, last = _summary_k(j, p)
+    start, middle, last = _summary_k(j, dkv)
     k_start, k_end = _band_k(np.arange(p.length // p.band_k), p)
     both = np.stack([end - whole + band_end - band_start, whole], 1)
     return {"sparse_forward_gathered": both, "sparse_dq_gathered": both,
@@ -258,14 +269,23 @@ def _forward(q_ref, k_ref, v_ref, kv_ref, o_ref, lse_ref, *, p, seq_major, inter
         put(lse_ref, g, rows, lse)
 
 
-def _dq(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kv_ref, dq_ref, *, p, seq_major,
-        interpret):
+def _lse(x):
+    """The forward's log-sum-exp for the gradients: a row with no key (NEG) gets +1e30, so
+    that every probability of it is 0."""
+    return jnp.where(x > tiles.NEG / 2, x, -tiles.NEG)
+
+
+def _dq(q_ref, do_ref, o_ref, lse_ref, k_ref, v_ref, kv_ref, dq_ref, delta_ref, *, p,
+        seq_major, interpret):
+    """dq of the program's query tile, and its rows' ``delta = dO·O`` for the key passes."""
     get, put = _access(seq_major, interpret)
     i = _own(p)
     rows = _tile(i, p.bq)
     heads = range(q_ref.shape[1 if seq_major else 0])
-    qs, dos, lses, deltas = ([get(ref, g, rows) for g in heads]
-                             for ref in (q_ref, do_ref, lse_ref, delta_ref))
+    qs, dos = ([get(ref, g, rows) for g in heads] for ref in (q_ref, do_ref))
+    lses = [_lse(get(lse_ref, g, rows)) for g in heads]
+    deltas = [(dos[g].astype(jnp.float32) * get(o_ref, g, rows).astype(jnp.float32)).sum(
+        -1, keepdims=True) for g in heads]
     d, dv = q_ref.shape[-1], do_ref.shape[-1]
 
     def step(kind, masked, j, carry):
@@ -284,6 +304,7 @@ def _dq(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kv_ref, dq_ref, *, p, s
     carry = _walks(p, i, step, tuple(jnp.zeros(qs[g].shape, jnp.float32) for g in heads))
     for g, dq in enumerate(carry):
         put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
+        put(delta_ref, g, rows, deltas[g])
 
 
 def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
@@ -296,7 +317,8 @@ def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
             q, do = get(q_ref, g, rows), get(do_ref, g, rows)
             s = tiles.dot(q, ks[g], trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            prob, ds = tiles.grads(s, get(lse_ref, g, rows), get(delta_ref, g, rows), do, vs[g])
+            prob, ds = tiles.grads(s, _lse(get(lse_ref, g, rows)), get(delta_ref, g, rows), do,
+                                   vs[g])
             out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
                         carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
         return tuple(out)
@@ -428,22 +450,25 @@ def forward(compiler, p: Plan, q, k, v, seq_major=False):
                  name, seq_major, cost)
 
 
-def backward(compiler, p: Plan, q, k, v, do, lse, delta, seq_major=False):
-    """(dq, dk, dv) in q's dtype for the output's gradient ``do``, the log-sum-exp and
-    ``delta = do·o`` ([B, H, length, 1], float32); arrays as ``forward``'s."""
+def backward(compiler, p: Plan, q, k, v, o, do, lse, seq_major=False):
+    """(dq, dk, dv) in q's dtype for the output ``o``'s gradient ``do`` (v's dtype) and the
+    forward's log-sum-exp ([B, H, length, 1], float32); arrays as ``forward``'s."""
     like, statics, sizes, table = _setup(p, q, v, seq_major)
     statics["interpret"] = compiler.interpret
     kv = gather(p, k, v, seq_major)
-    dq = _call(compiler, functools.partial(_dq, **statics), p.length // p.bq,
-               [q, do, lse, delta, k, v, kv], [(like(p.length, q.shape[-1]), q.dtype)],
-               "sparse_dq_gathered", seq_major,
-               tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
-                          q.dtype.itemsize))[0]
-    gk, gv = _call(compiler, functools.partial(_dkv, **statics),
-                   (p.gathered - 2 * p.front) // p.bk, [kv, q, do, lse, delta],
+    dq, delta = _call(compiler, functools.partial(_dq, **statics), p.length // p.bq,
+                      [q, do, o, lse, k, v, kv], [(like(p.length, q.shape[-1]), q.dtype),
+                                                  (like(p.length, 1), jnp.float32)],
+                      "sparse_dq_gathered", seq_major,
+                      tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
+                                 q.dtype.itemsize))
+    dkv = p.for_dkv()
+    gk, gv = _call(dataclasses.replace(compiler, num_warps=p.dkv_warps or compiler.num_warps),
+                   functools.partial(_dkv, **{**statics, "p": dkv}),
+                   (p.gathered - 2 * p.front) // dkv.bk, [kv, q, do, lse, delta],
                    [(like(p.gathered, k.shape[-1]), jnp.float32),
                     (like(p.gathered, v.shape[-1]), jnp.float32)], "sparse_dkv_gathered",
-                   seq_major, tiles.cost("dkv", table["sparse_dkv_gathered"], p.bq, p.bk,
+                   seq_major, tiles.cost("dkv", table["sparse_dkv_gathered"], dkv.bq, dkv.bk,
                                          *sizes))
     dk, dv = _call(compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
                    [k, v, q, do, lse, delta, gk, gv],

@@ -203,6 +203,7 @@ def _gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> d
     the gathered dk and dv written in float32 and read back by the band's dk/dv."""
     from sparse_jax.attention import pallas_gathered
 
+    dkv = plan.for_dkv()
     stats = 2 * 4  # log-sum-exp and delta, float32, per query
     row = 2 * d * dtype_bytes  # a query's q and dO, or a key's k and v
     # (own tile in, out, per visit, block_q, block_k) per kernel
@@ -210,8 +211,8 @@ def _gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> d
                  d * dtype_bytes + 4), plan.bk * row, plan.bq, plan.bk),
              "sparse_dq_gathered": (plan.bq * (row + stats), plan.bq * d * dtype_bytes,
                                     plan.bk * row, plan.bq, plan.bk),
-             "sparse_dkv_gathered": (plan.bk * row, plan.bk * 2 * d * 4,
-                                     plan.bq * (row + stats), plan.bq, plan.bk),
+             "sparse_dkv_gathered": (dkv.bk * row, dkv.bk * 2 * d * 4,
+                                     dkv.bq * (row + stats), dkv.bq, dkv.bk),
              "sparse_dkv_gathered_band": (plan.band_k * (row + 2 * d * 4 * len(plan.runs())),
                                           plan.band_k * row, plan.band_q * (row + stats),
                                           plan.band_q, plan.band_k)}
