@@ -64,10 +64,10 @@ class Plan:
 
     @property
     def gathered(self) -> int:
-        """Rows of the gathered arrays: ``front``, the entries (to a multiple of ``front``, the
-        tiles' multiple), a tail for every read."""
-        entries = self.length // self.block * self.per_row
-        return (-(-entries // self.front) + 2) * self.front
+        """Rows of the gathered arrays: ``front``, the entries (to both key tiles), a tail of
+        ``front`` rows for every read."""
+        tile = max(self.bk, self.dkv_k)
+        return 2 * self.front + -(-(self.length // self.block * self.per_row) // tile) * tile
 
     def for_dkv(self) -> Plan:
         """The gathered keys' dk/dv program's plan: its own tiles as ``bq`` × ``bk``."""
