@@ -410,7 +410,7 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
      K.BlockSizes(16, 16, variant="chained", gathered=True, heads_per_program=2)),
     (PatternSpec("fixed", stride=16, c=4, summary="lra", summary_block=1), 96, 32, "bfloat16",
      K.BlockSizes(16, 16, variant="chained", gathered=True, summary_q=32, summary_k=16,
-                  dkv_q=16, dkv_k=32)),
+                  dkv=(16, 32, 0))),
     (PatternSpec("fixed", stride=12, c=3, part="summary", summary="lra"), 75, 32, "float32",
      K.BlockSizes(16, 16, variant="chained", gathered=True)),
 ]
@@ -510,12 +510,12 @@ def test_implementation_choice():
     with pytest.raises(ValueError, match="summary tiles 8x16 .* Triton needs at least 16"):
         compiler_for(K.BlockSizes(summary_q=8, summary_k=16), backend="triton", interpret=False)
     assert parse_pattern("fixed:128:32@pallas:chained:gathered:dkv128x128w8", 1024)[2] == (
-        K.BlockSizes(variant="chained", gathered=True, dkv_q=128, dkv_k=128, dkv_warps=8))
+        K.BlockSizes(variant="chained", gathered=True, dkv=(128, 128, 8)))
     with pytest.raises(ValueError, match="gathered=True .* needs the chained variant"):
         K.BlockSizes.parse("gathered")
-    with pytest.raises(ValueError, match="dkvQxKwN.*give them with gathered"):
+    with pytest.raises(ValueError, match="dkvQxKwN.*give it with gathered"):
         K.BlockSizes.parse("chained:dkv64x64")
-    with pytest.raises(ValueError, match="gathered.* needs the triton backend"):
+    with pytest.raises(ValueError, match="chained.* needs the triton backend"):
         compiler_for(K.BlockSizes(512, 512, variant="chained", gathered=True), backend="mosaic")
     with pytest.raises(ValueError, match="divide the 2 heads"):
         A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),

@@ -44,7 +44,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.attention import pallas, patterns
+from sparse_jax.attention import pallas, pallas_gathered, patterns
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import ColumnTerm, SummaryTerm, Term
 from sparse_jax.attention.tiles import BACKENDS
@@ -57,10 +57,9 @@ VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels ar
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
 _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
-                 "band": "the band tile", "summary_q": "the summary tiles",
+                 "band": "the band tile", "summary_q": "the summary tiles", "dkv": "dkv",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
-                 "num_stages": "the stages", "gathered": "gathered",
-                 "dkv_q": "the gathered dk/dv tiles"}  # what each kind of option in `parse` sets
+                 "num_stages": "the stages"}  # what each kind of option in `parse` sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +85,7 @@ class BlockSizes:
     blocks at once, and a grid step serves ``band_group`` query blocks (key blocks in the
     backward's key pass), fewer where the sequence is short. ``summary_q`` × ``summary_k``
     (0: the tiles): the fixed pattern's summary term's own tiles, whose keys are packed (its
-    own array), so that its query tiles can be larger than the band term's. ``gathered``
-    (chained only): the summary term as a block-causal pass over its gathered keys, every
-    query row attending a prefix of them at full tiles, with no block list
-    (``attention.pallas_gathered``); ``dkv_q`` × ``dkv_k`` and ``dkv_warps`` (0: the summary
-    tiles and ``num_warps``): the tiles (queries walked × gathered keys owned) and warps of its
-    gathered keys' dk/dv program, whose registers bound it differently."""
+    own array), so that its query tiles can be larger than the band term's."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -103,10 +97,8 @@ class BlockSizes:
     band_group: int = 16
     summary_q: int = 0
     summary_k: int = 0
-    gathered: bool = False
-    dkv_q: int = 0
-    dkv_k: int = 0
-    dkv_warps: int = 0
+    gathered: bool = False  # the fixed pattern's gathered kernels (pallas_gathered.option)
+    dkv: tuple[int, int, int] = (0, 0, 0)  # gathered: its dk/dv program's tiles and warps
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -124,36 +116,30 @@ class BlockSizes:
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
         blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
-        tiles, ``gathered`` (with ``chained``), ``dkvQxK`` or ``dkvQxKwN`` its gathered keys'
-        dk/dv tiles and warps; e.g. "64x64:chained:h2", "chained:sum128x64",
-        "512x512:band128x4", "chained:gathered:sum128x64". An
-        option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
-        refused (ValueError), not resolved by order."""
+        tiles, ``gathered`` and ``dkvQxK[wN]`` (``pallas_gathered.option``); e.g.
+        "64x64:chained:h2", "512x512:band128x4", "chained:gathered:dkv128x128w8". An option
+        given twice, or two that set the same thing ("terms:chained", "h2:h4"), is refused
+        (ValueError), not resolved by order."""
         fields, given = {}, {}  # given: which option set each field
         for option in options.split(":"):
             if re.fullmatch(r"\d+x\d+", option):
                 names, values = ("block_q", "block_k"), tuple(map(int, option.split("x")))
             elif option in VARIANTS:
                 names, values = ("variant",), (option,)
-            elif option in ("one_loop", "gathered"):
-                names, values = (option,), (True,)
+            elif option == "one_loop":
+                names, values = ("one_loop",), (True,)
             elif re.fullmatch(r"band0|band\d+x\d+", option):
                 names = ("band", "band_group")
                 values = (0, 16) if option == "band0" else tuple(map(int, option[4:].split("x")))
             elif re.fullmatch(r"sum\d+x\d+", option):
                 names = ("summary_q", "summary_k")
                 values = tuple(map(int, option[3:].split("x")))
-            elif re.fullmatch(r"dkv\d+x\d+(w\d+)?", option):
-                names = ("dkv_q", "dkv_k", "dkv_warps")
-                values = tuple(map(int, re.findall(r"\d+", option))) + (0,)
             elif re.fullmatch(r"[hws]\d+", option):
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
-            else:
-                raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG, sumQxK, "
-                                 "gathered or dkvQxKwN")
+            else:  # the gathered kernels' options, or an unknown one (ValueError)
+                names, values = pallas_gathered.option(option, options)
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -181,22 +167,7 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
-        if self.gathered is not False and (self.gathered is not True
-                                           or self.variant != "chained"):
-            raise ValueError(f"BlockSizes.gathered={self.gathered!r} (option gathered) needs "
-                             f"the chained variant, not {self.variant!r}: give chained:gathered")
-        for name in ("dkv_q", "dkv_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
-                    or value & (value - 1) or (value == 0) != (self.dkv_q == 0):
-                raise ValueError(f"BlockSizes.{name}={value} (option dkvQxKwN) must be a power "
-                                 "of two, or 0 with the other (the summary tiles)")
-        if self.dkv_warps not in (0, *WARPS) or isinstance(self.dkv_warps, bool):
-            raise ValueError(f"BlockSizes.dkv_warps={self.dkv_warps} (option dkvQxKwN) must be "
-                             f"a power of two from 1 to {WARPS[-1]}, or 0 (num_warps)")
-        if (self.dkv_q or self.dkv_warps) and not self.gathered:
-            raise ValueError("BlockSizes.dkv_q, dkv_k, dkv_warps (option dkvQxKwN) set the "
-                             "gathered summary's dk/dv program: give them with gathered")
+        pallas_gathered.check_options(self)
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
@@ -229,9 +200,8 @@ class BlockSizes:
         if tiles and backend == "mosaic" and (self.block_q % 128 or self.block_k % 128):
             raise ValueError(f"kernel tiles {size}: Mosaic (a TPU) needs multiples of 128 "
                              "(e.g. 128x128, or 512x512, the default)")
-        if backend != "triton" and (self.variant != "terms" or self.one_loop or self.gathered):
-            raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}, "
-                             f"gathered={self.gathered}) "
+        if backend != "triton" and (self.variant != "terms" or self.one_loop):
+            raise ValueError(f"BlockSizes(variant={self.variant!r}, one_loop={self.one_loop}) "
                              f"needs the triton backend (a GPU), not {backend}")
         if backend == "triton" and self.band:
             raise ValueError(f"BlockSizes(band={self.band}) (option band{self.band}x"

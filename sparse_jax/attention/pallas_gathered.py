@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -74,18 +75,48 @@ class Plan:
         return dataclasses.replace(self, bq=self.dkv_q, bk=self.dkv_k)
 
     def runs(self) -> tuple[tuple[int, int, int], ...]:
-        return _runs(self.residues)
+        """Runs of consecutive residues: (first residue, count, index of the first of them)."""
+        out = []
+        for index, r in enumerate(self.residues):
+            if out and out[-1][0] + out[-1][1] == r:
+                out[-1][1] += 1
+            else:
+                out.append([r, 1, index])
+        return tuple(map(tuple, out))
 
 
-def _runs(residues) -> tuple[tuple[int, int, int], ...]:
-    """Runs of consecutive residues: (first residue, count, index of the first among them)."""
-    out = []
-    for index, r in enumerate(residues):
-        if out and out[-1][0] + out[-1][1] == r:
-            out[-1][1] += 1
-        else:
-            out.append([r, 1, index])
-    return tuple(map(tuple, out))
+def option(option: str, options: str) -> tuple[tuple[str, ...], tuple]:
+    """``BlockSizes.parse``'s last options: (fields, values) of ``gathered`` or ``dkvQxK[wN]``
+    (the gathered keys' dk/dv program: Q queries walked × K gathered keys, N warps); ValueError
+    for any other (``option``, of ``options``)."""
+    if option == "gathered":
+        return ("gathered",), (True,)
+    found = re.fullmatch(r"dkv(\d+)x(\d+)(?:w(\d+))?", option)
+    if found:
+        return ("dkv",), (tuple(int(x or 0) for x in found.groups()),)
+    raise ValueError(f"unknown kernel option {option!r} in {options!r}: give QxK, terms, "
+                     "chained, hG, wN, sN, one_loop, bandTxG, sumQxK, gathered or dkvQxK[wN]")
+
+
+def check_options(sizes) -> None:
+    """ValueError (one line) for ``BlockSizes``' gathered options that cannot be: ``gathered``
+    (a bool) needs the chained variant; ``dkv`` (queries × keys tiles, powers of two, and
+    warps, or 0s: the summary tiles and ``num_warps``) needs ``gathered``."""
+    if sizes.gathered is not False and (sizes.gathered is not True
+                                        or sizes.variant != "chained"):
+        raise ValueError(f"BlockSizes.gathered={sizes.gathered!r} (option gathered) needs the "
+                         f"chained variant, not {sizes.variant!r}: give chained:gathered")
+    dkv = sizes.dkv
+    if not (isinstance(dkv, tuple) and len(dkv) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in dkv)
+            and all(x & (x - 1) == 0 for x in dkv) and (dkv[0] == 0) == (dkv[1] == 0)
+            and dkv[2] <= 32):
+        raise ValueError(f"BlockSizes.dkv={dkv!r} (option dkvQxKwN) must be tiles Q x K, "
+                         "powers of two (or both 0: the summary tiles), and warps N, a power "
+                         "of two up to 32 (or 0: num_warps)")
+    if any(dkv) and not sizes.gathered:
+        raise ValueError(f"BlockSizes.dkv={dkv!r} (option dkvQxKwN) sets the gathered "
+                         "kernels' dk/dv program: give it with gathered")
 
 
 def plan(spec, n: int, compiler) -> Plan | None:
@@ -99,12 +130,12 @@ def plan(spec, n: int, compiler) -> Plan | None:
             and band.max_distance is None and band.block == summary.block):
         return None
     bq, bk = compiler.summary_q or compiler.block_q, compiler.summary_k or compiler.block_k
-    dkv_q, dkv_k = compiler.dkv_q or bq, compiler.dkv_k or bk
+    dkv_q, dkv_k = compiler.dkv[0] or bq, compiler.dkv[1] or bk
     step = math.lcm(bq, bk, dkv_q, dkv_k, compiler.block_q, compiler.block_k, summary.block)
     front = -(-(2 * summary.block + compiler.block_k) // step) * step  # a tile multiple
     return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
                 compiler.block_q, compiler.block_k, -(-n // step) * step, front, dkv_q, dkv_k,
-                compiler.dkv_warps)
+                compiler.dkv[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,9 +224,9 @@ def _tile(start, size):
     return pl.ds(pl.multiple_of(start * size, size), size)
 
 
-def _in_residues(offset, residues):
+def _in_residues(offset, p: Plan):
     flag = offset < 0
-    for first, count, _ in _runs(residues):
+    for first, count, _ in p.runs():
         flag = flag | ((offset >= first) & (offset < first + count))
     return flag
 
@@ -213,7 +244,7 @@ def _band_mask(q0, bq, k0, bk, p: Plan):
     k = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
     keep = (_div(q, p.block) == _div(k, p.block)) & (k <= q)
     if p.band_residues:
-        keep = keep & _in_residues(k - _div(k, p.block) * p.block, p.residues)
+        keep = keep & _in_residues(k - _div(k, p.block) * p.block, p)
     return keep
 
 
@@ -243,50 +274,30 @@ def _own(p: Plan):
     return p.length // p.bq - 1 - pl.program_id(1)
 
 
-def _forward(q_ref, k_ref, v_ref, kv_ref, o_ref, lse_ref, *, p, seq_major, interpret):
+def _lse(x):
+    """The log-sum-exp for the gradients: +1e30 for a row with no key (NEG), so p = 0."""
+    return jnp.where(x > tiles.NEG / 2, x, -tiles.NEG)
+
+
+def _queries(q_ref, k_ref, v_ref, kv_ref, *refs, p, seq_major, interpret):
+    """The program's query tile over its gathered key tiles and its band: output and
+    log-sum-exp (refs: the outputs o, lse), or with refs (dO, o, lse, and the outputs dq,
+    delta) dq and its rows' ``delta = dO·O`` for the key passes."""
     get, put = _access(seq_major, interpret)
     i = _own(p)
     rows = _tile(i, p.bq)
     heads = range(q_ref.shape[1 if seq_major else 0])
     qs = [get(q_ref, g, rows) for g in heads]
-    d, dv = q_ref.shape[-1], o_ref.shape[-1]
-
-    def step(kind, masked, j, carry):
-        at, kc, vc, mask = _keys(kind, j, p, d, dv)
-        k_src, v_src = (kv_ref, kv_ref) if kind == "summary" else (k_ref, v_ref)
-        keep = mask(i * p.bq, p.bq) if masked else None
-        out = []
-        for g in heads:
-            s = tiles.dot(qs[g], get(k_src, g, at, kc), trans_b=True)
-            s = jnp.where(keep, s, tiles.NEG) if masked else s
-            out.append(tiles.online(s, *carry[g], get(v_src, g, at, vc)))
-        return tuple(out)
-
-    carry = _walks(p, i, step, tuple(tiles.start(p.bq, dv) for _ in heads))
-    for g, state in enumerate(carry):
-        o, lse = tiles.finish(*state)
-        put(o_ref, g, rows, o.astype(o_ref.dtype))
-        put(lse_ref, g, rows, lse)
-
-
-def _lse(x):
-    """The forward's log-sum-exp for the gradients: a row with no key (NEG) gets +1e30, so
-    that every probability of it is 0."""
-    return jnp.where(x > tiles.NEG / 2, x, -tiles.NEG)
-
-
-def _dq(q_ref, do_ref, o_ref, lse_ref, k_ref, v_ref, kv_ref, dq_ref, delta_ref, *, p,
-        seq_major, interpret):
-    """dq of the program's query tile, and its rows' ``delta = dO·O`` for the key passes."""
-    get, put = _access(seq_major, interpret)
-    i = _own(p)
-    rows = _tile(i, p.bq)
-    heads = range(q_ref.shape[1 if seq_major else 0])
-    qs, dos = ([get(ref, g, rows) for g in heads] for ref in (q_ref, do_ref))
-    lses = [_lse(get(lse_ref, g, rows)) for g in heads]
-    deltas = [(dos[g].astype(jnp.float32) * get(o_ref, g, rows).astype(jnp.float32)).sum(
-        -1, keepdims=True) for g in heads]
-    d, dv = q_ref.shape[-1], do_ref.shape[-1]
+    d, dv, grads = q_ref.shape[-1], v_ref.shape[-1], len(refs) == 5
+    if grads:
+        do_ref, o_ref, lse_ref, dq_ref, delta_ref = refs
+        dos = [get(do_ref, g, rows) for g in heads]
+        lses = [_lse(get(lse_ref, g, rows)) for g in heads]
+        deltas = [(dos[g].astype(jnp.float32) * get(o_ref, g, rows).astype(jnp.float32)).sum(
+            -1, keepdims=True) for g in heads]
+        start = tuple(jnp.zeros(qs[g].shape, jnp.float32) for g in heads)
+    else:
+        start = tuple(tiles.start(p.bq, dv) for _ in heads)
 
     def step(kind, masked, j, carry):
         at, kc, vc, mask = _keys(kind, j, p, d, dv)
@@ -297,14 +308,21 @@ def _dq(q_ref, do_ref, o_ref, lse_ref, k_ref, v_ref, kv_ref, dq_ref, delta_ref, 
             k = get(k_src, g, at, kc)
             s = tiles.dot(qs[g], k, trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            ds = tiles.grads(s, lses[g], deltas[g], dos[g], get(v_src, g, at, vc))[1]
-            out.append(carry[g] + tiles.dot(ds.astype(k.dtype), k))
+            if grads:
+                ds = tiles.grads(s, lses[g], deltas[g], dos[g], get(v_src, g, at, vc))[1]
+                out.append(carry[g] + tiles.dot(ds.astype(k.dtype), k))
+            else:
+                out.append(tiles.online(s, *carry[g], get(v_src, g, at, vc)))
         return tuple(out)
 
-    carry = _walks(p, i, step, tuple(jnp.zeros(qs[g].shape, jnp.float32) for g in heads))
-    for g, dq in enumerate(carry):
-        put(dq_ref, g, rows, dq.astype(dq_ref.dtype))
-        put(delta_ref, g, rows, deltas[g])
+    for g, state in enumerate(_walks(p, i, step, start)):
+        if grads:
+            put(dq_ref, g, rows, state.astype(dq_ref.dtype))
+            put(delta_ref, g, rows, deltas[g])
+        else:
+            o, lse = tiles.finish(*state)
+            put(refs[0], g, rows, o.astype(refs[0].dtype))
+            put(refs[1], g, rows, lse)
 
 
 def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
@@ -444,7 +462,7 @@ def forward(compiler, p: Plan, q, k, v, seq_major=False):
     statics["interpret"] = compiler.interpret
     name = "sparse_forward_gathered"
     cost = tiles.cost("forward", table[name], p.bq, p.bk, *sizes, q.dtype.itemsize)
-    return _call(compiler, functools.partial(_forward, **statics), p.length // p.bq,
+    return _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
                  [q, k, v, gather(p, k, v, seq_major)],
                  [(like(p.length, v.shape[-1]), q.dtype), (like(p.length, 1), jnp.float32)],
                  name, seq_major, cost)
@@ -456,8 +474,8 @@ def backward(compiler, p: Plan, q, k, v, o, do, lse, seq_major=False):
     like, statics, sizes, table = _setup(p, q, v, seq_major)
     statics["interpret"] = compiler.interpret
     kv = gather(p, k, v, seq_major)
-    dq, delta = _call(compiler, functools.partial(_dq, **statics), p.length // p.bq,
-                      [q, do, o, lse, k, v, kv], [(like(p.length, q.shape[-1]), q.dtype),
+    dq, delta = _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
+                      [q, k, v, kv, do, o, lse], [(like(p.length, q.shape[-1]), q.dtype),
                                                   (like(p.length, 1), jnp.float32)],
                       "sparse_dq_gathered", seq_major,
                       tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,

@@ -69,9 +69,7 @@ class Compiler:
     summary_q: int = 0  # the summary term's tiles (BlockSizes.summary_q; 0: block_q)
     summary_k: int = 0  # (BlockSizes.summary_k; 0: block_k)
     gathered: bool = False  # the summary term gathered (BlockSizes.gathered; Triton, chained)
-    dkv_q: int = 0  # its gathered keys' dk/dv tiles and warps (BlockSizes.dkv_q; 0: as the
-    dkv_k: int = 0  # summary tiles and num_warps)
-    dkv_warps: int = 0
+    dkv: tuple[int, int, int] = (0, 0, 0)  # its dk/dv program's tiles, warps (BlockSizes.dkv)
 
 
 # ---------------------------------------------------------------------------------------------
