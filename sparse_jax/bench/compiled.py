@@ -73,9 +73,15 @@ ATTENTION_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
 REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
                  "strided:128@pallas:chained:h2:one_loop", "strided:128@pallas:chained:h2",
                  "strided:128@pallas:h2")
-# The defaults (attention.measured: chained at 16k) and the other variant, terms.
+# The fixed pattern's gathered kernels (attention.pallas_gathered) at every length the cost
+# model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles.
+GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles) for n in (
+    8192, 16384, 32768, 65536) for tiles in ("", ":dkv128x128w8"))
+# The defaults (attention.measured: chained at 16k), the other variant, terms, and the fixed
+# pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
-               "attention 16k strided:128@pallas:terms")
+               "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8",
+               "attention 16k strided:128@pallas:terms")  # the report's order
 
 
 def programs() -> list[dict]:
@@ -100,6 +106,12 @@ def programs() -> list[dict]:
         out.append({"name": f"attention 16k {pattern}", "group": "reference16k",
                     "kind": "attention",
                     "pattern": pattern, "seq_len": 16384, **ATTENTION_SHAPE})
+    timed = {p["name"] for p in out}
+    for n, pattern in GATHERED:  # those the report does not time already
+        if f"attention {n // 1024}k {pattern}" not in timed:
+            out.append({"name": f"attention {n // 1024}k {pattern}", "group": "gathered",
+                        "kind": "attention", "pattern": pattern, "seq_len": n,
+                        **ATTENTION_SHAPE})
     for case in train_step.plan(False)["cases"]:
         out.append({"name": f"step {case['name']}", "group": "steps", "kind": "step",
                     "model": case["model"], "batch_size": case["batch_size"]})
@@ -114,8 +126,8 @@ def programs() -> list[dict]:
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
-    "attention32k", "reference16k", "steps", "study", "million", "ci" for the CI check's three,
-    "all"); ValueError naming an unknown one."""
+    "attention32k", "reference16k", "gathered", "steps", "study", "million", "ci" for the CI
+    check's, "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -128,7 +140,7 @@ def select(names: list[str] | None) -> list[dict]:
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
                              f"attention16k, attention64k, attention8k, attention32k, "
-                             f"reference16k, steps, study, million "
+                             f"reference16k, gathered, steps, study, million "
                              f"or a "
                              f"name "
                              f"(--list prints them)")
