@@ -40,6 +40,26 @@ def _read(root, path):
         return json.load(f)
 
 
+def _at_latency(params, f, factor):
+    """Predicted ms with the gathered kernels' per-tile latency ``factor`` × the fitted one."""
+    changed = cost_model._changed(f, lambda name: "gathered" in name, latency=factor)
+    return cost_model.predict(params, changed, DEVICE)
+
+
+def _latency_for(params, f, target_ms):
+    """The largest latency factor (of the fitted one) at which the prediction meets
+    ``target_ms`` (bisection; 0 if even no latency misses it, 1 if the fitted one meets it)."""
+    if _at_latency(params, f, 1.0) <= target_ms:
+        return 1.0
+    if _at_latency(params, f, 0.0) > target_ms:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _at_latency(params, f, mid) <= target_ms else (lo, mid)
+    return lo
+
+
 def predictions(root: str = cost_model.REPO) -> dict:
     """Every row: pattern, n, kernels, predicted ms (fitted latency; for the gathered kernels
     also at ``HALF`` of it), kept-pair TFLOP/s and the share of cuDNN's measured rate."""
@@ -60,16 +80,19 @@ def predictions(root: str = cost_model.REPO) -> dict:
         f = cost_model.features(row, pattern)
         flops = attention_flops(1, 8, n, spec.mean_keys(n), 64)
         ms = {"fitted": cost_model.predict(params, f, DEVICE)}
-        if "gathered" in pattern:
-            half = cost_model._changed(f, lambda name: "gathered" in name, latency=HALF)
-            ms["half_latency"] = cost_model.predict(params, half, DEVICE)
         reference = cudnn[n]["tflops"]
+        needed = None
+        if "gathered" in pattern:
+            ms["half_latency"] = _at_latency(params, f, HALF)
+            target_ms = flops / (TARGET * reference * 1e12) * 1e3
+            needed = _latency_for(params, f, target_ms)
         out.append({"pattern": pattern, "n": n, "kernels": len(f["kernels"]),
                     "xla_kernels": f["xla_kernels"], "predicted_ms": ms,
                     "tflops": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()},
                     "of_cudnn": {k: flops / (v * 1e-3) / 1e12 / reference
                                  for k, v in ms.items()},
                     "cudnn_ms": cudnn[n]["median_ms"], "cudnn_tflops": reference,
+                    "latency_for_target": needed,
                     "parts": {k: v for k, v in cost_model.parts(params, f, DEVICE).items()
                               if k != "kernels"},
                     "per_kernel_ms": {k: v * 1e3 for k, v in cost_model.parts(
@@ -82,15 +105,15 @@ def predictions(root: str = cost_model.REPO) -> dict:
 def markdown(result: dict) -> str:
     """The table of docs/cost_model.md's section on the gathered kernels."""
     lines = ["| kernel | n | Triton + XLA kernels | predicted ms | of cuDNN | at half the "
-             "latency: ms | of cuDNN |", "|---|---|---|---|---|---|---|"]
+             "latency: ms | of cuDNN | 80% needs latency × |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["n"], "gathered" in r["pattern"],
                                                     r["pattern"])):
         half = r["predicted_ms"].get("half_latency")
         lines.append(f"| `{r['pattern'].split('@')[1]}` | {r['n']} | {r['kernels']} + "
                      f"{r['xla_kernels']} | {r['predicted_ms']['fitted']:.3g} | "
                      f"{r['of_cudnn']['fitted']:.0%} | "
-                     + (f"{half:.3g} | {r['of_cudnn']['half_latency']:.0%} |" if half
-                        else "— | — |"))
+                     + (f"{half:.3g} | {r['of_cudnn']['half_latency']:.0%} | "
+                        f"{r['latency_for_target']:.2f} |" if half else "— | — | — |"))
     return "\n".join(lines) + "\n"
 
 
