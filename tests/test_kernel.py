@@ -441,6 +441,37 @@ def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
         assert max(err) < 5e-2, err
 
 
+@pytest.mark.parametrize("spec,sizes", [
+    (PatternSpec("fixed", stride=128, c=32), K.BlockSizes.parse("chained:gathered:dkv128x128w8")),
+    (PatternSpec("fixed", stride=128, c=128, summary="lra"), K.BlockSizes.parse(
+        "16x32:chained:gathered")),
+    (PatternSpec("fixed", stride=12, c=3, summary="lra"), K.BlockSizes.parse(
+        "32x16:chained:gathered:sum64x16:dkv16x32"))], ids=["paper", "whole-row", "l12"])
+def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
+    """Every tile the gathered kernels load or store lies inside its array, from the host's copy
+    of their index arithmetic: interpret mode clamps a slice that overruns (the tests above
+    would not see it), a GPU reads out of bounds."""
+    from sparse_jax.attention import pallas_gathered as G
+
+    for n in (spec.stride * 3, 4096 + spec.stride):
+        p = G.plan(spec, n, compiler_for(sizes, "triton", interpret=True))
+        j = np.arange(p.length // p.band_k)
+        starts = np.stack([w[0] for w in G.read_windows(j, p)])
+        assert starts.min() >= 0 and starts.max() + p.band_k <= p.gathered, (n, p)
+        tables = G.tables(p)
+        dkv = p.for_dkv()
+        entries = p.length // p.block * p.per_row
+        assert len(tables["sparse_dkv_gathered"]) * dkv.bk + 2 * p.front == p.gathered
+        assert len(tables["sparse_dkv_gathered"]) * dkv.bk >= entries
+        i = np.arange(p.length // p.bq)  # forward and dq: gathered then band key tiles
+        assert (G._summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
+        assert (G._band_q(i, p)[1] * p.band_k <= p.length).all()
+        k = np.arange(len(tables["sparse_dkv_gathered"]))  # dk/dv: the query tiles walked
+        _, whole, end = G._summary_k(k, dkv)
+        assert end == p.length // dkv.bq and np.all(whole <= end)
+        assert (G._band_k(j, p)[1] * p.band_q <= p.length).all()
+
+
 def test_chained_log_sum_exp_matches_dense():
     """The chained variant's log-sum-exp is the joint one over every term's keys, also on
     sequence-major arrays."""

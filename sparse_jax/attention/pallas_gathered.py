@@ -15,13 +15,15 @@ pattern run here, on arrays in sequence order ([B, H, n, d], or [B, n, H, d] ``s
   the gathered array with a shifted load per run of residues, before writing once.
 
 The loop bounds are arithmetic on the program's index, the loads contiguous tiles that Triton
-pipelines (``num_stages``), and the programs that walk most tiles start first. Tiles: the
-summary term's (``sumQxK``, else ``QxK``) for the gathered walks, ``QxK`` for the band's.
+pipelines (``num_stages``), and the programs that walk most tiles start first. Tiles: ``sumQxK``
+(else ``QxK``) for the gathered walks, ``dkvQxK[wN]`` for the gathered keys' dk/dv (else the
+same), ``QxK`` for the band's.
 
+  option, check_options   ``BlockSizes``' options ``gathered`` and ``dkvQxK[wN]``
   Plan, plan(spec, ...)   what the kernels need of a pattern; None: not one they serve
   forward, backward       the passes (``fused`` calls them inside its custom VJP)
-  tables                  per program its masked and whole tiles ([programs, 2]), by kernel
-                          name: the cost estimates and the compile report read them
+  tables, read_windows    per program its masked and whole tiles, by kernel name (the cost
+                          estimates, the compile report); the read-back's loads
 """
 
 from __future__ import annotations
@@ -65,8 +67,7 @@ class Plan:
 
     @property
     def gathered(self) -> int:
-        """Rows of the gathered arrays: ``front``, the entries (to both key tiles), a tail of
-        ``front`` rows for every read."""
+        """Rows of the gathered arrays: ``front``, the entries (to both key tiles), ``front``."""
         tile = max(self.bk, self.dkv_k)
         return 2 * self.front + -(-(self.length // self.block * self.per_row) // tile) * tile
 
@@ -87,8 +88,7 @@ class Plan:
 
 def option(option: str, options: str) -> tuple[tuple[str, ...], tuple]:
     """``BlockSizes.parse``'s last options: (fields, values) of ``gathered`` or ``dkvQxK[wN]``
-    (the gathered keys' dk/dv program: Q queries walked × K gathered keys, N warps); ValueError
-    for any other (``option``, of ``options``)."""
+    (Q queries walked × K gathered keys, N warps); ValueError for any other."""
     if option == "gathered":
         return ("gathered",), (True,)
     found = re.fullmatch(r"dkv(\d+)x(\d+)(?:w(\d+))?", option)
@@ -132,7 +132,8 @@ def plan(spec, n: int, compiler) -> Plan | None:
     bq, bk = compiler.summary_q or compiler.block_q, compiler.summary_k or compiler.block_k
     dkv_q, dkv_k = compiler.dkv[0] or bq, compiler.dkv[1] or bk
     step = math.lcm(bq, bk, dkv_q, dkv_k, compiler.block_q, compiler.block_k, summary.block)
-    front = -(-(2 * summary.block + compiler.block_k) // step) * step  # a tile multiple
+    # a tile multiple, and at least the read-back's reach: a row and a band tile either side
+    front = -(-(3 * summary.block + compiler.block_k) // step) * step
     return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
                 compiler.block_q, compiler.block_k, -(-n // step) * step, front, dkv_q, dkv_k,
                 compiler.dkv[2])
@@ -269,11 +270,6 @@ def _keys(kind, j, p: Plan, d, dv):
         _band_mask, k0=j * p.band_k, bk=p.band_k, p=p)
 
 
-def _own(p: Plan):
-    """The program's query tile: the last first (it walks the most tiles)."""
-    return p.length // p.bq - 1 - pl.program_id(1)
-
-
 def _lse(x):
     """The log-sum-exp for the gradients: +1e30 for a row with no key (NEG), so p = 0."""
     return jnp.where(x > tiles.NEG / 2, x, -tiles.NEG)
@@ -284,7 +280,7 @@ def _queries(q_ref, k_ref, v_ref, kv_ref, *refs, p, seq_major, interpret):
     log-sum-exp (refs: the outputs o, lse), or with refs (dO, o, lse, and the outputs dq,
     delta) dq and its rows' ``delta = dO·O`` for the key passes."""
     get, put = _access(seq_major, interpret)
-    i = _own(p)
+    i = p.length // p.bq - 1 - pl.program_id(1)  # the last first: it walks the most tiles
     rows = _tile(i, p.bq)
     heads = range(q_ref.shape[1 if seq_major else 0])
     qs = [get(q_ref, g, rows) for g in heads]
@@ -365,21 +361,27 @@ def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_ma
         put(dv_ref, g, own, dv_.astype(dv_ref.dtype))
 
 
+def read_windows(j, p: Plan):
+    """The read-back's loads of band key tile ``j`` (traced, or NumPy for every tile): (start,
+    row, first residue, count) per row the tile touches and run of residues; rows ``start ..
+    start + band_k`` of the gathered array, entry i kept where position ``j·band_k + i`` lies
+    in that row at one of those residues."""
+    first = _div(j * p.band_k, p.block)
+    spans = 1 if p.block % p.band_k == 0 else -(-p.band_k // p.block) + 1
+    return [(p.front + (first + s) * p.per_row + index + j * p.band_k - (first + s) * p.block
+             - residue, first + s, residue, count)
+            for s in range(spans) for residue, count, index in p.runs()]
+
+
 def _read_back(get, ref, g, j, p: Plan, width):
     """[band_k, width]: the gathered rows of key tile ``j``'s summary keys, zeros elsewhere: for
     each row the tile touches and each run of residues, one shifted load."""
     pos = j * p.band_k + jnp.arange(p.band_k, dtype=jnp.int32)
     row, offset = _div(pos, p.block), pos - _div(pos, p.block) * p.block
-    first = _div(j * p.band_k, p.block)
-    spans = 1 if p.block % p.band_k == 0 else -(-p.band_k // p.block) + 1
     out = jnp.zeros((p.band_k, width), jnp.float32)
-    for s in range(spans):
-        r = first + s
-        for residue, count, index in p.runs():
-            start = p.front + r * p.per_row + index + j * p.band_k - r * p.block - residue
-            rows = get(ref, g, pl.ds(start, p.band_k))
-            keep = (row == r) & (offset >= residue) & (offset < residue + count)
-            out = out + jnp.where(keep[:, None], rows, 0.0)
+    for start, r, residue, count in read_windows(j, p):
+        keep = (row == r) & (offset >= residue) & (offset < residue + count)
+        out = out + jnp.where(keep[:, None], get(ref, g, pl.ds(start, p.band_k)), 0.0)
     return out
 
 
