@@ -110,9 +110,9 @@ def markdown(result: dict) -> str:
                                                     r["pattern"])):
         half = r["predicted_ms"].get("half_latency")
         lines.append(f"| `{r['pattern'].split('@')[1]}` | {r['n']} | {r['kernels']} + "
-                     f"{r['xla_kernels']} | {r['predicted_ms']['fitted']:.3g} | "
+                     f"{r['xla_kernels']} | {r['predicted_ms']['fitted']:#.3g} | "
                      f"{r['of_cudnn']['fitted']:.0%} | "
-                     + (f"{half:.3g} | {r['of_cudnn']['half_latency']:.0%} | "
+                     + (f"{half:#.3g} | {r['of_cudnn']['half_latency']:.0%} | "
                         f"{r['latency_for_target']:.2f} |" if half else "— | — | — |"))
     return "\n".join(lines) + "\n"
 
