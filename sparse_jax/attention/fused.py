@@ -1,7 +1,8 @@
 """A pattern through the Pallas kernels (``attention.pallas``), fused: each block term of the
 pattern in its own layout with its block lists (``attention.blocks``), the terms merged by
 their joint log-sum-exp ("terms") or chained, each kernel resuming from the previous term's
-partial results ("chained", GPU), and the custom VJP. ``sequence_attention`` is the entry point
+partial results ("chained", GPU; with ``gathered``, the fixed pattern's two terms at once in
+``attention.pallas_gathered``), and the custom VJP. ``sequence_attention`` is the entry point
 (``attention.sparse_attention(..., implementation="pallas")`` calls it); ``sparsity`` says how
 many block pairs a pattern visits.
 """
