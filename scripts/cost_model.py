@@ -24,7 +24,7 @@ a loan; the report prints them beside its measurements. A new kernel's, from its
   python scripts/cost_model.py --predictions=docs/benchmarks/cost_model/predictions.json
   python scripts/cost_model.py --static=docs/benchmarks/compiled_h100/new/results.json \
       --patterns=strided:128@pallas:NEW --lengths=8192,16384,32768,65536 \
-      --predictions=docs/benchmarks/cost_model/predictions_strided.json
+      --predictions=docs/benchmarks/cost_model/predictions_new.json
 """
 
 import json

@@ -130,27 +130,3 @@ def test_the_script_prints_the_table_and_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 37 and data["held_out_rows"] == 7
     assert (tmp_path / "cm" / "results.md").read_text().startswith("# The cost model's fit")
-
-
-def test_the_onepass_kernels_are_predicted_and_the_committed_predictions_repeat(result):
-    """The persistent kernels' figures as the model reads them (a program a resident slot,
-    each walking many items), the committed predictions a fresh computation's, and issue
-    69's figure at 16k (≥ 10x cuDNN, predicted) held."""
-    static = cost_model.static_rows(paths=(cost_model.ONEPASS_STATIC,))
-    f = cost_model.features(static[("strided:128@pallas:onepass:s1", 16384)],
-                            "strided:128@pallas:onepass:s1")
-    assert len(f["kernels"]) == 4 and f["xla_kernels"] == 1
-    for k in f["kernels"]:
-        assert k["programs"] == cost_model.SMS * k["blocks_per_sm"] < k["items"]
-        assert k["spill_bytes"] == 0
-    backward = [k for k in f["kernels"] if "backward" in k["name"]]
-    assert [k["flops"] for k in backward] == [2.0 * 64 * 64 * 64 * 3.5] * 2  # dq 3, dk/dv 4
-    rows = cost_model.predictions(result["params"])
-    with open(os.path.join(ROOT, "docs", "benchmarks", "cost_model",
-                           "predictions_strided.json")) as fh:
-        committed = json.load(fh)["rows"]
-    assert [(r["n"], r["predicted_ms"]) for r in committed] == [
-        (r["n"], pytest.approx(r["predicted_ms"], rel=1e-3)) for r in rows]
-    by_n = {r["n"]: r for r in rows}
-    assert set(by_n) == {8192, 16384, 32768, 65536}
-    assert by_n[16384]["ratio"] >= 10 and all(r["per_item_ms"] > r["predicted_ms"] for r in rows)

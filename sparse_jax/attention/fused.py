@@ -1,7 +1,8 @@
 """A pattern through the Pallas kernels (``attention.pallas``), fused: each block term of the
 pattern in its own layout with its block lists (``attention.blocks``), the terms merged by
 their joint log-sum-exp ("terms") or chained, each kernel resuming from the previous term's
-partial results ("chained", GPU), and the custom VJP. ``sequence_attention`` is the entry point
+partial results ("chained", GPU; with ``gathered``, the fixed pattern's two terms at once in
+``attention.pallas_gathered``), and the custom VJP. ``sequence_attention`` is the entry point
 (``attention.sparse_attention(..., implementation="pallas")`` calls it); ``sparsity`` says how
 many block pairs a pattern visits.
 """
@@ -16,7 +17,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, measured, pallas, pallas_onepass, patterns, tiles
+from sparse_jax.attention import (
+    blocks,
+    measured,
+    pallas,
+    pallas_gathered,
+    pallas_onepass,
+    patterns,
+    tiles,
+)
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
@@ -130,6 +139,12 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
     log-sum-exp [B, n, H] if ``seq_major``."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
+    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    if gathered:  # both terms at once (attention.pallas_gathered)
+        q, k, v = (_pad_to(x, gathered.length, axis) for x in (q, k, v))
+        out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in pallas_gathered.forward(
+            compiler, gathered, q, k, v, seq_major))
+        return out, lse[..., 0]
     length, plan = _chain(spec, n // spec.block, compiler)
     q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
     state = ()
@@ -216,6 +231,16 @@ def _onepass_backward(spec, compiler, scale, seq_major, q, k, v, out, lse, d_out
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
 
 
+def _gathered_backward(plan, compiler, seq_major, q, k, v, out, do, lse):
+    """Gradients through ``pallas_gathered`` (both terms of the fixed pattern at once)."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    grads = pallas_gathered.backward(
+        compiler, plan, *(_pad_to(x, plan.length, axis) for x in (q, k, v, out, do,
+                                                                  lse[..., None])), seq_major)
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _attention(spec, compiler, variant, seq_major, q, k, v):
     return _attention_fwd(spec, compiler, variant, seq_major, q, k, v)[0]
@@ -235,6 +260,11 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
+    gathered = variant == "chained" and compiler.gathered and pallas_gathered.plan(
+        spec, q.shape[1 if seq_major else 2], compiler)
+    if gathered:  # delta and the log-sum-exp's fix in the dq program
+        return _gathered_backward(gathered, compiler, seq_major, q, k, v, out,
+                                  d_out.astype(v.dtype), lse)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
@@ -311,7 +341,8 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     return pallas.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
-                                   sizes.band_group, sizes.summary_q, sizes.summary_k)
+                                   sizes.band_group, sizes.summary_q, sizes.summary_k,
+                                   sizes.gathered, sizes.dkv)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,

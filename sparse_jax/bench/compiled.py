@@ -36,7 +36,6 @@ tables (``rank``, ``markdown``, ``problems``) in ``compiled_tables``; both are r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import sys
 import tempfile
 import time
 
+from sparse_jax.bench import compiled_work
 from sparse_jax.bench.compiled_output import (  # noqa: F401  re-exported
     TARGETS,
     TARGETS_DIR,
@@ -76,8 +76,14 @@ REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
 # The one-pass variant (attention.pallas_onepass), one stage: the forward's 3 blocks an SM,
 # the backward's 2 without spills (two stages: 2 and spills), as its persistent grid assumes.
 ONEPASS = "strided:128@pallas:onepass:s1"
-# The defaults (attention.measured: chained at 16k), the other variant, terms, and onepass.
+# The fixed pattern's gathered kernels (attention.pallas_gathered) at every length the cost
+# model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles.
+GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles) for n in (
+    8192, 16384, 32768, 65536) for tiles in ("", ":dkv128x128w8"))
+# The defaults (attention.measured: chained at 16k), the other variant, terms, onepass and the
+# fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
+               "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8",
                "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}")
 
 
@@ -109,6 +115,12 @@ def programs() -> list[dict]:
         out.append({"name": f"attention 16k {pattern}", "group": "reference16k",
                     "kind": "attention",
                     "pattern": pattern, "seq_len": 16384, **ATTENTION_SHAPE})
+    timed = {p["name"] for p in out}
+    for n, pattern in GATHERED:  # those the report does not time already
+        if f"attention {n // 1024}k {pattern}" not in timed:
+            out.append({"name": f"attention {n // 1024}k {pattern}", "group": "gathered",
+                        "kind": "attention", "pattern": pattern, "seq_len": n,
+                        **ATTENTION_SHAPE})
     for case in train_step.plan(False)["cases"]:
         out.append({"name": f"step {case['name']}", "group": "steps", "kind": "step",
                     "model": case["model"], "batch_size": case["batch_size"]})
@@ -123,8 +135,8 @@ def programs() -> list[dict]:
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
-    "attention32k", "onepass", "reference16k", "steps", "study", "million", "ci" for the CI
-    check's four, "all"); ValueError naming an unknown one."""
+    "attention32k", "onepass", "reference16k", "gathered", "steps", "study", "million", "ci"
+    for the CI check's, "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -137,7 +149,7 @@ def select(names: list[str] | None) -> list[dict]:
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
                              f"attention16k, attention64k, attention8k, attention32k, "
-                             f"onepass, reference16k, steps, study, million "
+                             f"onepass, reference16k, gathered, steps, study, million "
                              f"or a "
                              f"name "
                              f"(--list prints them)")
@@ -147,97 +159,6 @@ def select(names: list[str] | None) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------
 # The child: one deviceless compile.
-
-
-def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2) -> dict:
-    """Per kernel name (``sparse_{forward,dq,dkv}_{kind}``): the key (or query) tiles each
-    program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
-    keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
-    outputs out; float32 partial results; no reuse through L2)."""
-    from sparse_jax.attention import fused, measured
-
-    # no options: the kernel compiles with the GPU's defaults chosen by measurement
-    sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
-    sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
-    compiler = fused.compiler_for(sizes, "triton", interpret=False)
-    if sizes.variant == "onepass":
-        return _onepass_work(spec, n, compiler, heads, head_dim, dtype_bytes)
-    rows = -(-n // spec.block)
-    chained = sizes.variant == "chained"
-    if chained:
-        _, plan = fused._chain(spec, rows, compiler)
-        terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
-    else:
-        terms = [(layout, lists, comp) for layout, _, lists, _, comp in
-                 fused._terms(spec, rows, compiler)]
-    d = max(16, 1 << (head_dim - 1).bit_length())
-    h = compiler.heads_per_program
-    groups = heads // h
-    out = {}
-    for index, (layout, lists, comp) in enumerate(terms):
-        bq, bk = comp.block_q, comp.block_k
-        last, resume = chained and index == len(terms) - 1, chained and index > 0
-        out_bytes = dtype_bytes if last else 4
-        for name, table, own, listed in (("forward", lists.forward, bq, bk),
-                                         ("dq", lists.forward, bq, bk),
-                                         ("dkv", lists.backward, bk, bq)):
-            visits = table[:, 0] + table[:, 1]
-            tiles = int(visits.sum())
-            if name == "forward":  # q own; k, v listed; o, lse out
-                own_in, per_visit = own * d * dtype_bytes, 2 * listed * d * dtype_bytes
-                own_out = own * d * out_bytes + own * 4
-            elif name == "dq":  # q, do, lse, delta own; k, v listed; dq out
-                own_in, per_visit = 2 * own * d * dtype_bytes + 2 * own * 4, \
-                    2 * listed * d * dtype_bytes
-                own_out = own * d * out_bytes
-            else:  # k, v own; q, do, lse, delta listed; dk, dv out
-                own_in = 2 * own * d * dtype_bytes
-                per_visit = 2 * listed * d * dtype_bytes + 2 * listed * 4
-                own_out = 2 * own * d * out_bytes
-            resume_in = (own_out * 4 // out_bytes) if resume and not (
-                name == "dkv" and layout.kind == "summary") else 0
-            per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
-            out[f"sparse_{name}_{layout.kind}"] = {
-                "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
-                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
-                "block_q": bq, "block_k": bk}
-    return out
-
-
-def _onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes: int) -> dict:
-    """``_tile_work`` of the one-pass kernels (``pallas_onepass``): per kernel its programs (a
-    grid of resident slots), the key tiles each walks over its items (an item: a tile of one
-    head; program p takes items p, p + P, ...), the backward's dq and dk/dv items together
-    (``products``: matrix products a tile, their mean); bytes as ``_tile_work``'s."""
-    import numpy as np
-
-    from sparse_jax.attention import fused, pallas_onepass
-
-    d, b = max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes
-    _, plan = fused._onepass(spec, n, compiler)
-    out = {}
-    for index, (comp, term, kind) in enumerate(plan):
-        o = b if index == len(plan) - 1 else 4  # the output's bytes an element
-        r = 4 / o if index else 0  # partial results read back, float32
-        bq, bk = term.own_q.block, term.own_k.block
-        fwd = term.lists.forward[:, 0] + term.lists.forward[:, 1]
-        bwd = term.lists.backward[:, 0] + term.lists.backward[:, 1]
-        passes = {  # (visits, products a tile, bytes an item, bytes a visit) of each kind
-            "forward": [(fwd, 2, bq * (d * b + (d * o + 4) * (1 + r)), 2 * bk * d * b)],
-            "backward": [(fwd, 3, bq * (3 * d * b + 4 + d * o * (1 + r)), 2 * bk * d * b),
-                         (bwd, 4, bk * 2 * d * (b + o * (1 + r)), bq * (3 * d * b + 4))]}
-        for name, kinds in passes.items():
-            items = np.concatenate([np.repeat(v, heads) for v, *_ in kinds])  # batch 1
-            grid = pallas_onepass.programs(comp, name, len(items))
-            walk = np.bincount(np.arange(len(items)) % grid, weights=items, minlength=grid)
-            tiles = [int(v.sum()) * heads for v, *_ in kinds]
-            out[f"sparse_{name}_onepass_{kind}"] = {
-                "tiles_mean": float(walk.mean()), "tiles_max": int(walk.max()),
-                "programs": grid, "items": len(items), "block_q": bq, "block_k": bk,
-                "products": sum(k[1] * t for k, t in zip(kinds, tiles)) / sum(tiles),
-                "hbm_bytes": int(sum(len(v) * heads * item + t * visit
-                                     for (v, _, item, visit), t in zip(kinds, tiles)))}
-    return out
 
 
 def build_program(program: dict, mesh):
@@ -266,7 +187,8 @@ def build_program(program: dict, mesh):
             def loss(q, k, v):
                 return sparse_attention(q, k, v, spec, implementation,
                                         sizes).astype(jnp.float32).sum()
-            work = _tile_work(spec, n, sizes, heads, d) if implementation == "pallas" else None
+            work = (compiled_work.tile_work(spec, n, sizes, heads, d)
+                    if implementation == "pallas" else None)
         return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x), work
     from flax import nnx
 

@@ -53,7 +53,8 @@ MEASURED = (("h200_2026-11-28", "docs/benchmarks/h200_2026-11-28/report_results.
             ("h100_2026-11-27", "docs/benchmarks/h100/report_full.md"))  # its table: no JSON
 STATIC = ("docs/benchmarks/compiled_h100/results.json",  # 16k and 64k, the report's variants
           "docs/benchmarks/compiled_h100/lengths/results.json",  # 8k and 32k defaults
-          "docs/benchmarks/compiled_h100/onepass/results.json")  # strided onepass, 8k-64k
+          "docs/benchmarks/compiled_h100/onepass/results.json",  # strided onepass, 8k-64k
+          "docs/benchmarks/compiled_h100/gathered/results.json")  # fixed gathered, 8k-64k
 HELD_OUT = (("strided:128@pallas:chained:32x32", 16384),
             ("fixed:128:32@pallas:128x64:chained:w8", 16384),
             ("fixed:128:32@pallas:chained:64x32", 65536),
@@ -445,63 +446,3 @@ def markdown(result: dict, baseline: dict | None = None, designs: list[dict] | N
             lines.append(f"| {d['base']} | {d['n']} | {d['design']} | {_ms(d['base_ms'])} | "
                          f"{_ms(d['ms'])} | {d['gain']:.2f}× |")
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernels built but not yet measured: their predictions, committed before a GPU times them.
-
-ONEPASS_STATIC = STATIC[2]
-CUDNN = "dense@cudnn"
-
-
-def per_item(f: dict) -> dict:
-    """Features ``f`` with a persistent kernel's fixed cost paid per work item instead of per
-    program (``items``, from the compile report; ``_persistent``'s inverse): the bound if an
-    item's own tiles in and outputs out cost what a program's prologue and epilogue do."""
-    out = {**f, "kernels": []}
-    for k in f["kernels"]:
-        items = k.get("items", k["programs"])
-        out["kernels"].append({**k, "programs": items,
-                               "tiles": k["tiles"] * k["programs"] / items})
-    return out
-
-
-def predictions(params: dict, root: str = REPO, static: str = ONEPASS_STATIC,
-                measured: str = MEASURED[0][1], device: str = "NVIDIA H200",
-                source: str = "docs/benchmarks/cost_model/results.json") -> list[dict]:
-    """The model's time for every program of a compile report (``static``) beside cuDNN's
-    dense causal attention measured at the same length (``measured``): pattern, n, predicted
-    ms, the shares of where they go, predicted ms if each work item paid a program's fixed
-    cost (``per_item``), cuDNN's ms and the predicted ratio; ``source``: the parameters'."""
-    data = json.loads(_read(root, measured))
-    cudnn = {r["seq_len"]: r["median_ms"] for r in data["stages"]["attention"]["rows"]
-             if r["pattern"] == CUDNN and "median_ms" in r}
-    out = []
-    for (pattern, n), row in sorted(static_rows(root, (static,)).items(),
-                                    key=lambda item: item[0][1]):
-        f = features(row, pattern)
-        p = parts(params, f, device)
-        ms, bound = p["total"] * 1e3, predict(params, per_item(f), device)
-        out.append({"pattern": pattern, "n": n, "device": device, "predicted_ms": ms,
-                    "shares": {key: p[key] / p["total"] for key in (
-                        "launch", "programs", "tiles", "products", "xla_bytes")},
-                    "per_item_ms": bound, "cudnn_ms": cudnn.get(n),
-                    "ratio": cudnn[n] / ms if n in cudnn else None,
-                    "per_item_ratio": cudnn[n] / bound if n in cudnn else None,
-                    "params": source, "measured": measured, "static": static,
-                    "prediction": True})
-    return out
-
-
-def write_predictions(path: str, root: str = REPO,
-                      params_path: str = "docs/benchmarks/cost_model/results.json") -> dict:
-    """``predictions`` with the committed fit's parameters, written to ``path`` as JSON."""
-    params = json.loads(_read(root, params_path))["params"]
-    out = {"command": "python -c \"from sparse_jax.bench import cost_model; "
-                      f"cost_model.write_predictions('{os.path.relpath(path, root)}')\"",
-           "note": "predictions of the calibrated model, no GPU: programs compiled for sm_90a "
-                   "on a CPU, beside cuDNN measured on an H200",
-           "rows": predictions(params, root, source=params_path)}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    return out
