@@ -102,6 +102,9 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
                 "products": sum(k[1] * t for k, t in zip(kinds, tiles)) / sum(tiles),
                 "hbm_bytes": int(sum(len(v) * heads * item + t * visit
                                      for (v, _, item, visit), t in zip(kinds, tiles)))}
+    return out
+
+
 def gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> dict:
     """``tile_work`` of the gathered kernels (``attention.pallas_gathered``): tiles from its
     ``tables``; bytes as there, the gathered k and v side by side (2d columns) read per visit,
