@@ -63,6 +63,7 @@ class _State:
     received: signal.Signals | None = None  # the first stop signal our handler got
     reported = False  # its line is written
     again = 0  # signals the watcher sent to raise `Stopped` again
+    watched = False  # the watch after the first signal has started
     installed = False
     exiting = threading.Lock()
 
@@ -79,11 +80,16 @@ def received() -> signal.Signals | None:
 
 
 def report(signum: int, text: str | None = None) -> None:
-    """Writes the line of a stop by `signum` (or `text`) on stderr, once per process."""
+    """Writes the line of a stop by `signum` (or `text`) on stderr, once per process: straight
+    to the file descriptor, since the thread that holds sys.stderr's lock may be the one that
+    this signal interrupted."""
     if not _State.reported:
         _State.reported = True
-        sys.stderr.write((text or line(signum)) + "\n")
-        sys.stderr.flush()
+        _flush(sys.stderr.flush)
+        try:
+            os.write(2, ((text or line(signum)) + "\n").encode())
+        except OSError:  # stderr closed: the status still says it
+            pass
 
 
 def _children() -> dict[int, list[int]]:
@@ -130,15 +136,28 @@ def exit_now(status: int) -> None:
     """Ends the process with `status` without Python's finalisation (module docstring): kills
     what descends from it, flushes stdout, stderr and the logging handlers, `os._exit`."""
     if not _State.exiting.acquire(blocking=False):  # another thread is ending it already
-        while True:
-            time.sleep(1)
+        threading.Event().wait()
     kill_descendants()
     for flush in (sys.stdout.flush, sys.stderr.flush, logging.shutdown):
+        _flush(flush)
+    os._exit(status)
+
+
+def _flush(flush) -> None:
+    """`flush()`, given a second at most: from the main thread at once; from another thread in
+    a helper, since the main thread may hold the lock it needs (a signal interrupted it)."""
+    def call():
         try:
             flush()
         except Exception:  # noqa: BLE001  (a closed pipe: the status still counts)
             pass
-    os._exit(status)
+
+    if threading.current_thread() is threading.main_thread():
+        call()
+    else:
+        helper = threading.Thread(target=call, daemon=True)
+        helper.start()
+        helper.join(1.0)
 
 
 def forced(status) -> int:
@@ -191,8 +210,9 @@ def _watch(read_fd: int) -> None:
             return
         if not data:
             return
-        for signum in data:
-            if signum in SIGNALS and signal.getsignal(signum) is _handle:
+        for signum in data:  # one watch per process (`_again`'s signals come here too)
+            if signum in SIGNALS and signal.getsignal(signum) is _handle and not _State.watched:
+                _State.watched = True
                 threading.Thread(target=_force_later, args=(signum,), daemon=True).start()
 
 
@@ -202,7 +222,8 @@ def _force_later(signum: int) -> None:
     start = time.monotonic()
     while time.monotonic() - start < GRACE_S - AGAIN_S:
         time.sleep(AGAIN_S)
-        if _State.phase == DURING and signal.getsignal(signum) is _handle:
+        if _State.phase == DURING and _State.received is not None \
+                and signal.getsignal(signum) is _handle:  # our stop, caught by someone
             _again(signum, 0.0)
     time.sleep(max(0.0, GRACE_S - (time.monotonic() - start)))
     report(signum)
