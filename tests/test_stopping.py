@@ -249,3 +249,21 @@ def test_a_stop_during_the_cpu_kernels_build_leaves_no_compiler_and_no_files(tmp
     _stopped_well(signal.SIGTERM, status, output, True)
     assert not [name for name in os.listdir(cache) if ".build.part" in name or
                 name.endswith(".so")], os.listdir(cache)  # nothing half built, nothing to use
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_benchmark_case_stopped_by_a_signal_stops_the_benchmark(sig):
+    """A case process ended by SIGINT or SIGTERM (Ctrl-C reaches the whole group) raises
+    `Stopped` in the benchmark, which then exits 128 + the signal: it used to record the case as
+    failed, go on, and exit 0. A case killed otherwise (SIGKILL: out of memory) is a result."""
+    from sparse_jax import stopping
+    from sparse_jax.bench import tools
+
+    kill = f"import os, signal; os.kill(os.getpid(), {int(sig)})"
+    with pytest.raises(stopping.Stopped) as stopped:
+        tools.run_isolated(["-c", kill])
+    assert stopped.value.signal == sig
+    with pytest.raises(stopping.Stopped):
+        tools.run_isolated(["-c", f"raise SystemExit({128 + int(sig)})"])
+    result = tools.run_isolated(["-c", "import os, signal; os.kill(os.getpid(), 9)"])
+    assert result["error"] == "out of memory"
