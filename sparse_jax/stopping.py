@@ -201,8 +201,8 @@ def _handle(signum, frame):
 
 
 def _watch(read_fd: int) -> None:
-    """The watcher thread: after a stop signal that our handler owns, waits `GRACE_S` seconds,
-    then ends the process if it still runs (module docstring)."""
+    """The watcher thread, woken through the wakeup fd by every signal with a Python handler:
+    at the first stop signal that our handler owns, starts `_force_later`."""
     while True:
         try:
             data = os.read(read_fd, 64)
