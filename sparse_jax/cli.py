@@ -9,9 +9,10 @@ User errors are bad flags and `--config.FIELD` overrides, bad config arguments a
 (ValueError), missing or damaged files, unusable workdirs and full disks (OSError), a
 training run stopped by a non-finite loss (FloatingPointError), and a missing optional
 dependency (ModuleNotFoundError, e.g. TFDS for CIFAR-10: the message says what to install).
-Ctrl-C outside the training loop (which saves a checkpoint itself) ends with "interrupted" and
-status 130; SIGTERM is raised as `Stopped` (a KeyboardInterrupt) where the script is, so that
-the processes and temporary folders it started go on the way out, and ends with status 143.
+SIGTERM and Ctrl-C at any instant end the script with one line ("stopped by SIGTERM",
+"interrupted") and status 143 or 130, with no child process or temporary file left
+(`sparse_jax.stopping`: in the checks and `main` they raise `Stopped` where the script is; the
+training loop saves a checkpoint first).
 Anything else is a bug and keeps its traceback. Set the environment variable
 SPARSE_JAX_TRACEBACK=1, or pass `--verbosity=1`, to see the traceback of a user error too.
 
@@ -42,8 +43,12 @@ import os
 import re
 import signal
 import sys
+import traceback
 
 from absl import app, flags, logging
+
+from sparse_jax import stopping
+from sparse_jax.stopping import Stopped  # noqa: F401  (the scripts' name for it)
 
 USER_ERRORS = (ValueError, OSError, FloatingPointError, ModuleNotFoundError)
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
@@ -88,8 +93,12 @@ def _tracebacks_wanted() -> bool:
 
 def fail(message: str, status: int = 1):
     """Prints `error: <message>` as one line on stderr and exits with `status`."""
-    sys.stderr.write(f"error: {one_line(message)}\n")
-    sys.stderr.flush()
+    text = f"error: {one_line(message)}"
+    if status - 128 in stopping.SIGNALS:  # a stop's one line (not a second one after it)
+        stopping.report(status - 128, text)
+    else:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
     sys.exit(status)
 
 
@@ -249,48 +258,42 @@ def _restart_with_huge_pages() -> None:
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        stopping.blocked()  # a signal meanwhile waits for the new process's handler
+        try:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        finally:  # not restarted: the signals act here again
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping.SIGNALS)
 
 
 def call(fn, argv: list[str]):
     """`fn(argv)` through the one error path of the module docstring: a user error ends the
-    process with one `error:` line (SystemExit)."""
+    process with one `error:` line (SystemExit). After a stop signal, whatever exception the
+    stop became on the way up (a library may wrap it) ends it with the stop's line."""
     try:
         return fn(argv)
-    except app.UsageError as e:
-        fail(str(e), 2)
-    except USER_ERRORS as e:
-        if _tracebacks_wanted():
+    except SystemExit:
+        raise
+    except BaseException as e:
+        signum = stopping.received()
+        if signum is None and isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a script's own
+            signum = getattr(e, "signal", None) or getattr(e, "signum", None) or signal.SIGINT
+        if signum is not None:
+            if _tracebacks_wanted():
+                raise
+            stopping.report(signum)
+            sys.exit(128 + signum)
+        if isinstance(e, app.UsageError):
+            fail(str(e), 2)
+        if not isinstance(e, USER_ERRORS) or _tracebacks_wanted():
             raise
         if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
             fail(e.strerror + (f": {e.filename}" if e.filename else ""))
         fail(str(e))
-    except Stopped as e:
-        if _tracebacks_wanted():
-            raise
-        fail(f"stopped by {e.signal.name}", 128 + e.signal)
-    except KeyboardInterrupt:
-        if _tracebacks_wanted():
-            raise
-        fail("interrupted", 130)
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM, raised where the script is (`run` installs the handler), so that what it
-    started (child processes, temporary folders) is ended and removed on the way out, as after
-    Ctrl-C; the script ends with status 128 + 15."""
-
-    def __init__(self, signum: int = signal.SIGTERM):
-        super().__init__(signal.Signals(signum).name)
-        self.signal = signal.Signals(signum)
-
-
-def _stop(signum, frame):
-    raise Stopped(signum)
 
 
 def run(main, huge_pages: bool = False, check=None) -> None:
-    """`absl.app.run(main)` with the one error path of the module docstring; `huge_pages`:
+    """`absl.app.run(main)` with the one error path of the module docstring and the stops of
+    `sparse_jax.stopping`; `huge_pages`:
     restart under `huge_pages_env` first. `check(argv)`: the script's checks of its flags,
     called before `main` through the same error path; it does no work (no compile, no child
     process, nothing written), so that every bad value is refused before any is done
@@ -302,16 +305,37 @@ def run(main, huge_pages: bool = False, check=None) -> None:
     if huge_pages:
         _restart_with_huge_pages()
 
+    stopping.install()
+
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:  # Orbax and TFDS log at INFO
             logging.set_verbosity(logging.WARNING)
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `Stopped`: as Ctrl-C is
-            signal.signal(signal.SIGTERM, _stop)
-        if check is not None:
-            call(check, argv)
-        return call(main, argv)
+        stopping.during()
+        try:
+            if check is not None:
+                call(check, argv)
+            return call(main, argv)
+        finally:
+            stopping.after()
 
-    app.run(guarded, flags_parser=parse_flags)
+    try:
+        app.run(guarded, flags_parser=parse_flags)
+    except SystemExit as e:  # after a stop: no finalisation (`stopping.exit_now`)
+        status = stopping.forced(e.code)
+        if stopping.received() is None and status not in (130, 143):
+            raise
+        if stopping.received() is not None:
+            stopping.report(stopping.received())
+        stopping.exit_now(status)
+    except BaseException as e:  # a stop that became another exception (Python turns one in
+        # __set_name__ into a RuntimeError), or SPARSE_JAX_TRACEBACK=1: the traceback, the line
+        signum = stopping.received() or getattr(e, "signal", None)
+        if signum is None and not isinstance(e, KeyboardInterrupt):
+            raise
+        if _tracebacks_wanted():
+            traceback.print_exc()
+        stopping.report(signum or signal.SIGINT)
+        stopping.exit_now(128 + (signum or signal.SIGINT))
 
 
 def no_arguments(argv: list[str]) -> None:
@@ -432,3 +456,14 @@ def numbers(name: str, items: list[str], low: float = -math.inf,
                                  f"{high:g}]")
         out.append(value)
     return out
+
+
+def _main_is_a_script() -> bool:
+    """Whether this process runs one of the scripts (scripts/*.py beside this package)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    return bool(path) and os.path.dirname(os.path.abspath(path)) == scripts
+
+
+if _main_is_a_script():  # from the script's first imports on (`sparse_jax.stopping`)
+    stopping.install()

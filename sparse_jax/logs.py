@@ -40,6 +40,24 @@ def warn(message: str) -> None:
         sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def timed(what: str, done: str):
+    """A block that takes a while before anything else shows (a build, a compilation): one line
+    "`what`..." as it starts and "`done` in N s" when it ends well (stdout, process 0 only)."""
+    def say(text):
+        if jax.process_index() == 0:
+            with tqdm.external_write_mode():
+                print(text, flush=True)
+
+    say(f"{what}...")
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    took = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 60 else \
+        duration(seconds)
+    say(f"{done} in {took}")
+
+
 def duration(seconds: float) -> str:
     """"m:ss", or "h:mm:ss" from an hour on; "?" when unknown (NaN or infinite)."""
     if not math.isfinite(seconds):

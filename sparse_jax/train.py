@@ -41,7 +41,7 @@ from sparse_jax import evaluate as eval_lib
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.data.batches import Stage
-from sparse_jax.logs import Logger, Profiler, duration, warn
+from sparse_jax.logs import Logger, Profiler, duration, timed, warn
 from sparse_jax.model.config import ModelConfig
 from sparse_jax.model.transformer import loss_bits
 from sparse_jax.run import checkpoints, setup
@@ -147,10 +147,13 @@ def make_jitted(config, cfg: ModelConfig, mesh: Mesh) -> Jitted:
 
 
 class _Signals:
-    """Records SIGTERM / SIGINT so the loop can checkpoint and stop; a second one aborts."""
+    """Records SIGTERM / SIGINT so the loop can checkpoint and stop; a second one aborts. Until
+    `armed` (the first step has compiled and been dispatched: there is something to save) a
+    signal goes to the handler from before (`sparse_jax.stopping`: it stops the compilation
+    and the CPU kernels' build at once, rather than after them)."""
 
     def __init__(self):
-        self.received, self.previous = None, {}
+        self.received, self.previous, self.armed = None, {}, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -159,6 +162,9 @@ class _Signals:
         return self
 
     def _handle(self, signum, frame):
+        before = self.previous.get(signum)
+        if not self.armed and callable(before):
+            return before(signum, frame)
         if self.received is not None:  # second signal: stop now
             signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
@@ -227,7 +233,8 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
         window, best = meta.window, meta.best_valid_bits
     else:
         step, best = 0, None
-        state = jitted.init()
+        with timed("compiling and running the initialisation", "initialised"):
+            state = jitted.init()
         key_data = np.asarray(jax.random.key_data(jax.random.key(config.seed)))
     # On every device of every process (a device_put cannot reach other processes' devices).
     rng = jax.random.wrap_key_data(jax.make_array_from_process_local_data(replicated, key_data))
@@ -273,7 +280,10 @@ def _run(config, cfg, mesh, dataset, iterator, workdir, changes) -> dict[str, An
         with _Signals() as signals:
             while step < config.total_steps and not signals.received:
                 batch = sharding_lib.to_global(next(iterator), batch_sharding)
-                state, metrics = train_step(state, batch, rng)
+                with timed("compiling the training step", "compiled") if step == first_step \
+                        else contextlib.nullcontext():
+                    state, metrics = train_step(state, batch, rng)
+                signals.armed = True
                 if pending is not None:
                     fetch(pending)  # step n - 1, while step n runs
                 step, pending = step + 1, (step + 1, metrics)

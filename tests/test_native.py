@@ -3,8 +3,11 @@ against the dense reference, and how they are built, cached, chosen and refused.
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -380,8 +383,29 @@ def test_a_native_run_is_read_with_xla_where_the_kernels_cannot_run(tmp_path, mo
 
 def test_a_compiler_that_cannot_write_says_the_disk_is_full(tmp_path, monkeypatch):
     out = tmp_path / "cache" / "cpu_kernels-x.build.part1" / "cpu_kernels-x.so"
-    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a, 1, "", "/usr/bin/ld: final link failed: No space left on device\ncollect2: error"))
+    monkeypatch.setattr(native, "_run_compiler", lambda argv, scratch: subprocess.CompletedProcess(
+        argv, 1, "", "/usr/bin/ld: final link failed: No space left on device\ncollect2: error"))
     with pytest.raises(native.NativeUnavailable, match=r"the disk is full .*No space left on "
                        f"device\\); free some space in {tmp_path / 'cache'}"):
         native._compile("c++", [], out)
+
+
+def test_a_stopped_build_ends_the_compiler_and_everything_it_started(tmp_path):
+    """Ctrl-C while the compiler runs: its whole process group goes (a driver's cc1plus, here a
+    shell's `sleep`), and its temporary files are in the build's folder (TMPDIR), which the
+    build removes."""
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\nsleep 300 &\necho $! > "$TMPDIR/child"\nwait\n')
+    compiler.chmod(0o755)
+    scratch = tmp_path / "build"
+    scratch.mkdir()
+    main = threading.main_thread().ident
+    threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        native._run_compiler([str(compiler)], scratch)
+    child = int((scratch / "child").read_text())  # written where TMPDIR pointed
+    for _ in range(100):  # killed; reaped by init a moment later
+        if not os.path.exists(f"/proc/{child}") or " Z " in open(f"/proc/{child}/stat").read():
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or " Z " in open(f"/proc/{child}/stat").read()

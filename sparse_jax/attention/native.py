@@ -7,8 +7,10 @@ The source is compiled once per machine with the host's C++ compiler (``$CXX``, 
 ``-O3 -march=native``, against the FFI headers jaxlib ships, into a cache folder
 (``$SPARSE_JAX_CACHE``, else ``$XDG_CACHE_HOME/sparse_jax`` or ``~/.cache/sparse_jax``) keyed by
 the source, the compiler, jaxlib and the CPU's flags, so a cache shared by different machines
-never loads a build for another CPU. Without a compiler "auto" falls back to the XLA path and
-says why once in the log; "native" raises with what to install.
+never loads a build for another CPU. A build says so in a line, and how long it took. The
+compiler runs in a process group of its own, with its temporary files in the build's folder: a
+stop kills the group and removes the folder. Without a compiler "auto" falls back to the XLA
+path and says why once in the log; "native" raises with what to install.
 
 The cache is vouched for like the data files (``sparse_jax.data.sources``): each library is written
 whole (``files.atomic_write``) beside ``<library>.verified``, a record of the key it was built
@@ -29,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -38,6 +41,7 @@ import numpy as np
 from absl import logging
 
 from sparse_jax import files
+from sparse_jax.logs import timed
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGETS = {"column_forward": "SparseJaxColumnForward",
@@ -135,11 +139,28 @@ _DISK_FULL = ("No space left on device", "File too large", "File size limit exce
               "Disk quota exceeded")  # what a compiler or linker says when it cannot write
 
 
+def _run_compiler(argv: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    """Runs the compiler `argv` in a process group of its own with its temporary files in
+    `scratch`: a stop (Ctrl-C, SIGTERM, any exception) while it runs kills the whole group
+    (the driver, cc1plus, as, ld), and what they wrote goes with `scratch`."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:  # the group has ended
+            pass
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def _compile(cxx: str, flags: list[str], out: Path) -> None:
-    """Compiles SOURCE to `out` (NativeUnavailable with the compiler's last words, or saying
-    that the disk is full where they say so)."""
-    result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
-                            text=True)
+    """Compiles SOURCE to `out`, with its temporary files beside it (NativeUnavailable with the
+    compiler's last words, or saying that the disk is full where they say so)."""
+    result = _run_compiler([cxx, *flags, str(SOURCE), "-o", str(out)], out.parent)
     if result.returncode or not out.is_file():
         words = " ".join(result.stderr.split())
         full = [reason for reason in _DISK_FULL if reason in words]
@@ -168,7 +189,9 @@ def build(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
     work = Path(f"{target.with_suffix('.build')}.part{os.getpid()}")
     try:
         work.mkdir(exist_ok=True)
-        _compile(cxx, flags, work / target.name)
+        with timed("building the CPU kernels (first use on this machine, or a new compiler or "
+                   "jaxlib)", "built"):
+            _compile(cxx, flags, work / target.name)
         data = (work / target.name).read_bytes()
         record = {"key": key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         for path, content, mode in ((target, data, "wb"),  # the library first: a record

@@ -26,6 +26,8 @@ import time
 
 from tqdm import tqdm
 
+from sparse_jax import stopping
+
 
 def log_line(text: str) -> None:
     """A console line (stdout) that leaves a progress bar intact: tqdm clears and redraws it."""
@@ -211,7 +213,9 @@ def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dic
     (> X GB)" when its RSS passed ``mem_limit_gb`` (polled every 0.1 s, Linux only), "timed out
     after N s", or "exit CODE: last line of stderr". ``env`` adds to this process's
     environment. Interrupted (Ctrl-C, SIGTERM), it kills the process before it passes the
-    interrupt on: none outlives the benchmark."""
+    interrupt on: none outlives the benchmark; a process ended by SIGINT or SIGTERM (Ctrl-C in
+    a terminal reaches the whole group) raises `stopping.Stopped` here too, so that the
+    benchmark stops rather than record the case as failed and go on."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
     killed = threading.Event()
@@ -237,6 +241,9 @@ def run_isolated(argv: list[str], *, mem_limit_gb: float | None = None, env: dic
         proc.wait()
         raise
     watcher.join()
+    stopped_by = {-s: s for s in stopping.SIGNALS} | {128 + s: s for s in stopping.SIGNALS}
+    if proc.returncode in stopped_by and not killed.is_set():  # the case was stopped (Ctrl-C
+        raise stopping.Stopped(stopped_by[proc.returncode])   # to the group): so is the rest
     printed = [line for line in out.splitlines() if line.startswith("{")]
     result = json.loads(printed[-1]) if printed else {}
     if killed.is_set():
