@@ -51,7 +51,8 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and resu
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results in --output_dir.")
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a program fails to compile or spills.")
 _LIST = flags.DEFINE_bool("list", False, "Print the programs and their groups, then exit.")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take.")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take (at "
+                              "most a week).")
 _CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mosaic kernel "
                             "(default: on for v5p and v6e; v5e's profiler aborts).")
 
@@ -63,9 +64,7 @@ def check(argv):
     if _CYCLES.value is not None and compiled_for is compiled:
         raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
                              "or v6e)")
-    if not _TIMEOUT.value > 0:
-        raise app.UsageError(f"--timeout_s={_TIMEOUT.value:g}: give a positive number of "
-                             "seconds (a compile's time limit)")
+    cli.seconds("timeout_s", _TIMEOUT.value)  # a compile's time limit
     if _LIST.value:
         return
     try:

@@ -1,10 +1,13 @@
 """What every entry point (`scripts/*.py`) shares: one error path.
 
 `run(main)` parses the flags and calls `main(argv)` like `absl.app.run`, except that a user
-error ends the command with ONE line on stderr and exit status 1:
+error ends the command with ONE line on stderr:
 
   error: <what is wrong, the path or field, what to do>
 
+and one exit status for each kind: 2 for a bad flag or `--config` value (refused when the flags
+are parsed or by the script's `check`, before any work: `BAD_VALUE`), 1 for what only the work
+finds (a damaged file, a full disk, a training run stopped by a non-finite loss: `FAILED`).
 User errors are bad flags and `--config.FIELD` overrides, bad config arguments and values
 (ValueError), missing or damaged files, unusable workdirs and full disks (OSError), a
 training run stopped by a non-finite loss (FloatingPointError), and a missing optional
@@ -46,6 +49,8 @@ import sys
 from absl import app, flags, logging
 
 USER_ERRORS = (ValueError, OSError, FloatingPointError, ModuleNotFoundError)
+BAD_VALUE = 2  # exit status: a flag or config value refused before any work
+FAILED = 1  # exit status: a user error the work itself met
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
 HUGE_PAGES_ENV = "SPARSE_JAX_HUGE_PAGES"
 _HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its maps
@@ -112,36 +117,36 @@ def parse_flags(argv: list[str]) -> list[str]:
             path = arg.split("=", 1)[1].split(":")[0]
             if os.path.isdir(path):
                 fail(f"--config: {path} is a folder; give the path of a config file, e.g. "
-                     "configs/quickstart.py", 2)
+                     "configs/quickstart.py", BAD_VALUE)
             if not os.path.isfile(path):
                 fail(f"--config: config file {path} not found; give the path of one, e.g. "
-                     "configs/quickstart.py", 2)
+                     "configs/quickstart.py", BAD_VALUE)
             import configs  # here: the benchmark scripts run without ml_collections
 
             try:
                 module = configs.module(path)
             except Exception as e:  # noqa: BLE001  (a config file can fail in any way)
-                fail(f"--config: {path} cannot be loaded ({type(e).__name__}: {e})", 2)
+                fail(f"--config: {path} cannot be loaded ({type(e).__name__}: {e})", BAD_VALUE)
             if not callable(getattr(module, "get_config", None)):
                 fail(f"--config: {path} defines no get_config(arg) function; see "
-                     "configs/quickstart.py for one", 2)
+                     "configs/quickstart.py for one", BAD_VALUE)
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
-        fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", 2)
+        fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", BAD_VALUE)
     except (KeyError, AttributeError) as e:  # a --config.FIELD override that does not exist
-        fail(_unknown_config_field(e, argv), 2)
+        fail(_unknown_config_field(e, argv), BAD_VALUE)
     except ValueError as e:
-        fail(str(e), 2)
+        fail(str(e), BAD_VALUE)
     try:
         check_flag_values(flags.FLAGS)
     except ValueError as e:
-        fail(f"{e}. See --helpshort.", 2)
+        fail(f"{e}. See --helpshort.", BAD_VALUE)
     fields = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
     for name in sorted({f for f in fields if fields.count(f) > 1}):  # the last one wins, but
         if isinstance(flags.FLAGS[name].value, (tuple, list)):  # a tuple's values are joined
             fail(f"--{name} is given twice, and a tuple field's values would be joined; give "
-                 "it once", 2)
+                 "it once", BAD_VALUE)
     return rest
 
 
@@ -252,19 +257,20 @@ def _restart_with_huge_pages() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def call(fn, argv: list[str]):
+def call(fn, argv: list[str], status: int = FAILED):
     """`fn(argv)` through the one error path of the module docstring: a user error ends the
-    process with one `error:` line (SystemExit)."""
+    process with one `error:` line (SystemExit) and `status` (BAD_VALUE for a UsageError;
+    `status=BAD_VALUE` for a script's `check`, whose every refusal is of a value)."""
     try:
         return fn(argv)
     except app.UsageError as e:
-        fail(str(e), 2)
+        fail(str(e), BAD_VALUE)
     except USER_ERRORS as e:
         if _tracebacks_wanted():
             raise
         if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
-            fail(e.strerror + (f": {e.filename}" if e.filename else ""))
-        fail(str(e))
+            fail(e.strerror + (f": {e.filename}" if e.filename else ""), status)
+        fail(str(e), status)
     except Stopped as e:
         if _tracebacks_wanted():
             raise
@@ -298,7 +304,7 @@ def run(main, huge_pages: bool = False, check=None) -> None:
     try:
         check_environment()
     except ValueError as e:
-        fail(str(e), 2)
+        fail(str(e), BAD_VALUE)
     if huge_pages:
         _restart_with_huge_pages()
 
@@ -308,7 +314,7 @@ def run(main, huge_pages: bool = False, check=None) -> None:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # `Stopped`: as Ctrl-C is
             signal.signal(signal.SIGTERM, _stop)
         if check is not None:
-            call(check, argv)
+            call(check, argv, BAD_VALUE)
         return call(main, argv)
 
     app.run(guarded, flags_parser=parse_flags)
@@ -400,6 +406,26 @@ def output_dir(name: str, path: str | None, holds: tuple[str, ...] = (),
             raise app.UsageError(f"--{name}={path} cannot be written; choose another folder")
     else:
         _writable_above(name, path)
+
+
+# The longest wait a script accepts (a time limit, a stage's cap, a budget): a week, far beyond
+# any run of this project and far below what the waits that consume it take (select's poll()
+# counts milliseconds in a C int, ~24.8 days; threading.TIMEOUT_MAX), so a limit that passes the
+# checks cannot crash the wait later (`seconds`).
+MAX_SECONDS = 7 * 24 * 3600
+
+
+def seconds(name: str, value, high: float = MAX_SECONDS) -> float:
+    """`value` (of --`name`, a number or text) as a number of seconds in (0, `high`]; ValueError
+    naming the flag otherwise."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and 0 < number <= high):
+        raise ValueError(f"--{name}={value}: give a positive number of seconds up to {high:,g}"
+                         + (" (a week)" if high == MAX_SECONDS else ""))
+    return number
 
 
 def integers(name: str, items: list[str], low: int = 1, high: int = MAX_INTEGER) -> list[int]:

@@ -17,7 +17,9 @@ milliseconds, and the values are checked without the work behind them.
 
 A case passes when
 
-* "error" (the table gives no reason to accept the value): a non-zero exit status, stderr
+* "error" (the table gives no reason to accept the value): exit status 2 (`cli.BAD_VALUE`, the
+  one status of a bad value in every script, whether absl's parser or the script's check
+  refuses it), stderr
   exactly one `error: ` line that names the flag (the table's regular expression, by default
   the flag's name), no traceback, nothing on stdout; or
 * "ok" (the table says why the value is valid): exit status 0 and no `error: ` line;
@@ -58,6 +60,7 @@ def scripts() -> list[str]:
                   if name.endswith(".py") and not name.startswith("_"))
 
 
+BAD_VALUE = 2  # sparse_jax.cli.BAD_VALUE (not imported here: the parent imports no jax)
 CASE_SECONDS = 60  # a check that takes longer is doing work (or never ends)
 
 
@@ -143,7 +146,7 @@ def _run_one(argv: list[str], check, root: str, work: list[str]) -> dict:
             signal.alarm(CASE_SECONDS)
             rest = cli.parse_flags(list(argv))
             if check is not None:
-                cli.call(check, rest)
+                cli.call(check, rest, cli.BAD_VALUE)
         except SystemExit as e:
             status = e.code if isinstance(e.code, int) else 1
         except WorkStarted as e:
@@ -187,6 +190,9 @@ def judge(case: flag_table.Case, got: dict) -> list[str]:
                   and not line.startswith("error: ")]
         if got["status"] == 0:
             problems.append("accepted (exit 0): the table gives no reason to")
+        elif got["status"] != BAD_VALUE:
+            problems.append(f"exit status {got['status']}, not {BAD_VALUE} (a bad value's, "
+                            "sparse_jax/cli.py)")
         elif len(lines) != 1:
             problems.append(f"{len(lines)} 'error: ' lines on stderr (expected 1)")
         elif not re.search(case.match, lines[0], re.I):

@@ -13,7 +13,7 @@ A flag's entry is its kind, which gives the values tried:
 * `Text`, `Choice` (an enum) and `Switch` (a bool): the values given, an unknown choice, text
   for a bool;
 * `Config` (--config): a missing file, a folder, and its argument (`FILE:key=value,...`)
-  empty, unknown, misspelled, given twice or without a value.
+  empty, unknown, misspelled, given twice, without a value, with a space or an empty item.
 
 Every value is expected to be refused in one line that names the flag, unless the entry's `ok`
 maps its label to why it is valid. `extra` adds cases of its own ({label: value}), refused
@@ -125,6 +125,8 @@ class Config(Kind):
                 "empty argument": f"{f}:", "unknown argument": f"{f}:bogus=1",
                 "misspelled argument": f"{f}:{key[:-1]}={self.arg.split('=')[1]}",
                 "argument twice": f"{f}:{self.arg},{self.arg}", "no value": f"{f}:{key}=",
+                "space in argument": f"{f}:{key} ={self.arg.split('=')[1]}",
+                "empty item": f"{f}:{self.arg},",
                 "unknown value": f"{f}:{key}=bogus"}
 
 
