@@ -60,6 +60,8 @@ _ROUNDS = flags.DEFINE_integer(
     "cases); the round with the lowest median is reported.", lower_bound=1)
 _MEM_LIMIT = flags.DEFINE_float("mem_limit_gb", 20.0, "Kill a case whose RSS passes this.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Where results go.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
 
 
 def check(argv):
@@ -81,7 +83,8 @@ def check(argv):
     devices = _DEVICES.value or attention.default_devices()
     if _HEADS.value % devices:
         raise app.UsageError(f"--heads={_HEADS.value} cannot be split over {devices} devices")
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=_OVERWRITE.value,
+                   holds=("results.json", "results.md", "time_vs_seq_len.png"))
 
 
 def main(argv):

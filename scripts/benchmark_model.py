@@ -32,6 +32,7 @@ from sparse_jax import cli, sharding
 from sparse_jax.bench import model
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 _SEQ_LEN = flags.DEFINE_list("seq_len", ["8192"], "Sequence lengths (a list runs each case at "
                              "each length, shortest first).")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
@@ -62,7 +63,7 @@ def check(argv):
     """Every flag and case, before any case's process starts: each model valid at each length,
     and with --seq > 1 each sequence split over --seq devices as a run would split it."""
     cli.no_arguments(argv)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     if not _COMPILE_CIFAR.value:
         model.check_cases(_CASES.value, seq_lens=cli.integers("seq_len", _SEQ_LEN.value),
                           num_layers=_LAYERS.value, d_model=_D_MODEL.value,

@@ -26,6 +26,7 @@ from sparse_jax import cli
 from sparse_jax.bench import sampling
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Width.", lower_bound=1)
 _HEADS = flags.DEFINE_integer("num_heads", 4, "Heads.", lower_bound=1)
@@ -45,7 +46,7 @@ _EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in 
 def check(argv):
     """Every flag, before any model is built: the model (or --workdir's run) and the length."""
     cli.no_arguments(argv)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     if _WORKDIR.value is not None:
         from sparse_jax.run import setup, workdir
 

@@ -34,6 +34,8 @@ _DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on."
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", -1, "CPU devices of this project's runs "
                                     "(-1: one per core).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write results.md and results.json here.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
 
 
 def _lengths_and_steps():
@@ -53,7 +55,8 @@ def check(argv):
         raise app.UsageError(f"--cpu_devices={_CPU_DEVICES.value}: give -1 (one per core) or 1 "
                              f"to {sharding.MAX_CPU_DEVICES:,}")
     training.check_arguments(_PATTERNS.value, _BASELINES.value, _DATA.value)
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
+                   overwrite=_OVERWRITE.value)
 
 
 def main(argv):

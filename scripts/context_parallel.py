@@ -53,6 +53,8 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU device
 KINDS = ("strided", "fixed", "dense")  # what --patterns takes
 BATCH = 8  # --model_steps: the sequences of a step
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
 
 
 def _mib(x):
@@ -139,7 +141,8 @@ def check(argv):
     devices = cli.integers("devices", _DEVICES.value)
     cli.integers("n", _N.value)
     _specs()
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
+                   overwrite=_OVERWRITE.value)
     if _MODEL_STEPS.value:
         from sparse_jax.run import setup
 

@@ -7,9 +7,10 @@ estimate beside it, where the time of four programs goes, and the model's time f
 designs not yet built.
 
   python scripts/cost_model.py
-  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json
+  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json --overwrite
 
 --output_json also writes the markdown table beside it (results.md). docs/cost_model.md reads it.
+Either already there (or a folder) is refused before the fit unless --overwrite is given.
 """
 
 import json
@@ -22,6 +23,8 @@ from sparse_jax.bench import cost_model
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where the results go as JSON (and the "
                                    "table as results.md beside it); default: print only.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output_json and the "
+                               "results.md beside it.")
 _STARTS = flags.DEFINE_integer("starts", 24, "Starting points of the least-squares fit (at "
                                "most 1,000).", lower_bound=1, upper_bound=1000)
 
@@ -29,7 +32,7 @@ _STARTS = flags.DEFINE_integer("starts", 24, "Starting points of the least-squar
 def check(argv):
     """Every flag, before the fit starts."""
     cli.no_arguments(argv)
-    cli.output_file("output_json", _OUTPUT_JSON.value)
+    cli.output_file("output_json", _OUTPUT_JSON.value, _OVERWRITE.value, beside=('results.md',))
 
 
 def main(argv):

@@ -25,6 +25,7 @@ cli.list_rules(_FRACTIONS, repeats="two splits may have the same share")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only N pictures, spread evenly over the split.",
                               lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", None, "Where the JSON goes.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 flags.mark_flags_as_required(["path"])
 
 
@@ -42,7 +43,7 @@ def check(argv):
     cli.no_arguments(argv)
     _fractions()
     cli.input_dir("path", _PATH.value, "a folder of PNG or JPEG pictures")
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     from sparse_jax.data import images
 
     try:

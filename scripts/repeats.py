@@ -32,6 +32,7 @@ _K = flags.DEFINE_integer("k", 12, "Bytes that must repeat before a copy is pred
 _COMPRESSORS = flags.DEFINE_bool("compressors", False, "Also measure what gzip -9, bzip2 -9 "
                                  "and xz -9e pay for the split given the splits before it.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the result here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -39,7 +40,7 @@ def check(argv):
     """Every flag and the config's data, before the data is read."""
     cli.no_arguments(argv)
     cli.integers("distances", _DISTANCES.value, low=0)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     from sparse_jax.data import datasets as data_lib
     from sparse_jax.data import sources
 

@@ -369,19 +369,24 @@ def _writable_above(name: str, path: str) -> None:
         raise app.UsageError(f"--{name}={path}: {above} cannot be written; choose another place")
 
 
-def output_file(name: str, path: str | None, overwrite: bool | None = None) -> None:
+def output_file(name: str, path: str | None, overwrite: bool = False,
+                beside: tuple[str, ...] = ()) -> None:
     """UsageError unless `path` (the value of --`name`; None: not given) can be written as a
-    file: not a folder, its folder writable, and (`overwrite` False) not already there; None:
-    the script replaces the file by design."""
+    file: not a folder, its folder writable, and (unless `overwrite`, the script's --overwrite)
+    not already there; `beside`: the names of files the script also writes in its folder,
+    checked the same way. No script replaces a file it did not write in this run unasked."""
     if path is None:
         return
     if not path:
         raise app.UsageError(f"--{name}= is empty; give the path of a file")
-    if os.path.isdir(path):
-        raise app.UsageError(f"--{name}={path} is a folder; give the path of a file")
-    if overwrite is False and os.path.lexists(path):
-        raise app.UsageError(f"--{name}={path} exists; pass --overwrite to replace it, or "
-                             "choose another path")
+    for where in (path, *(os.path.join(os.path.dirname(path), b) for b in beside)):
+        shown = f"--{name}={path}" + ("" if where == path else f": {where}")
+        if os.path.isdir(where):
+            raise app.UsageError(f"{shown} is a folder; give the path of a file"
+                                 + ("" if where == path else " elsewhere"))
+        if not overwrite and os.path.lexists(where):
+            raise app.UsageError(f"{shown} exists; pass --overwrite to replace it, or "
+                                 "choose another path")
     _writable_above(name, path)
 
 

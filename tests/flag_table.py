@@ -29,6 +29,11 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HUGE = "1000000000000"  # 10^12: a length, a count, a million devices and more
+WEEK = "604800"  # sparse_jax.cli.MAX_SECONDS: the longest time limit, cap or budget accepted
+# The labels of accepted values that are extremes: where a script's entry has `work`, each is
+# also run into the script's first seconds of work (tests/bad_flags.py), so that a value the
+# checks pass but the work cannot take (a wait too long for poll()) is caught.
+EXTREMES = ("0", "-1", "huge", "a week", "cap a week", "caps of a week")
 NUMBERS = {"0": "0", "-1": "-1", "huge": HUGE, "nan": "nan", "inf": "inf", "text": "ten"}
 
 
@@ -135,6 +140,10 @@ class Script:
     base: list  # a valid command's flags ({tmp}: the case folder, {repo}: the repository)
     flags: dict  # name -> Kind
     config_fields: bool = False  # also every --config.FIELD of the config tree (CONFIG)
+    # Flags that make the script's work cheap (a dry run, a toy size): each accepted extreme
+    # value (EXTREMES) then also runs into the first seconds of main with them; None: main is
+    # not run (its work needs what the case folder does not hold: a trained checkpoint).
+    work: list | None = None
 
 
 def distributed(**ok) -> dict:
@@ -151,25 +160,27 @@ def distributed(**ok) -> dict:
 
 NEW = "a folder that does not exist yet is created"
 EMPTY_FOLDER = "an empty folder is written into"
-REWRITTEN = "the script rewrites its results there by design (rerun into docs/benchmarks/...)"
-REPLACED = "the script replaces the file by design"
 RUN = {"missing": NEW, "folder": "an empty folder: a new run"}
 ANY_FILE = "any file of bytes is read"
 NEW_FILE = "its folder is created"
 
 SCRIPTS = {
-    "accelerator_report": Script(["--output_dir={tmp}/report"], {
+    "accelerator_report": Script(["--output_dir={tmp}/report"], work=["--dry_run"], flags={
         "output_dir": Path(role="out_dir", holds=("results.md", "results.json", "log.txt"),
                            ok={"missing": NEW, "folder": EMPTY_FOLDER}),
         "wheels": Path(role="in_dir"),
         "dry_run": Switch(),
         "stages": Items(item="env"),
-        "budget_s": Number(ok={"huge": "a budget above the stages' caps changes nothing: each "
-                                       "stage keeps its own cap"}),
+        "budget_s": Number(extra={"a week": WEEK}, ok={
+            "a week": "the longest wait accepted (cli.MAX_SECONDS); a budget above the stages' "
+                      "caps changes nothing: each stage keeps its own cap"}),
         "caps": Items(item="tests=150", extra={"cap 0": "tests=0", "cap nan": "tests=nan",
-                                               "cap huge": f"tests={HUGE}"},
-                      ok={"cap huge": "a cap above the budget changes nothing: --budget_s "
-                                      "bounds the run"}),
+                                               "cap huge": f"tests={HUGE}",
+                                               "cap a week": f"env={WEEK}",
+                                               "caps of a week": f"tests={WEEK},env={WEEK}"},
+                      ok={"cap a week": "the longest wait accepted (cli.MAX_SECONDS): the env "
+                                        "stage runs under it",
+                          "caps of a week": "the longest wait accepted: every stage's cap"}),
         "profile": Switch(),
         "overwrite": Switch(),
     }),
@@ -189,7 +200,9 @@ SCRIPTS = {
                            ok={"missing": NEW, "folder": EMPTY_FOLDER}),
         "overwrite": Switch(),
     }),
-    "benchmark_attention": Script(["--devices=1", "--output_dir={tmp}/out"], {
+    "benchmark_attention": Script(["--devices=1", "--output_dir={tmp}/out"], work=[
+        "--seq_lens=256", "--patterns=dense", "--passes=fwd", "--repeats=1", "--rounds=1",
+        "--heads=1", "--head_dim=8"], flags={
         "seq_lens": Items(item="4096", numbers=True),
         "patterns": Items(item="dense"),
         "passes": Items(item="fwd"),
@@ -202,10 +215,12 @@ SCRIPTS = {
         "rounds": Count(),
         "mem_limit_gb": Number(ok={"huge": "a limit above the machine's memory kills no case"}),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "benchmark_model": Script([], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "seq_len": Items(item="8192", numbers=True),
         "num_layers": Count(),
         "d_model": Count(),
@@ -224,7 +239,8 @@ SCRIPTS = {
         "compile_cifar": Switch(),
     }),
     "benchmark_sampling": Script([], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "num_layers": Count(),
         "d_model": Count(),
         "num_heads": Count(),
@@ -245,7 +261,8 @@ SCRIPTS = {
         "data": Path(role="in_file", ok={"file": ANY_FILE}),
         "cpu_devices": Count(ok={"-1": "one device per core, the default"}),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "build_code_corpus": Script(["--pins={repo}/data/code_corpus_pins.txt",
                                  "--output={tmp}/corpus.py.gz", "--sdists={tmp}/sdists"], {
@@ -255,6 +272,7 @@ SCRIPTS = {
             "folder": "the missing sdists are downloaded into it"}),
         "output": Path(role="out_file", ok={"missing .gz": NEW_FILE},  # a_file: not a .gz
                        extra={"missing .gz": "{tmp}/absent/corpus.py.gz"}),
+        "overwrite": Switch(),
         "download": Switch(),
     }),
     "compare_patterns": Script(["--config={repo}/configs/quickstart.py",
@@ -271,7 +289,7 @@ SCRIPTS = {
             "missing": NEW, "folder": EMPTY_FOLDER,
             "output": "running again rewrites the tables of the runs it reuses"}),
     }),
-    "compile_report": Script(["--tools={tmp}/gpu_tools", "--programs=ci"], {
+    "compile_report": Script(["--tools={tmp}/gpu_tools", "--programs=ci"], work=[], flags={
         "target": Choice(),
         "programs": Items(item="ci", extra={"dense@cudnn without cuDNN":
                                             "attention 16k dense@cudnn"}),
@@ -281,8 +299,9 @@ SCRIPTS = {
         "overwrite": Switch(),
         "check": Switch(),
         "list": Switch(),
-        "timeout_s": Number(ok={"huge": "a time limit that never ends a compile: every "
-                                        "program compiles to its end"}),
+        "timeout_s": Number(extra={"a week": WEEK}, ok={
+            "a week": "the longest wait accepted (cli.MAX_SECONDS): every program compiles to "
+                      "its end"}),
         "cycles": Switch(),
     }),
     "context_parallel": Script(["--n=1024", "--devices=1,2"], {
@@ -300,10 +319,12 @@ SCRIPTS = {
                              extra={"2 steps over 3 devices": "--model_steps=2 --devices=3"}),
         "cpu_devices": Count(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "cost_model": Script([], {
-        "output_json": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output_json": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "starts": Count(),
     }),
     "describe": Script(["--config={repo}/configs/quickstart.py",
@@ -333,9 +354,10 @@ SCRIPTS = {
         "split_fractions": Items(item="0.5", extra={"nan": "nan,0.5,0.5",
                                                     "negative": "1.5,-0.25,-0.25"}),
         "limit": Count(),
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
     }),
-    "plot_pattern": Script(["--output={tmp}/pattern.png"], {
+    "plot_pattern": Script(["--output={tmp}/pattern.png"], work=["--seq_len=256"], flags={
         "kind": Choice(),
         "seq_len": Count(),
         "stride": Count(),
@@ -348,7 +370,8 @@ SCRIPTS = {
         "overwrite": Switch(),
     }),
     "plot_positions": Script(["--output={tmp}/positions.png", "{tmp}/eval.json"], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "label": Multi(ok={"empty": "an empty legend label is drawn as none"}),
         "title": Text(ok={"empty": "no title, the default"}),
     }),
@@ -359,7 +382,8 @@ SCRIPTS = {
         "distances": Items(item="64", numbers=True, ok={"0": "0 is unlimited (documented)"}),
         "k": Count(),
         "compressors": Switch(),
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
     }),
     "sample": Script(["--workdir={tmp}/run"], {
         "workdir": Path(role="in_dir"),
