@@ -229,11 +229,16 @@ class ModelConfig:
             return unused + "dense attention runs a fused dense kernel or XLA, not the " \
                             "block-sparse Pallas kernel the options are for"
         sizes, default = self.block_sizes, BlockSizes.for_backend("mosaic")
+        unused = []  # options the kernel has but this model's pattern or backend never reads
         if kernel_backend() == "mosaic" and (sizes.num_warps, sizes.num_stages) != (
                 default.num_warps, default.num_stages):
-            return ("model.kernel's warps and stages (wN, sN) are not used: they are "
-                    "Triton's (a GPU), and this TPU's kernels compile through Mosaic")
-        return None
+            unused.append("warps and stages (wN, sN): they are Triton's (a GPU), and this "
+                          "TPU's kernels compile through Mosaic")
+        if (sizes.summary_q or sizes.summary_k) and self.pattern != "fixed":
+            unused.append(f"summary tiles (sumQxK): only the fixed pattern has a summary term, "
+                          f"and pattern={self.pattern!r}")
+        return ("model.kernel's " + "; and its ".join(u.replace(":", " are not used:", 1)
+                                                       for u in unused)) if unused else None
 
     @property
     def base_spec(self) -> PatternSpec:
