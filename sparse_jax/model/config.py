@@ -28,6 +28,9 @@ POS_EMBS = ("image", "text", "single", "none")
 PATTERNS = patterns.KINDS
 
 
+MAX_LAYERS = 4096  # the deepest model accepted: 32x the paper's deepest (128 layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of ``SparseTransformer``; validated on construction (ValueError)."""
@@ -68,6 +71,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(name, "must be a positive integer")
+        if self.num_layers > MAX_LAYERS:  # each layer's pattern is listed (`specs`)
+            fail("num_layers", f"above {MAX_LAYERS:,} layers (the paper's deepest has 128); "
+                               "give fewer")
         if self.local_width is not None and (not isinstance(self.local_width, int)
                                              or self.local_width < 1):
             fail("local_width", "must be None or a positive integer")

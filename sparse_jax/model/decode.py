@@ -149,6 +149,13 @@ def check_length(prompt_len: int, length, batch: int = 1,
     need = batch * (prompt_len + length) * bytes_per_token
     if available is not None and need > available:
         fits = max(0, available // (batch * bytes_per_token) - prompt_len)
+        if fits < 1:  # not even one token each: the samples are too many, not too long
+            most = available // ((prompt_len + 1) * bytes_per_token)
+            raise ValueError(f"num_samples={batch:,} cannot be held: that many samples of "
+                             f"{prompt_len + 1:,} tokens or more need about "
+                             f"{batch * (prompt_len + 1) * bytes_per_token / 2**30:,.1f} GiB of "
+                             f"host memory, and {available / 2**30:,.1f} GiB are available; "
+                             f"give at most {most:,} samples (far fewer for a long length)")
         raise ValueError(f"length={length:,} cannot be held: {batch} sample(s) of "
                          f"{prompt_len + length:,} tokens need about {need / 2**30:,.1f} GiB of "
                          f"host memory ({bytes_per_token} bytes a token), and "

@@ -37,6 +37,7 @@ from sparse_jax.data import images as images_lib
 from sparse_jax.data.batches import Stage
 from sparse_jax.model.config import ModelConfig, model_config
 from sparse_jax.run import config as config_lib
+from sparse_jax.run import sizing
 from sparse_jax.run import workdir as workdir_lib
 
 
@@ -65,6 +66,8 @@ def complete(config: ml_collections.ConfigDict, workdir: str | None = None,
     notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
              config_lib.follow_total_steps(config, preset_total_steps, recorded)]
     cfg = config_lib.check_config(config)
+    if devices is None:  # sizes that could never train on this machine
+        sizing.check_state_fits(cfg)
     shape = mesh_shape(config, cfg, jax.device_count() if devices is None else devices)
     mesh = None if devices is not None else sharding_lib.make_mesh(
         config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))

@@ -16,18 +16,47 @@ from flax import nnx
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.model.config import DTYPES, ModelConfig
-from sparse_jax.model.transformer import SparseTransformer, position_tables
+from sparse_jax.model.decode import available_memory
+from sparse_jax.model.transformer import SparseTransformer, position_table_sizes
 from sparse_jax.run.optim import abstract_train_state
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters, by formula (equals the allocated model's count)."""
     d, f, qk, v = cfg.d_model, cfg.ff_dim, cfg.qk_dim, cfg.vocab_size
-    embeddings = v * d + d * sum(size for size, _ in position_tables(cfg))
+    embeddings = v * d + d * sum(position_table_sizes(cfg))
     attention = 2 * (d * qk + qk) + 2 * (d * d + d)  # query, key; value, output
     feed_forward = d * f + f + f * d + d
     norms = 2 * 2 * d
     return embeddings + cfg.num_layers * (attention + feed_forward + norms) + 2 * d + d * v + v
+
+
+STATE_COPIES = 3  # what training holds of each parameter at least: itself, AdamW's two moments
+
+
+def machine_memory() -> int | None:
+    """Bytes the training state could take here: on a CPU the host memory available now, on
+    an accelerator every local device's limit together; None where that is not known."""
+    if jax.default_backend() == "cpu":
+        return available_memory()
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return sum(limits) if limits and all(limits) else None
+
+
+def check_state_fits(cfg: ModelConfig, memory: int | None = None) -> None:
+    """ValueError (one line, before anything is allocated) when the parameters and AdamW's two
+    moments alone cannot fit `memory` bytes (default: `machine_memory`): a size that passes
+    every field's own check but could never train here (vocab_size = 2^31 - 1 once ran into an
+    out-of-memory traceback at initialisation)."""
+    memory = machine_memory() if memory is None else memory
+    count = param_count(cfg)
+    need = count * STATE_COPIES * jnp.dtype(cfg.param_dtype).itemsize
+    if memory is not None and need > memory:
+        raise ValueError(f"the model's {count:,} parameters and AdamW's two moments need at "
+                         f"least {need / 2**30:,.1f} GiB, and this machine has "
+                         f"{memory / 2**30:,.1f} GiB for them; lower model.vocab_size, "
+                         "model.d_model, model.num_layers, model.ff_mult or model.seq_len "
+                         "(scripts/describe.py shows the sizes)")
 
 
 @functools.lru_cache(maxsize=64)
