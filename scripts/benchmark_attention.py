@@ -57,11 +57,12 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Input d
 _DEVICES = flags.DEFINE_integer(
     "devices", None, "Split heads over this many devices (default: one per core on a CPU, else "
     "all local devices).", lower_bound=1, upper_bound=sharding.MAX_CPU_DEVICES)
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).",
-                                lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported; at most "
+                                "1,000).", lower_bound=1, upper_bound=1000)
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 1, "Times every case runs (a fresh process each, interleaved with the other "
-    "cases); the round with the lowest median is reported.", lower_bound=1)
+    "cases); the round with the lowest median is reported (at most 100).", lower_bound=1,
+    upper_bound=100)
 _MEM_LIMIT = flags.DEFINE_float("mem_limit_gb", 20.0, "Kill a case whose RSS passes this.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Where results go.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
@@ -78,6 +79,11 @@ def check(argv):
     unknown = [p for p in _PASSES.value if p not in ("fwd", "fwdbwd")]
     if unknown:
         raise app.UsageError(f"--passes: unknown pass {unknown[0]!r}; choose from fwd, fwdbwd")
+    cli.memory_fits(  # what every case holds at least: q, k, v and the output
+        f"--batch={_BATCH.value:,} x --heads={_HEADS.value:,} x --head_dim={_HEAD_DIM.value:,} "
+        f"at n={max(seq_lens):,}: q, k, v and the output",
+        4 * _BATCH.value * _HEADS.value * _HEAD_DIM.value * max(seq_lens)
+        * (2 if _DTYPE.value == "bfloat16" else 4), "--batch, --heads, --head_dim or --seq_lens")
     for pattern in _PATTERNS.value:  # every name parses, at every length
         for seq_len in seq_lens:
             try:

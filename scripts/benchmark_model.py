@@ -43,8 +43,8 @@ _STRIDE = flags.DEFINE_string("stride", "128", "Stride of the sparse patterns (f
 _UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss, gradients "
                             "and the AdamW update (default: loss and gradients).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.", lower_bound=1)
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).",
-                              lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step; at "
+                              "most 10,000).", lower_bound=1, upper_bound=10_000)
 _SEQ = flags.DEFINE_integer("seq", 1, "Split each sequence over this many simulated CPU "
                             "devices (context parallelism, the mesh's seq axis); XLA's memory "
                             "figures are then per device.", lower_bound=1,
@@ -68,7 +68,7 @@ def check(argv):
         model.check_cases(_CASES.value, seq_lens=cli.integers("seq_len", _SEQ_LEN.value),
                           num_layers=_LAYERS.value, d_model=_D_MODEL.value,
                           num_heads=_HEADS.value, stride=_STRIDE.value, dtype=_DTYPE.value,
-                          seq=_SEQ.value)
+                          seq=_SEQ.value, batch_size=_BATCH.value)
 
 
 def main(argv):

@@ -52,16 +52,24 @@ def check(argv):
 
         cli.input_dir("workdir", _WORKDIR.value, "the folder of a training run")
         workdir.check_workdir(_WORKDIR.value)
-        seq_len = setup.recorded(_WORKDIR.value)[1].seq_len
+        cfg = setup.recorded(_WORKDIR.value)[1]
     else:
         from sparse_jax.model.config import ModelConfig
 
-        seq_len = ModelConfig(seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
-                              d_model=_D_MODEL.value, num_heads=_HEADS.value, pattern="strided",
-                              stride=_STRIDE.value).seq_len
+        cfg = ModelConfig(seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
+                          d_model=_D_MODEL.value, num_heads=_HEADS.value, pattern="strided",
+                          stride=_STRIDE.value)
+    seq_len = cfg.seq_len
     if _LENGTH.value > seq_len:
         raise app.UsageError(f"--length={_LENGTH.value} must be at most the context, "
                              f"seq_len={seq_len}")
+    from sparse_jax.run import sizing
+
+    sizing.check_fits(cfg, _BATCH.value, training=False,
+                      fields="--batch_size, --seq_len, --d_model or --num_layers")
+    if _EVAL.value:
+        cli.memory_fits(f"--eval_mib={_EVAL_MIB.value:,}: the 20 x {_EVAL_MIB.value:,} MiB of "
+                        "generated data", 20 * _EVAL_MIB.value * 2**20, "--eval_mib")
 
 
 def main(argv):

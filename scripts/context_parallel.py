@@ -37,8 +37,10 @@ _STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.", lower_b
 _C = flags.DEFINE_integer("c", 32, "Summary width of fixed.", lower_bound=1)
 _N = flags.DEFINE_list("n", ["65536"], "Sequence lengths.")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts P.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.", lower_bound=1)
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (at most 4,096: XLA's plan of "
+                              "2^31 heads aborts the process).", lower_bound=1, upper_bound=4096)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension (at most 4,096).",
+                                 lower_bound=1, upper_bound=4096)
 _IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "auto"],
                                     "Term computations (native: XLA does not see the fused "
                                     "kernels' own memory).")
@@ -139,8 +141,12 @@ def check(argv):
     """Every flag, before JAX starts or anything compiles or is written."""
     cli.no_arguments(argv)
     devices = cli.integers("devices", _DEVICES.value)
-    cli.integers("n", _N.value)
+    lengths = cli.integers("n", _N.value)
     _specs()
+    if _TIME.value:  # --time runs the attention: q, k, v and the output are allocated
+        cli.memory_fits(f"--heads={_HEADS.value:,} x --head_dim={_HEAD_DIM.value:,} at "
+                        f"--n={max(lengths):,}: q, k, v and the output", 16 * _HEADS.value
+                        * _HEAD_DIM.value * max(lengths), "--heads, --head_dim or --n")
     cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
                    overwrite=_OVERWRITE.value)
     if _MODEL_STEPS.value:

@@ -433,6 +433,30 @@ def seconds(name: str, value, high: float = MAX_SECONDS) -> float:
     return number
 
 
+def available_memory() -> int | None:
+    """Bytes of host memory a new allocation could get now (Linux's MemAvailable; else the
+    physical memory), or None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+
+def memory_fits(what: str, need: float, lower: str) -> None:
+    """ValueError (one line) when `need` bytes (`what`, e.g. "--heads=8 x --batch=1: q, k, v
+    and the output") exceed the host memory available now: a size the flags' own bounds let
+    through that no run here could hold. `lower`: the flags or fields to lower."""
+    available = available_memory()
+    if available is not None and need > available:
+        raise ValueError(f"{what} need at least {need / 2**30:,.1f} GiB, and "
+                         f"{available / 2**30:,.1f} GiB are available; lower {lower}")
+
+
 def integers(name: str, items: list[str], low: int = 1, high: int = MAX_INTEGER) -> list[int]:
     """The items of the list flag --`name` as integers in [low, high]; UsageError naming the
     flag for one that is not."""

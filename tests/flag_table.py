@@ -4,7 +4,8 @@ config tree), the values users mistype and which of them are valid, with the rea
 A flag's entry is its kind, which gives the values tried:
 
 * `Count` (an integer flag) and `Number` (a float flag): 0, -1, a huge value (10^12), nan, inf
-  and text;
+  and text; a Count also the largest value the int32 rule lets through (2^31 - 1), which its
+  own checks must refuse unless the script can take it;
 * `Items` (a list flag): an empty list, an item given twice, an unknown item (and for a list of
   numbers 0, -1 and a huge value as an item);
 * `Path` (a file or folder the script reads or writes): empty, a missing path, a regular file
@@ -29,11 +30,12 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HUGE = "1000000000000"  # 10^12: a length, a count, a million devices and more
+MAX32 = "2147483647"  # 2^31 - 1: the largest integer a flag without a bound of its own takes
 WEEK = "604800"  # sparse_jax.cli.MAX_SECONDS: the longest time limit, cap or budget accepted
 # The labels of accepted values that are extremes: where a script's entry has `work`, each is
 # also run into the script's first seconds of work (tests/bad_flags.py), so that a value the
 # checks pass but the work cannot take (a wait too long for poll()) is caught.
-EXTREMES = ("0", "-1", "huge", "a week", "cap a week")
+EXTREMES = ("0", "-1", "huge", "max", "a week", "cap a week")
 NUMBERS = {"0": "0", "-1": "-1", "huge": HUGE, "nan": "nan", "inf": "inf", "text": "ten"}
 
 
@@ -59,7 +61,7 @@ class Kind:
 
 class Count(Kind):
     def values(self):
-        return dict(NUMBERS)
+        return {**NUMBERS, "max": MAX32}
 
 
 class Number(Kind):
@@ -186,7 +188,8 @@ SCRIPTS = {
         "workdir": Path(role="in_dir"),
         "split": Choice(),
         "checkpoint": Text(given={"empty": "", "text": "bogus", "-1": "-1", "absent": "99"}),
-        "windows": Count(),
+        "windows": Count(ok={"max": "more windows than the split holds is refused once the "
+                                          "split is read, before any window runs"}),
         "layers": Items(item="0", numbers=True, ok={"0": "layer 0, the first"}),
         "heads": Items(item="0", numbers=True, ok={"0": "head 0, the first"}),
         "bands": Items(item="64", numbers=True),
@@ -247,7 +250,7 @@ SCRIPTS = {
         "stride": Count(),
         "length": Count(),
         "batch_size": Count(),
-        "naive_steps": Count(),
+        "naive_steps": Count(ok={"max": "clamped to the sample: min(naive_steps, length - 1)"}),
         "workdir": Path(role="in_dir"),
         "eval": Switch(),
         "eval_mib": Count(),
@@ -283,7 +286,8 @@ SCRIPTS = {
             "missing": NEW, "folder": "an empty folder: a new study",
             "output": "running again reuses the finished patterns and resumes the others"}),
         "patterns": Items(item="dense"),
-        "steps": Count(),
+        "steps": Count(ok={"max": "a long study, not a wrong one: it stops and resumes at any "
+                                      "time, as train.py's total_steps"}),
         "minutes": Number(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"), ok={
             "missing": NEW, "folder": EMPTY_FOLDER,
@@ -306,7 +310,8 @@ SCRIPTS = {
     }),
     "context_parallel": Script(["--n=1024", "--devices=1,2"], {
         "patterns": Items(item="strided"),
-        "stride": Count(),
+        "stride": Count(ok={"max": "a stride beyond n: the costs of the pattern's local part, "
+                                       "as counted (nothing of size stride is built)"}),
         "c": Count(),
         "n": Items(item="1024", numbers=True),
         "devices": Items(item="2", numbers=True),
@@ -353,18 +358,21 @@ SCRIPTS = {
         "split": Choice(),
         "split_fractions": Items(item="0.5", extra={"nan": "nan,0.5,0.5",
                                                     "negative": "1.5,-0.25,-0.25"}),
-        "limit": Count(),
+        "limit": Count(ok={"max": "at most the split is taken: min(limit, pictures)"}),
         "output": Path(role="out_file", ok={"missing": NEW_FILE}),
         "overwrite": Switch(),
     }),
     "plot_pattern": Script(["--output={tmp}/pattern.png"], work=["--seq_len=256"], flags={
         "kind": Choice(),
         "seq_len": Count(),
-        "stride": Count(),
-        "c": Count(),
-        "local_width": Count(),
+        "stride": Count(ok={"max": "a stride beyond --seq_len: its n x n picture shows the "
+                                       "local part that is left"}),
+        "c": Count(ok={"max": "a summary wider than the block: the picture shows the "
+                                  "pattern as its spec clips it"}),
+        "local_width": Count(ok={"max": "a window beyond --seq_len: every earlier key, drawn"}),
         "summary": Choice(),
-        "summary_block": Count(ok={"0": "the default: no sub-block"}),
+        "summary_block": Count(ok={"0": "the default: no sub-block",
+                                   "max": "a sub-block beyond the summary: the whole summary"}),
         "query": Count(ok={"0": "the first query's row"}),
         "output": Path(role="out_file", ok={"missing": NEW_FILE}),
         "overwrite": Switch(),
@@ -396,7 +404,7 @@ SCRIPTS = {
         "prompt": Text(ok={"empty": "no prompt: the samples start from a newline, as "
                                     "without the flag"}),
         "prompt_file": Path(role="in_file", ok={"file": "any file of bytes is a prompt"}),
-        "seed": Count(ok={"0": "a seed, the default"}),
+        "seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
         "output": Path(role="out_file", ok={"missing": NEW_FILE}),
         "checkpoint": Text(given={"empty": "", "text": "bogus", "-1": "-1", "absent": "99"}),
         "complete": Count(ok={"0": "the default: samples, no completion"}),
@@ -425,16 +433,19 @@ SCRIPTS = {
 FIELD_TUPLE = {"empty": "()", "text": "bogus", "short": "(1,)"}
 FIELD_TEXT = {"empty": "", "unknown": "bogus"}
 IGNORED = "read by cifar10 only: a run of bytes ignores it"
+LONG = "a long run, not a wrong one: it checkpoints, stops and resumes at any time"
+RARE = "an interval longer than the run: a count compared with the step, nothing allocated"
 CONFIG = {
-    "seed": Count(ok={"0": "a seed"}),
-    "total_steps": Count(),
+    "seed": Count(ok={"0": "a seed", "max": "a seed (int32)"}),
+    "total_steps": Count(ok={"max": LONG}),
     "batch_size": Count(),
-    "log_every": Count(),
-    "eval_every": Count(),
-    "eval_batches": Count(ok={"0": "<= 0: every batch (documented)",
+    "log_every": Count(ok={"max": RARE}),
+    "eval_every": Count(ok={"max": RARE}),
+    "eval_batches": Count(ok={"max": "at most every batch of the split is read",
+                              "0": "<= 0: every batch (documented)",
                               "-1": "<= 0: every batch (documented)"}),
-    "checkpoint_every": Count(),
-    "keep_checkpoints": Count(),
+    "checkpoint_every": Count(ok={"max": RARE}),
+    "keep_checkpoints": Count(ok={"max": "every checkpoint kept: a count, nothing allocated"}),
     "profile_steps": Text(given=FIELD_TUPLE, ok={"empty": "(): no profile, the default"}),
     "context_stages": Text(given=FIELD_TUPLE, ok={"empty": "(): the full context throughout"}),
     "optimizer.lr": Number(ok={"huge": "any positive rate is AdamW's; one that diverges stops "
@@ -460,11 +471,13 @@ CONFIG = {
     "data.manual_dir": Path(role="in_dir", ok={k: IGNORED for k in ("missing", "file",
                                                                      "folder")}),
     "data.split_fractions": Text(given=FIELD_TUPLE),
-    "data.seed": Count(ok={"0": "a seed, the default"}),
-    "data.embedded_bytes": Count(),
-    "data.embedded_seed": Count(ok={"0": "a seed, the default"}),
+    "data.seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
+    "data.embedded_bytes": Count(ok={"max": "a 2 GiB stream: minutes to generate, and it fits "
+                                            "here (setup.complete refuses one that does not)"}),
+    "data.embedded_seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
     "data.embedded_row_width": Count(),
-    "data.embedded_copy_distance": Count(),
+    "data.embedded_copy_distance": Count(ok={"max": "no row is a copy: a stream without "
+                                                             "long-range structure"}),
     "model.vocab_size": Count(),
     "model.seq_len": Count(),
     "model.num_layers": Count(),
@@ -475,7 +488,7 @@ CONFIG = {
     "model.dropout": Number(ok={"0": "no dropout, the default"}),
     "model.pattern": Text(given=FIELD_TEXT),
     "model.stride": Count(),
-    "model.c": Count(),
+    "model.c": Count(ok={"max": "read by the fixed pattern only: quickstart is strided"}),
     "model.local_width": Count(),
     "model.summary": Text(given=FIELD_TEXT),
     "model.mode": Text(given=FIELD_TEXT),

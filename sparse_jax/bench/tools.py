@@ -155,10 +155,10 @@ def peak_rss_gb() -> float:
 
 
 def available_memory_gb() -> float:
-    """Memory the kernel could give a new allocation now (``MemAvailable``), in GB; Linux."""
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
+    """Memory the kernel could give a new allocation now (``cli.available_memory``), in GB."""
+    from sparse_jax import cli
+
+    return (cli.available_memory() or 0) / 1e9
 
 
 def matmul_size() -> int:

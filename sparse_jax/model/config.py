@@ -127,6 +127,9 @@ class ModelConfig:
             except (ValueError, OSError) as e:
                 fail("attention", f"{str(e).splitlines()[0]}; or set attention='auto' (the "
                                   "same numbers, on the XLA path where the kernels cannot run)")
+        if self.local_width is not None and self.local_width > self.seq_len:
+            fail("local_width", f"exceeds seq_len={self.seq_len}: a window wider than the "
+                                "context (each query's keys are listed)")
         if self.local_width is not None and self.pattern not in ("strided", "local"):
             fail("local_width", f"applies to pattern strided/local, not {self.pattern!r}")
         if self.summary != "paper" and self.pattern != "fixed":

@@ -15,8 +15,8 @@ from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention.spec import PatternSpec
+from sparse_jax.cli import available_memory
 from sparse_jax.model.config import DTYPES, ModelConfig
-from sparse_jax.model.decode import available_memory
 from sparse_jax.model.transformer import SparseTransformer, position_table_sizes
 from sparse_jax.run.optim import abstract_train_state
 
@@ -43,20 +43,36 @@ def machine_memory() -> int | None:
     return sum(limits) if limits and all(limits) else None
 
 
-def check_state_fits(cfg: ModelConfig, memory: int | None = None) -> None:
-    """ValueError (one line, before anything is allocated) when the parameters and AdamW's two
-    moments alone cannot fit `memory` bytes (default: `machine_memory`): a size that passes
-    every field's own check but could never train here (vocab_size = 2^31 - 1 once ran into an
-    out-of-memory traceback at initialisation)."""
+def least_bytes(cfg: ModelConfig, batch_size: int = 1, training: bool = True) -> int:
+    """A lower bound on the memory a step of `cfg` on `batch_size` sequences takes, by formula
+    (nothing built): training, the parameters and AdamW's two moments (`STATE_COPIES`) and each
+    layer's float32 input of every token (what even whole-block remat keeps, `describe`);
+    inference, the parameters and each layer's keys and values of every token (the decoder's
+    cache)."""
+    n, d, layers = cfg.seq_len, cfg.d_model, cfg.num_layers
+    params = param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize
+    if training:
+        return params * STATE_COPIES + batch_size * n * layers * 4 * d
+    c = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    return params + batch_size * n * layers * (cfg.qk_dim + d) * c
+
+
+def check_fits(cfg: ModelConfig, batch_size: int = 1, training: bool = True,
+               fields: str = "model.vocab_size, model.d_model, model.num_layers, "
+                             "model.ff_mult, model.seq_len or batch_size",
+               memory: int | None = None) -> None:
+    """ValueError (one line, before anything is allocated) when `least_bytes` exceeds `memory`
+    (default: `machine_memory`): a size that passes every field's own check but could never run
+    here (vocab_size = 2^31 - 1 once ran into an out-of-memory traceback at initialisation).
+    `fields`: what to lower, as the caller's flags name them."""
     memory = machine_memory() if memory is None else memory
-    count = param_count(cfg)
-    need = count * STATE_COPIES * jnp.dtype(cfg.param_dtype).itemsize
+    need = least_bytes(cfg, batch_size, training)
     if memory is not None and need > memory:
-        raise ValueError(f"the model's {count:,} parameters and AdamW's two moments need at "
-                         f"least {need / 2**30:,.1f} GiB, and this machine has "
-                         f"{memory / 2**30:,.1f} GiB for them; lower model.vocab_size, "
-                         "model.d_model, model.num_layers, model.ff_mult or model.seq_len "
-                         "(scripts/describe.py shows the sizes)")
+        raise ValueError(f"the model ({param_count(cfg):,} parameters, {batch_size:,} "
+                         f"sequence(s) of {cfg.seq_len:,}) needs at least {need / 2**30:,.1f} "
+                         f"GiB to {'train' if training else 'run'}, and this machine has "
+                         f"{memory / 2**30:,.1f} GiB; lower {fields} (scripts/describe.py "
+                         "shows the sizes)")
 
 
 @functools.lru_cache(maxsize=64)
