@@ -172,7 +172,7 @@ def main(argv):
         rows, lines = _model(devices, _MODEL_STEPS.value)
         _write(rows, lines, "Context parallelism: the model trained split and unsplit")
         return
-    from sparse_jax.bench import context_costs
+    from sparse_jax.bench import context_costs, tools
 
     specs = _specs()
     rows = context_costs.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
@@ -185,7 +185,8 @@ def main(argv):
              "| pattern | n | P | sent: forward | + backward | arguments | outputs | "
              "temporaries | total | total / P=1 | seconds |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    first = {}
+    first = {(r["pattern"], r["n"]): r["memory"]["total"] for r in rows  # "total / P=1": only
+             if r.get("memory") and r["devices"] == 1}  # against the P=1 row, when measured
     for row in rows:
         if "skipped" in row:
             lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
@@ -194,9 +195,9 @@ def main(argv):
         memory = row.get("memory")
         cells = [""] * 5
         if memory:
-            base = first.setdefault((row["pattern"], row["n"]), memory["total"])
             cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
-            cells.append(f"{memory['total'] / base:.3f}")
+            ratio = tools.ratio(memory["total"], first.get((row["pattern"], row["n"])))
+            cells.append(tools.NOT_MEASURED if ratio is None else f"{ratio:.3f}")
         cells.append(f"{row['seconds']:.3f}" if "seconds" in row else "")
         lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
                      f"{_mib(row['sent']['forward']['total'])} | "
