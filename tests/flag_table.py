@@ -290,8 +290,8 @@ SCRIPTS = {
                                       "time, as train.py's total_steps"}),
         "minutes": Number(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"), ok={
-            "missing": NEW, "folder": EMPTY_FOLDER,
-            "output": "running again rewrites the tables of the runs it reuses"}),
+            "missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "compile_report": Script(["--tools={tmp}/gpu_tools", "--programs=ci"], work=[], flags={
         "target": Choice(),
