@@ -23,7 +23,9 @@ every flag without doing any work (no compile, no child process, nothing written
 is refused before any is done. Every script's flags are also held, when they are parsed, to the
 rules no script waives (`check_flag_values`: numbers finite, integers within int32, lists not
 empty and without repeats unless `list_rules` allows it), and the checks of paths (`input_file`,
-`input_dir`, `output_file`, `output_dir`) and of lists of numbers (`integers`, `numbers`) here
+`input_dir`, `output_file`, `output_dir`: no file a script did not write in this run is
+replaced without its --overwrite), of lists of numbers (`integers`, `numbers`), of time limits
+(`seconds`: at most `MAX_SECONDS`, a week) and of sizes against the memory here (`memory_fits`)
 name the flag in their one line. tests/bad_flags.py tries every flag of every script with the
 values users mistype.
 
