@@ -17,12 +17,13 @@ TPU: ci, attention16k, attention64k, tiles8k, tiles16k, bands16k, splash8k, spla
 forward16k, steps, all) or program names
 (--list prints them). On a v5p or v6e each TPU program also gets libtpu's static cycle estimate
 per Mosaic kernel (--nocycles: not; a v5e's profiler aborts, so it has none), and the table
-sets our kernels beside splash attention's on the same mask. The dense rows
-need cuDNN in the tools folder too (`pip install --no-deps --target .gpu_tools
-nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without it they compile XLA's unfused attention and say
-so. --check exits 1 when a program does not compile or a Triton kernel spills registers (on a
-TPU: has no Mosaic kernel or does not fit), naming each. Each program compiles in its own
-process with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
+sets our kernels beside splash attention's on the same mask. The dense rows need cuDNN in the
+tools folder too (`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1
+GB); without it they compile XLA's unfused attention and their row says it fell back (a
+dense@cudnn program named alone in --programs is refused instead: it asks for cuDNN itself).
+--check exits 1 when a program does not compile or a Triton kernel spills registers (on a TPU:
+has no Mosaic kernel or does not fit), naming each. Each program compiles in its own process
+with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
 $SPARSE_JAX_TPU_TOOLS or .tpu_tools) on its path. Writes results.md and results.json to
 --output_dir (a folder that holds results is refused without --overwrite). These are the
 compiler's figures; no time is measured (sparse_jax/bench/compiled.py and compiled_tpu.py say
