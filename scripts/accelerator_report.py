@@ -4,14 +4,18 @@ r"""Measures on a GPU (or TPU) everything this project can show there, in about 
   python scripts/accelerator_report.py --dry_run --output_dir=/tmp/dry   # CPU, toy sizes
 
 Stages, in order, each in its own process with its own time cap (seconds), so that a failure or
-a hang in one costs one line and the rest still run: env 15 (device, driver, CUDA and package
-versions, a bf16 matmul), tests 75 (the kernel tests of tests/test_kernel.py, compiled for the
-device), attention 95 (strided and fixed through Pallas against cuDNN's dense attention, bf16
-forward + backward at 16k, then the kernel variants side by side at 16k, then 64k with the
-likeliest winners, 8k and 32k; the fastest kernel per pattern and length), flex 70 (PyTorch
-FlexAttention with the same block masks, and PyTorch's dense SDPA), train_step 110 (the one-GPU
-preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and Pallas
-against dense), preset 175 (configs/bytes.py:size=gpu trained on the code corpus with the
+a hang in one costs one line and the rest still run. A plain call (caps summing to 535 s): env 15
+(device, driver, CUDA and package versions, a bf16 matmul), tests 75 (the kernel tests of
+tests/test_kernel.py, compiled for the device), attention 135 (strided and fixed through Pallas
+against cuDNN's dense attention, bf16 forward + backward at 16k, jax's FlashAttention-3 on
+Mosaic GPU beside cuDNN, then the kernel variants side by side at 16k, then 64k with the
+likeliest winners, 8k and 32k; the fastest kernel per pattern and length; each Pallas row beside
+its committed prediction, docs/cost_model.md), counters 80 (Nsight Compute), train_step 130 (the
+one-GPU preset's step, and the paper's enwik8 model at 16,384 bytes: fixed through XLA and
+Pallas against dense, a kernel profile of the fixed and dense steps, a dense check of one step
+through cuDNN, XLA and the reference), million 100. Named with --stages: flex 70 (PyTorch
+FlexAttention with the same block masks, and PyTorch's dense SDPA), preset 175
+(configs/bytes.py:size=gpu trained on the code corpus with the
 faster implementation, for at most 90 s of steps and as many as the measured step says fit
 before the cap with a 1.2x margin; its test bits by copy distance, a 1,000-byte sample).
 One stage runs only when named, as it needs a call of its own: study 450 (the long-context
@@ -73,10 +77,10 @@ _WHEELS = flags.DEFINE_string("wheels", None, "A folder of wheels to install fir
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Every stage at toy size on the CPU (Pallas in "
                              "interpret mode), in a few minutes: checks the command end to end.")
 _STAGES = flags.DEFINE_list("stages", None, "Stages to run (default: env, tests, attention, "
-                            "flex, train_step, preset, in that order; study only when named, "
-                            "e.g. env,study).")
+                            "counters, train_step, million, in that order; flex, preset and "
+                            "study only when named, e.g. env,study).")
 _BUDGET = flags.DEFINE_float("budget_s", None, "Seconds for the whole run (default: the sum of "
-                             "the stages' caps, 540; 260 for --dry_run).")
+                             "the stages' caps, 535 for the plain call).")
 _CAPS = flags.DEFINE_list("caps", None, "Stage caps to change, as STAGE=SECONDS (e.g. "
                           "tests=150,flex=110).")
 _PROFILE = flags.DEFINE_bool("profile", False, "Also write jax.profiler traces of a few steps "

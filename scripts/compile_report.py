@@ -11,8 +11,8 @@ VMEM); per program XLA's planned memory against the device's and the compile tim
   pip install --no-deps --target .tpu_tools -r requirements-tpu-compile.txt
   python scripts/compile_report.py --target=v5e --programs=ci --check   # its TPU check
 
---programs takes groups (GPU: attention16k, attention64k, attention8k, attention32k, reference16k,
-steps, study, million, ci, all;
+--programs takes groups (GPU: attention16k, attention64k, attention8k, attention32k, onepass,
+reference16k, gathered, steps, study, million, ci, all;
 TPU: ci, attention16k, attention64k, tiles8k, tiles16k, bands16k, splash8k, splash16k, splash64k,
 forward16k, steps, all) or program names
 (--list prints them). On a v5p or v6e each TPU program also gets libtpu's static cycle estimate

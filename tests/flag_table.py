@@ -331,6 +331,12 @@ SCRIPTS = {
         "output_json": Path(role="out_file", ok={"missing": NEW_FILE}),
         "overwrite": Switch(),
         "starts": Count(),
+        "measured": Items(item="h200_2026-11-28={repo}/docs/benchmarks/h200_2026-11-28/"
+                               "report_results.json"),
+        "static": Items(item="{repo}/docs/benchmarks/compiled_h100/results.json"),
+        "predictions": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "patterns": Items(item="fixed:128:32@pallas"),
+        "lengths": Items(item="16384", numbers=True),
     }),
     "describe": Script(["--config={repo}/configs/quickstart.py",
                         "--config.data.path={repo}/data/kjv.html.gz"], {

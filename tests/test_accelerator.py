@@ -84,9 +84,10 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
         assert stage["status"] == "ok" or torch_missing, (name, stage, proc.stdout[-3000:])
     stages = report["stages"]
     assert stages["tests"]["counts"]["passed"] >= 1 and stages["tests"]["counts"]["failed"] == 0
-    assert all("median_ms" in r for r in stages["attention"]["rows"]), stages["attention"]
+    assert all("median_ms" in r or "not_measured" in r and "mgpu" in r["pattern"]
+               for r in stages["attention"]["rows"]), stages["attention"]
     assert {r["pattern"].split("@")[1].split(":")[0] for r in stages["attention"]["rows"]} == {
-        "xla", "pallas"}
+        "xla", "pallas", "mgpu"}
     rounds = report["plan"]["attention"]["rounds"]  # timed interleaved with the default kernel
     by_pattern = {r["pattern"]: r for r in stages["attention"]["rows"]}
     variant = by_pattern["strided:16@pallas:16x16:chained:h2:one_loop"]
@@ -94,6 +95,14 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert len(variant["round_ratios"]) == rounds
     assert variant["ratio_min"] <= variant["ratio"] <= variant["ratio_max"]
     assert by_pattern["dense@xla"]["anchor"] is None and "ratio" not in by_pattern["dense@xla"]
+    # jax's Mosaic GPU kernel has no GPU here: said, not timed; the forward-only row timed
+    assert by_pattern["dense@mgpu"]["not_measured"].startswith("Mosaic GPU kernels run on")
+    assert by_pattern["dense@xla:fwd"]["pass"] == "fwd" and by_pattern["dense@xla:fwd"][
+        "median_ms"] > 0
+    profiled = stages["train_step"]["rows"][0]["kernel_profile"]  # a CPU trace, read back
+    assert profiled["kernels"] > 0 and profiled["top"] and profiled["kernels_ms"] > 0
+    check = stages["train_step"]["dense_check"]  # no cuDNN here: XLA against the reference
+    assert check["diffs"]["xla"]["within"] and "not_measured" in check["legs"]["cudnn"]
     assert stages["train_step"]["rows"][0]["tokens_per_s"] > 0
     profile = stages["train_step"]["profiles"][0]
     assert glob_count(profile["path"], "*.xplane.pb") >= 1, profile
@@ -114,6 +123,9 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert verdict[0].upper() + verdict[1:] + "." in summary and "| preset | ok |" in summary
     assert "None" not in summary
     assert "Steps: " in summary and "Profile of tiny strided@xla" in summary
+    assert "Kernel profile of tiny strided@xla" in summary
+    assert "Dense check: xla equals the reference within bf16's tolerance" in summary
+    assert "| dense@mgpu | 256 | — |" in summary
     assert _left_in(tmp_path / "tmp") == []
 
 
@@ -318,7 +330,8 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     assert preset.plan_steps(p, [], train_s)[:2] == (p["default_steps"], "xla")
     # a kernel variant that wins the step trains the preset (model.kernel, as train.py takes it)
     rows.append({"name": "preset strided@pallas:terms", "step_s": 0.04, "compile_s": 16})
-    assert preset.plan_steps(p, rows, train_s)[1] == "pallas:terms"
+    variant = {**p, "preset_cases": [*p["preset_cases"], "preset strided@pallas:terms"]}
+    assert preset.plan_steps(variant, rows, train_s)[1] == "pallas:terms"
     import configs
     from sparse_jax.model.config import model_config
 
@@ -345,11 +358,9 @@ def test_the_full_plan_fits_nine_minutes_and_every_stage_has_its_parts():
     assert set(accelerator.MODULES) <= set(plan)
     groups = plan["attention"]["groups"]  # the goal's length first, its variants next
     assert groups[0]["seq_len"] == groups[1]["seq_len"] == 16384
-    from sparse_jax.bench.attention import parse_pattern
-
     for group in groups:  # every planned pattern string parses
         for pattern in group["patterns"]:
-            parse_pattern(pattern, group["seq_len"])
+            attention.parse(pattern, group["seq_len"])
     names = {c["name"] for c in plan["train_step"]["cases"]}
     assert set(plan["preset"]["preset_cases"]) <= names and set(
         plan["train_step"]["profile"]) <= names

@@ -24,6 +24,7 @@ from flax import nnx
 from sparse_jax import attention as A
 from sparse_jax.attention import blocks as K
 from sparse_jax.attention import patterns as P
+from sparse_jax.attention import tiles
 from sparse_jax.attention.fused import _terms, compiler_for, sequence_attention, sparsity
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.model.config import ModelConfig
@@ -158,17 +159,20 @@ VARIANT_TRITON_CASES = [  # spec, seq_len, head dim, dtype, tiles
     (PatternSpec("strided", stride=128), 2048, 64, "bfloat16", K.BlockSizes(heads_per_program=4)),
     (PatternSpec("fixed", stride=128, c=32), 1024, 64, "bfloat16",
      K.BlockSizes(variant="chained", heads_per_program=2, one_loop=True)),
+    (PatternSpec("fixed", stride=128, c=32, summary="lra"), 1024, 64, "bfloat16",
+     K.BlockSizes.parse("chained:gathered:dkv128x128w8")),
 ]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_TRITON_CASES, ids=[
     f"{c[0]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
-    + ("-one_loop" if c[4].one_loop else "") for c in VARIANT_TRITON_CASES])
+    + ("-one_loop" if c[4].one_loop else "") + ("-gathered" if c[4].gathered else "")
+    for c in VARIANT_TRITON_CASES])
 def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     """Without a GPU: the variants lower through Triton (strided loads and stores, the head
-    group as a slice), three custom calls per term and, for the chained variant on
-    ``sparse_attention``'s [B, n, H, d] arrays, neither a transpose nor a log-sum-exp merge (an
-    exponential) left to XLA."""
+    group as a slice), three custom calls per term (gathered: four for both terms) and, for the
+    chained variant on ``sparse_attention``'s [B, n, H, d] arrays, neither a transpose nor a
+    log-sum-exp merge (an exponential) left to XLA; gathered leaves it no scatter either."""
     seq_major = sizes.variant == "chained"
     x = jax.ShapeDtypeStruct((1, seq_len, 4, d) if seq_major else (1, 4, seq_len, d),
                              jnp.dtype(dtype))
@@ -179,11 +183,40 @@ def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, size
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @__gpu$xla.gpu.triton(") == 3 * len(spec.terms())
+    calls = 4 if sizes.gathered else 3 * len(spec.terms())
+    assert text.count("custom_call @__gpu$xla.gpu.triton(") == calls
+    if sizes.gathered:
+        assert "stablehlo.scatter" not in text
     if sizes.variant == "chained":
         hlo = [line for line in text.splitlines() if "triton" not in line]
         assert not any("stablehlo.transpose" in line or "stablehlo.exponential" in line
                        for line in hlo)
+
+
+@pytest.mark.parametrize("spec,terms", [(PatternSpec("strided", stride=128), 2),
+                                         (PatternSpec("local", stride=128), 1)])
+def test_onepass_lowers_to_two_kernels_a_term_and_nothing_between(spec, terms):
+    """Without a GPU: the one-pass variant lowers through Triton to a forward and a backward
+    kernel per term (persistent grids of the H100's resident slots), on [B, n, H, d] arrays
+    with nothing left to XLA: no transpose, no merge (exponential), no delta (reduction), no
+    scaling of q or dq (multiply). (The compile check counts XLA's kernels: the loss's own.)"""
+    x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return A.sparse_attention(q, k, v, spec, "pallas",
+                                  K.BlockSizes(variant="onepass", num_stages=1))
+
+    with tiles.compiling_for("gpu"):
+        text = jax.jit(jax.grad(lambda *a: loss(*a).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2))).trace(x, x, x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton(") == 2 * terms
+    hlo = [line for line in text.splitlines() if "triton" not in line]
+    for op in ("transpose", "exponential", "reduce", "multiply", "select"):
+        assert not any(f"stablehlo.{op}" in line for line in hlo), op
+    with pytest.raises(ValueError, match="onepass serves band and column terms .* summary"):
+        A.sparse_attention(*qkv(64, 16, jnp.float32)[:3], PatternSpec("fixed", stride=16, c=4),
+                           "pallas", ONEPASS)
 
 
 TPU_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype
@@ -397,6 +430,29 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
      K.BlockSizes(16, 16, variant="chained", summary_q=32, summary_k=16)),
     (PatternSpec("fixed", stride=16, c=4, summary="lra"), 100, 64, "float32",
      K.BlockSizes(16, 16, summary_q=32, summary_k=32)),
+    # gathered (attention.pallas_gathered): both terms at once over the gathered summary keys;
+    # lengths that are not and are multiples of the tiles, both summary conventions, the band
+    # with residues (part="summary"), tiles over several rows (l = 12), own dk/dv tiles
+    (PatternSpec("fixed", stride=16, c=4), 90, 32, "float32",
+     K.BlockSizes(16, 16, variant="chained", gathered=True, heads_per_program=2)),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra", summary_block=1), 96, 32, "bfloat16",
+     K.BlockSizes(16, 16, variant="chained", gathered=True, summary_q=32, summary_k=16,
+                  dkv=(16, 32, 0))),
+    (PatternSpec("fixed", stride=12, c=3, part="summary", summary="lra"), 75, 32, "float32",
+     K.BlockSizes(16, 16, variant="chained", gathered=True)),
+]
+
+
+ONEPASS = K.BlockSizes(16, 16, variant="onepass")
+VARIANT_CASES += [  # the one-pass variant: every band and column pattern it serves
+    (PatternSpec("strided", stride=16), 117, 64, "float32", ONEPASS),  # paper: l + 1 keys
+    (PatternSpec("strided", stride=16, local_width=16), 128, 64, "bfloat16", ONEPASS),  # l
+    (PatternSpec("strided", stride=12, local_width=30), 96, 48, "float32", ONEPASS),
+    (PatternSpec("strided", stride=16, part="strided"), 75, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass")),
+    (PatternSpec("local", stride=24, local_width=24), 100, 64, "float32", ONEPASS),
+    (PatternSpec("strided", stride=32), 200, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass", one_loop=True)),
 ]
 
 
@@ -404,13 +460,16 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
     f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
     + ("-one_loop" if c[4].one_loop else "")
     + (f"-sum{c[4].summary_q}x{c[4].summary_k}" if c[4].summary_q else "")
-    for c in VARIANT_CASES])
+    + ("-gathered" if c[4].gathered else "") for c in VARIANT_CASES])
 def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
     """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
-    strided from sequence-order arrays; ``heads_per_program``: one list walk for two heads;
-    ``one_loop``: partial and full blocks in one loop)
-    gives the dense reference's output and gradients, at lengths that need padding (the
-    chained column term pads rows to its tile), tolerances as ``test_kernel_matches_dense``."""
+    strided from sequence-order arrays; the one-pass kernels, whose programs walk several
+    items each in interpret mode (``pallas_onepass.INTERPRET_PROGRAMS``), with q scaled and
+    head dims padded inside (d = 48); ``heads_per_program``: one list walk for two heads;
+    ``one_loop``: partial and full blocks in one loop; ``gathered``: the fixed pattern over its
+    gathered summary keys) gives the dense reference's output and gradients, at lengths that
+    need padding (the chained column term pads rows to its tile), tolerances as
+    ``test_kernel_matches_dense``."""
     q, k, v, cot = qkv(seq_len, d, jnp.dtype(dtype))
     kernel = lambda q, k, v: A.sparse_attention(q, k, v, spec, "pallas", sizes)  # noqa: E731
     got = out_and_grads(kernel, q, k, v, cot)
@@ -424,9 +483,40 @@ def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
         assert max(err) < 5e-2, err
 
 
+@pytest.mark.parametrize("spec,sizes", [
+    (PatternSpec("fixed", stride=128, c=32), K.BlockSizes.parse("chained:gathered:dkv128x128w8")),
+    (PatternSpec("fixed", stride=128, c=128, summary="lra"), K.BlockSizes.parse(
+        "16x32:chained:gathered")),
+    (PatternSpec("fixed", stride=12, c=3, summary="lra"), K.BlockSizes.parse(
+        "32x16:chained:gathered:sum64x16:dkv16x32"))], ids=["paper", "whole-row", "l12"])
+def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
+    """Every tile the gathered kernels load or store lies inside its array, from the host's copy
+    of their index arithmetic: interpret mode clamps a slice that overruns (the tests above
+    would not see it), a GPU reads out of bounds."""
+    from sparse_jax.attention import pallas_gathered as G
+
+    for n in (spec.stride * 3, 4096 + spec.stride):
+        p = G.plan(spec, n, compiler_for(sizes, "triton", interpret=True))
+        j = np.arange(p.length // p.band_k)
+        starts = np.stack([w[0] for w in G.read_windows(j, p)])
+        assert starts.min() >= 0 and starts.max() + p.band_k <= p.gathered, (n, p)
+        tables = G.tables(p)
+        dkv = p.for_dkv()
+        entries = p.length // p.block * p.per_row
+        assert len(tables["sparse_dkv_gathered"]) * dkv.bk + 2 * p.front == p.gathered
+        assert len(tables["sparse_dkv_gathered"]) * dkv.bk >= entries
+        i = np.arange(p.length // p.bq)  # forward and dq: gathered then band key tiles
+        assert (G._summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
+        assert (G._band_q(i, p)[1] * p.band_k <= p.length).all()
+        k = np.arange(len(tables["sparse_dkv_gathered"]))  # dk/dv: the query tiles walked
+        _, whole, end = G._summary_k(k, dkv)
+        assert end == p.length // dkv.bq and np.all(whole <= end)
+        assert (G._band_k(j, p)[1] * p.band_q <= p.length).all()
+
+
 def test_chained_log_sum_exp_matches_dense():
-    """The chained variant's log-sum-exp is the joint one over every term's keys, also on
-    sequence-major arrays."""
+    """The chained (and one-pass) variant's log-sum-exp is the joint one over every term's
+    keys, also on sequence-major arrays."""
     spec, n = PatternSpec("strided", stride=16), 64
     q, k, _, _ = qkv(n, 32, jnp.float32, heads=2)
     seq = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
@@ -439,6 +529,13 @@ def test_chained_log_sum_exp_matches_dense():
         got = sequence_attention(spec, q, k, k, sizes=sizes, return_lse=True, seq_major=True)
         np.testing.assert_allclose(got[0], seq(out), atol=1e-5)
         np.testing.assert_allclose(got[1], want.swapaxes(1, 2), atol=1e-5, rtol=0)
+    # the one-pass variant's, q scaled inside its kernels, on either layout
+    for seq_major, x, lse in ((True, seq, lambda a: a.swapaxes(1, 2)),
+                              (False, lambda a: a, lambda a: a)):
+        got = sequence_attention(spec, *(x(seq(a)) for a in (q * 2, k, k)), sizes=ONEPASS,
+                                 return_lse=True, seq_major=seq_major, scale=0.5)
+        np.testing.assert_allclose(got[0], x(out), atol=1e-5)
+        np.testing.assert_allclose(got[1], lse(want), atol=1e-5, rtol=0)
 
 
 def test_log_sum_exp_and_half_size_values():
@@ -478,6 +575,8 @@ def test_implementation_choice():
         K.BlockSizes(64, 32, 8, 3, variant="chained", heads_per_program=2, one_loop=True))
     with pytest.raises(ValueError, match="unknown kernel option"):
         parse_pattern("strided:128@pallas:fused", 1024)
+    assert parse_pattern("strided:128@pallas:onepass:s1", 1024)[2] == K.BlockSizes(
+        variant="onepass", num_stages=1)
     assert parse_pattern("strided:128@pallas:512x512:band128x4", 1024)[2] == K.BlockSizes(
         512, 512, band=128, band_group=4)
     assert K.BlockSizes.parse("band0", K.BlockSizes.for_backend("mosaic")).band == 0
@@ -492,6 +591,14 @@ def test_implementation_choice():
         K.BlockSizes(summary_q=64)
     with pytest.raises(ValueError, match="summary tiles 8x16 .* Triton needs at least 16"):
         compiler_for(K.BlockSizes(summary_q=8, summary_k=16), backend="triton", interpret=False)
+    assert parse_pattern("fixed:128:32@pallas:chained:gathered:dkv128x128w8", 1024)[2] == (
+        K.BlockSizes(variant="chained", gathered=True, dkv=(128, 128, 8)))
+    with pytest.raises(ValueError, match="gathered=True .* needs the chained variant"):
+        K.BlockSizes.parse("gathered")
+    with pytest.raises(ValueError, match="dkvQxKwN.*give it with gathered"):
+        K.BlockSizes.parse("chained:dkv64x64")
+    with pytest.raises(ValueError, match="chained.* needs the triton backend"):
+        compiler_for(K.BlockSizes(512, 512, variant="chained", gathered=True), backend="mosaic")
     with pytest.raises(ValueError, match="divide the 2 heads"):
         A.sparse_attention(*qkv(32, 8, jnp.float32)[:3], PatternSpec("strided", stride=8),
                            "pallas", K.BlockSizes(16, 16, heads_per_program=4))
@@ -548,11 +655,16 @@ def test_model_attention_option_and_mesh():
 def test_model_attention_kernel_variant_matches_dense():
     """``ModelConfig.kernel`` reaches the layers' kernel: the chained variant with two heads
     per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
-    default kernel's test above, the same shard_map); a bad option is refused in one line when
-    the config is built."""
+    default kernel's test above, the same shard_map), and so does the gathered fixed pattern with
+    a distinct summary for each head group; a bad option is refused in one line when the
+    config is built."""
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
+    assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1", on_mesh=False)
+    fixed = dict(base, pattern="fixed", c=8, rotary=False, stride=16, mode="multihead",
+                 distinct_summaries=True)  # two summary blocks, a head each
+    assert_model_matches_xla(fixed, "pallas", kernel="16x16:chained:gathered", on_mesh=False)
     with pytest.raises(ValueError, match="ModelConfig.kernel='h3'.*power of two"):
         ModelConfig(**base, kernel="h3")
 
@@ -567,6 +679,7 @@ BAD_KERNEL_OPTIONS = [  # (model.kernel, the one line's tail); the model has 4 h
     ("h2:h4", "'h2' and 'h4' both set the heads per program; give each option once"),
     ("64x64:32x32", "'64x64' and '32x32' both set the tiles; give each option once"),
     ("chained:chained", "'chained' is given twice; give each option once"),
+    ("onepass:h2", "kernel variant onepass walks one head a work item: leave out h2"),
 ]
 
 
@@ -597,6 +710,12 @@ def test_heads_per_program_are_checked_against_each_head_group():
             "ModelConfig.kernel='h4': h4 heads per program must divide the heads of each head "
             "group (2: the 4 heads split evenly over a layer's patterns); give h1, h2")):
         ModelConfig(**base, mode="multihead", kernel="h4")
+    with pytest.raises(ValueError, match=re.escape(  # the onepass variant serves no summary
+            "ModelConfig.kernel='onepass': kernel variant onepass serves band and column terms "
+            "(strided, local), not fixed(stride=8, c=2)'s summary term: give chained or terms")):
+        ModelConfig(**{**base, "pattern": "fixed", "c": 2}, kernel="onepass")
+    ModelConfig(**{**base, "pattern": "fixed", "c": 2, "num_layers": 1}, mode="interleaved",
+                kernel="onepass")  # its one layer attends fixed's block part alone
 
 
 def test_kernel_options_are_checked_for_the_platform_traced_for():

@@ -238,6 +238,44 @@ def test_remat_and_scan_change_neither_parameters_nor_outputs_nor_gradients():
                      grads_v, grads)
 
 
+def test_remat_attention_keeps_the_kernels_residuals_and_changes_nothing_computed(capsys):
+    """remat "attention" with the Pallas kernel (interpret mode here): the kernel's residuals (q,
+    k, v, output, log-sum-exp) are what each block saves beside its input, and the loss and
+    gradients equal the model's without remat; on the XLA path it saves what "full" does."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from sparse_jax.attention.fused import RESIDUALS
+
+    cfg = tiny(num_layers=2, pattern="fixed", attention="pallas", scan_layers=True)
+    x = tokens(n=17)
+    base = make(cfg)
+    loss, grads = loss_and_grads(base, x)
+    model = make(dataclasses.replace(cfg, remat="attention"))
+    loss_v, grads_v = loss_and_grads(model, x)
+    np.testing.assert_allclose(loss_v, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads_v, grads)
+
+    def saved(cfg):  # one line per residual the backward pass keeps
+        graphdef, state = nnx.split(make(cfg))
+        capsys.readouterr()
+        print_saved_residuals(lambda s: loss_bits(nnx.merge(graphdef, s)(x[:, :-1]),
+                                                  x[:, 1:]), state)
+        return capsys.readouterr().out.splitlines()
+
+    def scanned(cfg):  # what the scanned blocks keep: their input, and what the policy saves
+        return sorted(w.split(" from ")[0] for w in saved(cfg) if "output of scan" in w)
+
+    full, kept = (scanned(dataclasses.replace(cfg, remat=r)) for r in ("full", "attention"))
+    assert full == ["f32[2,2,16,16] output of scan"]  # each layer's input: [layers, B, n, d]
+    # and q, k, v, the output ([layers, B, n', H, d/H]) and the log-sum-exp: the 5 residuals
+    assert len(kept) == 6 and sum("[2,2,2," in w for w in kept) == 5, kept
+    assert RESIDUALS == "sparse_attention_residuals"
+    on_xla = dataclasses.replace(cfg, attention="xla")
+    assert scanned(dataclasses.replace(on_xla, remat="attention")) == scanned(
+        dataclasses.replace(on_xla, remat="full"))
+
+
 def test_bfloat16_compute_close_to_float32():
     """bf16 compute (float32 weights, residual stream, head and loss): logits within 3% of the
     logits' scale, the loss within 0.01 bits, of float32."""

@@ -107,8 +107,8 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
 
     if implementation == "pallas":  # [B, n', H, d]: the chained variant reads it as it is
         flat = lambda x: to_grid(x).reshape(batch, rows * block, heads, -1)  # noqa: E731
-        out = fused.sequence_attention(spec, flat(q * jnp.asarray(scale, q.dtype)), flat(k),
-                                        flat(v), sizes=block_sizes, seq_major=True)
+        out = fused.sequence_attention(spec, flat(q), flat(k), flat(v), sizes=block_sizes,
+                                        seq_major=True, scale=scale)
     else:  # q is scaled chunk by chunk: a pass over it saved
         out = grid_attention(spec, scale, implementation == "native", to_grid(q), to_grid(k),
                               to_grid(v))

@@ -44,7 +44,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.attention import pallas, patterns
+from sparse_jax.attention import pallas, pallas_gathered, patterns
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import ColumnTerm, SummaryTerm, Term
 from sparse_jax.attention.tiles import BACKENDS
@@ -52,12 +52,11 @@ from sparse_jax.attention.tiles import BACKENDS
 _FAR = 1 << 29  # segment of padding: queries get no key, keys reach no query (int32 safe)
 _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when listing blocks
 
-
-VARIANTS = ("terms", "chained")  # BlockSizes.variant: how the terms' kernels are combined
+VARIANTS = ("terms", "chained", "onepass")  # BlockSizes.variant: how the terms' kernels combine
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
 _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
 _OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
-                 "band": "the band tile", "summary_q": "the summary tiles",
+                 "band": "the band tile", "summary_q": "the summary tiles", "dkv": "dkv",
                  "heads_per_program": "the heads per program", "num_warps": "the warps",
                  "num_stages": "the stages"}  # what each kind of option in `parse` sets
 
@@ -70,10 +69,11 @@ class BlockSizes:
     serves (``heads_per_program``). Hashable: a static argument. Defaults: ``for_backend``.
 
     ``variant``: "terms" (each term's kernels in the term's own layout, float32 outputs merged
-    by log-sum-exp in XLA; both backends) or "chained" (Triton only: every kernel reads and
+    by log-sum-exp in XLA; both backends), "chained" (Triton only: every kernel reads and
     writes the sequence-order arrays, the column term with strided loads; each term's kernel
     resumes from the previous terms' float32 partial result and the last writes the final
-    output and gradients in the input dtype: no transposes and no merges in XLA).
+    output and gradients in the input dtype: no transposes and no merges in XLA) or "onepass"
+    (chained on persistent grids, a backward kernel a term: ``attention.pallas_onepass``).
     ``heads_per_program``: a power of two dividing the head count; a program (on a TPU, a grid
     step) walks its block list once for all its heads. ``one_loop``: a GPU program walks its
     partial and full blocks in one loop, masking every block, which Triton can pipeline (two
@@ -97,6 +97,8 @@ class BlockSizes:
     band_group: int = 16
     summary_q: int = 0
     summary_k: int = 0
+    gathered: bool = False  # the fixed pattern's gathered kernels (pallas_gathered.option)
+    dkv: tuple[int, int, int] = (0, 0, 0)  # gathered: its dk/dv program's tiles and warps
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -114,10 +116,10 @@ class BlockSizes:
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
         blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
-        tiles; e.g. "64x64:chained:h2", "chained:sum128x64",
-        "512x512:band128x4". An
-        option given twice, or two that set the same thing ("terms:chained", "h2:h4"), is
-        refused (ValueError), not resolved by order."""
+        tiles, ``gathered`` and ``dkvQxK[wN]`` (``pallas_gathered.option``); e.g.
+        "64x64:chained:h2", "512x512:band128x4", "chained:gathered:dkv128x128w8". An option
+        given twice, or two that set the same thing ("terms:chained", "h2:h4"), is refused
+        (ValueError), not resolved by order."""
         fields, given = {}, {}  # given: which option set each field
         for option in options.split(":"):
             if re.fullmatch(r"\d+x\d+", option):
@@ -136,9 +138,8 @@ class BlockSizes:
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
-            else:
-                raise ValueError(f"unknown kernel option {option!r} in {options!r}: give "
-                                 "QxK, terms, chained, hG, wN, sN, one_loop, bandTxG or sumQxK")
+            else:  # the gathered kernels' options, or an unknown one (ValueError)
+                names, values = pallas_gathered.option(option, options)
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -166,6 +167,7 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
+        pallas_gathered.check_options(self)
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \

@@ -1,7 +1,8 @@
 """A pattern through the Pallas kernels (``attention.pallas``), fused: each block term of the
 pattern in its own layout with its block lists (``attention.blocks``), the terms merged by
 their joint log-sum-exp ("terms") or chained, each kernel resuming from the previous term's
-partial results ("chained", GPU), and the custom VJP. ``sequence_attention`` is the entry point
+partial results ("chained", GPU; with ``gathered``, the fixed pattern's two terms at once in
+``attention.pallas_gathered``), and the custom VJP. ``sequence_attention`` is the entry point
 (``attention.sparse_attention(..., implementation="pallas")`` calls it); ``sparsity`` says how
 many block pairs a pattern visits.
 """
@@ -13,13 +14,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, measured, pallas, patterns, tiles
+from sparse_jax.attention import (
+    blocks,
+    measured,
+    pallas,
+    pallas_gathered,
+    pallas_onepass,
+    patterns,
+    tiles,
+)
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
 from sparse_jax.attention.tiles import NEG as _NEG
+
+# The name of the custom VJP's residuals (q, k, v, the output and its log-sum-exp) for
+# ``jax.checkpoint`` policies (``jax.ad_checkpoint.checkpoint_name``).
+RESIDUALS = "sparse_attention_residuals"
 
 # ---------------------------------------------------------------------------------------------
 # The terms of a pattern, merged; the custom VJP.
@@ -125,6 +139,12 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
     log-sum-exp [B, n, H] if ``seq_major``."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
+    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    if gathered:  # both terms at once (attention.pallas_gathered)
+        q, k, v = (_pad_to(x, gathered.length, axis) for x in (q, k, v))
+        out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in pallas_gathered.forward(
+            compiler, gathered, q, k, v, seq_major))
+        return out, lse[..., 0]
     length, plan = _chain(spec, n // spec.block, compiler)
     q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
     state = ()
@@ -160,6 +180,67 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
     return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in (*dq, *dkv))
 
 
+def check_onepass(spec: PatternSpec, heads_per_program: int) -> None:
+    """ValueError (one line) where the one-pass variant cannot run: a summary term (the fixed
+    pattern's), or heads per program (its items are one head each)."""
+    if any(isinstance(term, SummaryTerm) for term in spec.terms()):
+        raise ValueError(f"kernel variant onepass serves band and column terms (strided, "
+                         f"local), not {spec}'s summary term: give chained or terms")
+    if heads_per_program != 1:
+        raise ValueError(f"kernel variant onepass walks one head a work item: leave out "
+                         f"h{heads_per_program}")
+
+
+def _onepass(spec, n, compiler):
+    """The one-pass variant's plan (``pallas_onepass``): ``_chain``'s, each term as the
+    persistent kernels read it (``check_onepass`` first)."""
+    check_onepass(spec, compiler.heads_per_program)
+    length, plan = _chain(spec, n // spec.block, compiler)
+    return length, [(comp, pallas_onepass.Term(keep, lists, *at), layout.kind)
+                    for layout, keep, lists, comp, at in plan]
+
+
+def _onepass_forward(spec, compiler, scale, q, k, v, seq_major=False):
+    """``_chained_forward`` on the persistent kernels, q scaled by ``scale`` inside them;
+    log-sum-exp [..., 1]."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    length, plan = _onepass(spec, n, compiler)
+    q, k, v = (_pad_to(x, length, axis) for x in (q, k, v))
+    state = ()
+    for i, (comp, term, kind) in enumerate(plan):
+        state = pallas_onepass.forward(
+            comp, term, q, k, v, init=state, scale=scale,
+            dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
+    return tuple(jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in state)
+
+
+def _onepass_backward(spec, compiler, scale, seq_major, q, k, v, out, lse, d_out):
+    """Gradients of the one-pass variant: a kernel a term, each adding to the previous term's
+    float32 gradients, delta and the empty rows' log-sum-exp handled inside."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    length, plan = _onepass(spec, n, compiler)
+    q, k, v, out, lse, do = (_pad_to(x, length, axis)
+                             for x in (q, k, v, out, lse, d_out.astype(v.dtype)))
+    grads = ()
+    for i, (comp, term, kind) in enumerate(plan):
+        grads = pallas_onepass.backward(
+            comp, term, q, k, v, out, do, lse, init=grads, scale=scale,
+            dtype=q.dtype if i == len(plan) - 1 else jnp.float32, seq_major=seq_major, tag=kind)
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
+
+
+def _gathered_backward(plan, compiler, seq_major, q, k, v, out, do, lse):
+    """Gradients through ``pallas_gathered`` (both terms of the fixed pattern at once)."""
+    axis = 1 if seq_major else 2
+    n = q.shape[axis]
+    grads = pallas_gathered.backward(
+        compiler, plan, *(_pad_to(x, plan.length, axis) for x in (q, k, v, out, do,
+                                                                  lse[..., None])), seq_major)
+    return tuple(jax.lax.slice_in_dim(g, 0, n, axis=axis) for g in grads)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _attention(spec, compiler, variant, seq_major, q, k, v):
     return _attention_fwd(spec, compiler, variant, seq_major, q, k, v)[0]
@@ -170,11 +251,20 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
         out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)
     else:
         out, lse = _forward(spec, compiler, q, k, v)
+    # named, so that a remat policy can keep them (the model's remat="attention"): the backward
+    # then needs no second forward pass; the output too, or the primal output would be
+    # recomputed for the layers above (the names change no value)
+    q, k, v, out, lse = (checkpoint_name(x, RESIDUALS) for x in (q, k, v, out, lse))
     return out, (q, k, v, out, lse)
 
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
+    gathered = variant == "chained" and compiler.gathered and pallas_gathered.plan(
+        spec, q.shape[1 if seq_major else 2], compiler)
+    if gathered:  # delta and the log-sum-exp's fix in the dq program
+        return _gathered_backward(gathered, compiler, seq_major, q, k, v, out,
+                                  d_out.astype(v.dtype), lse)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
     lse = jnp.where(lse > _NEG / 2, lse, -_NEG)[..., None]  # no key: every probability 0
     do = d_out.astype(v.dtype)
@@ -201,6 +291,24 @@ def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _onepass_attention(spec, compiler, scale, seq_major, q, k, v):
+    """The one-pass variant, q scaled inside its kernels (no XLA kernel scales q or dq)."""
+    return _onepass_forward(spec, compiler, scale, q, k, v, seq_major)[0]
+
+
+def _onepass_fwd(spec, compiler, scale, seq_major, q, k, v):
+    out, lse = _onepass_forward(spec, compiler, scale, q, k, v, seq_major)
+    return out, (q, k, v, out, lse)
+
+
+def _onepass_bwd(spec, compiler, scale, seq_major, residuals, d_out):
+    return _onepass_backward(spec, compiler, scale, seq_major, *residuals, d_out)
+
+
+_onepass_attention.defvjp(_onepass_fwd, _onepass_bwd)
 
 
 def _pad_head(x, backend):
@@ -233,12 +341,14 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
     return pallas.Compiler(backend, interpret, sizes.block_q, sizes.block_k,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
-                                   sizes.band_group, sizes.summary_q, sizes.summary_k)
+                                   sizes.band_group, sizes.summary_q, sizes.summary_k,
+                                   sizes.gathered, sizes.dkv)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,
                        backend: str | None = None, interpret: bool | None = None,
-                       return_lse: bool = False, seq_major: bool = False):
+                       return_lse: bool = False, seq_major: bool = False,
+                       scale: float | None = None):
     """``softmax(q kᵀ + mask) v`` for the pattern on arrays [B, H, n, d] ([B, n, H, d] if
     ``seq_major``) with n a multiple of ``spec.block`` and q already scaled by 1/√d; returns
     the output like v (differentiable), float32 for ``sizes.variant`` "terms" and q's dtype for
@@ -246,7 +356,9 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     ([B, n, H]; a row with no key: -1e30; not differentiable). The chained variant reads
     ``seq_major`` arrays as they are; "terms" transposes them. ``sizes``, ``backend``,
     ``interpret``: ``compiler_for``, except that ``sizes`` None on a GPU is the options measured
-    fastest for the pattern at this length (``attention.measured``).
+    fastest for the pattern at this length (``attention.measured``). ``scale``: q not yet
+    scaled, scale it by this (inside the kernels for the "onepass" variant, which then returns
+    [B, n, H]-like arrays as "chained" does).
     """
     if sizes is None:  # the options measured fastest for this pattern and length (GPU)
         sizes = measured.default_sizes(*_target(backend, interpret), spec.kind,
@@ -257,13 +369,20 @@ def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None =
     if heads % compiler.heads_per_program:
         raise ValueError(f"BlockSizes.heads_per_program={compiler.heads_per_program} must "
                          f"divide the {heads} heads")
-    if seq_major and variant != "chained":  # the terms' layouts start from [B, H, n, d]
+    if seq_major and variant == "terms":  # the terms' layouts start from [B, H, n, d]
         swap = lambda x: x.swapaxes(1, 2)  # noqa: E731
         out = sequence_attention(spec, *map(swap, (q, k, v)), sizes=sizes, backend=backend,
-                                 interpret=interpret, return_lse=return_lse)
+                                 interpret=interpret, return_lse=return_lse, scale=scale)
         return tuple(map(swap, out)) if return_lse else swap(out)
     dv = v.shape[-1]
+    if scale is not None and variant != "onepass":
+        q, scale = q * jnp.asarray(scale, q.dtype), None
     q, k, v = (_pad_head(x, compiler.backend) for x in (q, k, v))
+    if variant == "onepass":
+        if return_lse:
+            out, lse = _onepass_forward(spec, compiler, scale, q, k, v, seq_major)
+            return out[..., :dv], lse[..., 0]
+        return _onepass_attention(spec, compiler, scale, seq_major, q, k, v)[..., :dv]
     if return_lse:
         if variant == "chained":
             out, lse = _chained_forward(spec, compiler, q, k, v, seq_major)

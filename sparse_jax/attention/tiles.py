@@ -68,6 +68,8 @@ class Compiler:
     band_group: int = 16  # band kernels' blocks a grid step
     summary_q: int = 0  # the summary term's tiles (BlockSizes.summary_q; 0: block_q)
     summary_k: int = 0  # (BlockSizes.summary_k; 0: block_k)
+    gathered: bool = False  # the summary term gathered (BlockSizes.gathered; Triton, chained)
+    dkv: tuple[int, int, int] = (0, 0, 0)  # its dk/dv program's tiles, warps (BlockSizes.dkv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ tables (``rank``, ``markdown``, ``problems``) in ``compiled_tables``; both are r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import sys
 import tempfile
 import time
 
+from sparse_jax.bench import compiled_work
 from sparse_jax.bench.compiled_output import (  # noqa: F401  re-exported
     TARGETS,
     TARGETS_DIR,
@@ -73,14 +73,24 @@ ATTENTION_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
 REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
                  "strided:128@pallas:chained:h2:one_loop", "strided:128@pallas:chained:h2",
                  "strided:128@pallas:h2")
-# The defaults (attention.measured: chained at 16k) and the other variant, terms.
+# The one-pass variant (attention.pallas_onepass), one stage: the forward's 3 blocks an SM,
+# the backward's 2 without spills (two stages: 2 and spills), as its persistent grid assumes.
+ONEPASS = "strided:128@pallas:onepass:s1"
+# The fixed pattern's gathered kernels (attention.pallas_gathered) at every length the cost
+# model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles.
+GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles) for n in (
+    8192, 16384, 32768, 65536) for tiles in ("", ":dkv128x128w8"))
+# The defaults (attention.measured: chained at 16k), the other variant, terms, onepass and the
+# fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
-               "attention 16k strided:128@pallas:terms")
+               "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8",
+               "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}")
 
 
 def programs() -> list[dict]:
     """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
-    16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), the training
+    16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), strided's
+    onepass kernels at 8k-64k (group "onepass", the report's 16k and 64k rows too), the training
     steps (train_step's cases) and the long-context study's runs. Each: name, group, kind and
     what to build."""
     from sparse_jax.bench.accelerator import attention, train_step
@@ -93,13 +103,24 @@ def programs() -> list[dict]:
                             ("attention8k", 8192, attention.BASELINES),
                             ("attention32k", 32768, attention.BASELINES)):
         for pattern in names:
+            if pattern == ONEPASS:  # the onepass group's, at every length
+                continue
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
                         **ATTENTION_SHAPE})
+    for n in (8192, 16384, 32768, 65536):
+        out.append({"name": f"attention {n // 1024}k {ONEPASS}", "group": "onepass",
+                    "kind": "attention", "pattern": ONEPASS, "seq_len": n, **ATTENTION_SHAPE})
     for pattern in REFERENCE_16K:
         out.append({"name": f"attention 16k {pattern}", "group": "reference16k",
                     "kind": "attention",
                     "pattern": pattern, "seq_len": 16384, **ATTENTION_SHAPE})
+    timed = {p["name"] for p in out}
+    for n, pattern in GATHERED:  # those the report does not time already
+        if f"attention {n // 1024}k {pattern}" not in timed:
+            out.append({"name": f"attention {n // 1024}k {pattern}", "group": "gathered",
+                        "kind": "attention", "pattern": pattern, "seq_len": n,
+                        **ATTENTION_SHAPE})
     for case in train_step.plan(False)["cases"]:
         out.append({"name": f"step {case['name']}", "group": "steps", "kind": "step",
                     "model": case["model"], "batch_size": case["batch_size"]})
@@ -114,8 +135,8 @@ def programs() -> list[dict]:
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
-    "attention32k", "reference16k", "steps", "study", "million", "ci" for the CI check's three,
-    "all"); ValueError naming an unknown one."""
+    "attention32k", "onepass", "reference16k", "gathered", "steps", "study", "million", "ci"
+    for the CI check's, "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -128,7 +149,7 @@ def select(names: list[str] | None) -> list[dict]:
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
                              f"attention16k, attention64k, attention8k, attention32k, "
-                             f"reference16k, steps, study, million "
+                             f"onepass, reference16k, gathered, steps, study, million "
                              f"or a "
                              f"name "
                              f"(--list prints them)")
@@ -138,59 +159,6 @@ def select(names: list[str] | None) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------
 # The child: one deviceless compile.
-
-
-def _tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2) -> dict:
-    """Per kernel name (``sparse_{forward,dq,dkv}_{kind}``): the key (or query) tiles each
-    program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
-    keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
-    outputs out; float32 partial results; no reuse through L2)."""
-    from sparse_jax.attention import fused, measured
-
-    # no options: the kernel compiles with the GPU's defaults chosen by measurement
-    sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
-    sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
-    compiler = fused.compiler_for(sizes, "triton", interpret=False)
-    rows = -(-n // spec.block)
-    chained = sizes.variant == "chained"
-    if chained:
-        _, plan = fused._chain(spec, rows, compiler)
-        terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
-    else:
-        terms = [(layout, lists, comp) for layout, _, lists, _, comp in
-                 fused._terms(spec, rows, compiler)]
-    d = max(16, 1 << (head_dim - 1).bit_length())
-    h = compiler.heads_per_program
-    groups = heads // h
-    out = {}
-    for index, (layout, lists, comp) in enumerate(terms):
-        bq, bk = comp.block_q, comp.block_k
-        last, resume = chained and index == len(terms) - 1, chained and index > 0
-        out_bytes = dtype_bytes if last else 4
-        for name, table, own, listed in (("forward", lists.forward, bq, bk),
-                                         ("dq", lists.forward, bq, bk),
-                                         ("dkv", lists.backward, bk, bq)):
-            visits = table[:, 0] + table[:, 1]
-            tiles = int(visits.sum())
-            if name == "forward":  # q own; k, v listed; o, lse out
-                own_in, per_visit = own * d * dtype_bytes, 2 * listed * d * dtype_bytes
-                own_out = own * d * out_bytes + own * 4
-            elif name == "dq":  # q, do, lse, delta own; k, v listed; dq out
-                own_in, per_visit = 2 * own * d * dtype_bytes + 2 * own * 4, \
-                    2 * listed * d * dtype_bytes
-                own_out = own * d * out_bytes
-            else:  # k, v own; q, do, lse, delta listed; dk, dv out
-                own_in = 2 * own * d * dtype_bytes
-                per_visit = 2 * listed * d * dtype_bytes + 2 * listed * 4
-                own_out = 2 * own * d * out_bytes
-            resume_in = (own_out * 4 // out_bytes) if resume and not (
-                name == "dkv" and layout.kind == "summary") else 0
-            per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
-            out[f"sparse_{name}_{layout.kind}"] = {
-                "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
-                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
-                "block_q": bq, "block_k": bk}
-    return out
 
 
 def build_program(program: dict, mesh):
@@ -219,7 +187,8 @@ def build_program(program: dict, mesh):
             def loss(q, k, v):
                 return sparse_attention(q, k, v, spec, implementation,
                                         sizes).astype(jnp.float32).sum()
-            work = _tile_work(spec, n, sizes, heads, d) if implementation == "pallas" else None
+            work = (compiled_work.tile_work(spec, n, sizes, heads, d)
+                    if implementation == "pallas" else None)
         return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x), work
     from flax import nnx
 
@@ -406,9 +375,8 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
                                     thunk["shared_memory"]))
             kernel["waves"] = programs / (kernel["blocks_per_sm"] * t.sms)
         if base in work:
-            kernel.update(tiles_mean=work[base]["tiles_mean"], tiles_max=work[base]["tiles_max"],
-                          hbm_bytes=work[base]["hbm_bytes"], block_q=work[base]["block_q"],
-                          block_k=work[base]["block_k"])
+            kernel.update({key: value for key, value in work[base].items()
+                           if key != "programs"})
         kernels.append(kernel)
     row["kernels"] = kernels
     row["max_spill_bytes"] = max((k["spill_bytes"] for k in kernels), default=0)

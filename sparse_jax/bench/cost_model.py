@@ -52,7 +52,9 @@ MEASURED = (("h200_2026-11-28", "docs/benchmarks/h200_2026-11-28/report_results.
             ("h200_2026-11-26", "docs/benchmarks/h200/results.json"),
             ("h100_2026-11-27", "docs/benchmarks/h100/report_full.md"))  # its table: no JSON
 STATIC = ("docs/benchmarks/compiled_h100/results.json",  # 16k and 64k, the report's variants
-          "docs/benchmarks/compiled_h100/lengths/results.json")  # 8k and 32k defaults
+          "docs/benchmarks/compiled_h100/lengths/results.json",  # 8k and 32k defaults
+          "docs/benchmarks/compiled_h100/onepass/results.json",  # strided onepass, 8k-64k
+          "docs/benchmarks/compiled_h100/gathered/results.json")  # fixed gathered, 8k-64k
 HELD_OUT = (("strided:128@pallas:chained:32x32", 16384),
             ("fixed:128:32@pallas:128x64:chained:w8", 16384),
             ("fixed:128:32@pallas:chained:64x32", 65536),
@@ -97,7 +99,8 @@ def measured_rows(root: str = REPO, paths=MEASURED) -> list[dict]:
             device = _device(data["stages"]["env"]["device_kind"])
             rows = [{"pattern": r["pattern"], "n": r["seq_len"], "ms": r["median_ms"],
                      "min_ms": r.get("min_ms"), "max_ms": r.get("max_ms")}
-                    for r in data["stages"]["attention"]["rows"] if "median_ms" in r]
+                    for r in data["stages"]["attention"]["rows"]
+                    if "median_ms" in r and r.get("pass", "fwdbwd") != "fwd"]
         else:  # the summary's attention table: | pattern | n | ms | ... | result |
             device = _device(re.search(r"^Device: (.+?) \(", text, re.M).group(1))
             rows = []
@@ -131,16 +134,22 @@ def _tiles(pattern: str) -> tuple[int, int]:
 def features(row: dict, pattern: str) -> dict:
     """What the model reads of a compiled program: per Triton kernel its programs, tiles per
     program (mean), blocks per SM, threads, spilled bytes, tile shape and flops per tile;
-    XLA's kernels (how many, their bytes); whether every tile is masked (``one_loop``)."""
+    XLA's kernels (how many, their bytes); whether every tile is masked (``one_loop``). A kernel
+    that is no forward, dq or dk/dv pass (``sparse_KIND_...`` with KIND not in ``PRODUCTS``: a
+    gather's own pass, e.g. the summary keys gathered once per layer) has no matrix products,
+    and one tile of work a program unless the compile's tile work says how many."""
     q, k = _tiles(pattern)
     kernels = []
     for kernel in row["kernels"]:
         bq, bk = kernel.get("block_q", q), kernel.get("block_k", k)
-        kind = kernel["name"].split("_")[1]
+        # a kernel of both backward passes (onepass) says its products a tile (on average)
+        products = kernel.get("products") or PRODUCTS.get(kernel["name"].split("_")[1], 0)
         kernels.append({"name": kernel["name"], "programs": kernel["programs"],
-                        "tiles": kernel["tiles_mean"], "blocks_per_sm": kernel["blocks_per_sm"],
+                        **({"items": kernel["items"]} if "items" in kernel else {}),
+                        "tiles": kernel.get("tiles_mean", 1.0),
+                        "blocks_per_sm": kernel["blocks_per_sm"],
                         "threads": kernel["threads"], "spill_bytes": kernel["spill_bytes"],
-                        "pairs": bq * bk, "flops": 2.0 * bq * bk * HEAD_DIM * PRODUCTS[kind]})
+                        "pairs": bq * bk, "flops": 2.0 * bq * bk * HEAD_DIM * products})
     return {"kernels": kernels, "xla_kernels": row["xla_kernel_bytes"]["kernels"],
             "xla_bytes": row["xla_kernel_bytes"]["bytes"], "one_loop": "one_loop" in pattern}
 
@@ -240,12 +249,15 @@ def groups(rows: list[dict]) -> list[dict]:
     return out
 
 
-def calibrate(root: str = REPO, held_out=HELD_OUT, starts: int = 24) -> dict:
+def calibrate(root: str = REPO, held_out=HELD_OUT, starts: int = 24, measured=MEASURED,
+              static_paths=STATIC) -> dict:
     """The model fitted on every measured row but the held-out programs', and what it says of
     each row: params, cost, rows (measured, predicted, ratio, held_out, within), groups, and the
-    shares within ``TARGET_WITHIN`` (all rows, held-out rows)."""
-    static = static_rows(root)
-    rows = measured_rows(root)
+    shares within ``TARGET_WITHIN`` (all rows, held-out rows). `measured`: the reports, as
+    ``MEASURED`` (a new report's folder joins with scripts/cost_model.py --measured);
+    `static_paths`: the compile reports, as ``STATIC``."""
+    static = static_rows(root, static_paths)
+    rows = measured_rows(root, measured)
     missing = sorted({(r["pattern"], r["n"]) for r in rows} - set(static))
     if missing:
         raise ValueError(f"no static figures for {missing}: compile them "

@@ -68,7 +68,9 @@ def run_model_case(case: dict) -> dict:
     """{"kind": "step"}: compiles one training step of case["model"] (ModelConfig fields) on
     random bytes, prints what it knows (compile time, XLA's buffer plan) in case the run goes
     out of memory, then times case["steps"] steps after a warm-up step; a plan over 80% of the
-    available memory is not run. {"kind": "compile"}: jit lower and compile seconds of the loss
+    available memory is not run. With case["trace_dir"], case["trace_steps"] (default 1) more
+    steps are traced there (jax.profiler) and "kernel_profile" says where their time went
+    (``kernel_profile.summarize``). {"kind": "compile"}: jit lower and compile seconds of the loss
     gradient at batch 1, without running it. case["seq"] > 1: the process's CPU is split into
     that many devices and each sequence's positions over them (a mesh of one seq axis, the
     model's context parallelism); XLA's figures are then per device."""
@@ -133,9 +135,20 @@ def run_model_case(case: dict) -> dict:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return {**result, "median_step_s": statistics.median(times), "step_s": times,
-            "peak_rss_gib": _peak_rss_gib(),
-            "device_peak_gb": tools.device_peak_memory_gb()}
+    result = {**result, "median_step_s": statistics.median(times), "step_s": times,
+              "peak_rss_gib": _peak_rss_gib(),
+              "device_peak_gb": tools.device_peak_memory_gb()}
+    if case.get("trace_dir"):  # after the timed steps: the trace cannot slow them
+        from sparse_jax.bench import kernel_profile
+
+        steps = case.get("trace_steps", 1)
+        try:
+            kernel_profile.trace_steps(run, steps, case["trace_dir"])
+            result["kernel_profile"] = kernel_profile.summarize(
+                kernel_profile.kernel_times(case["trace_dir"]), steps)
+        except Exception as e:  # noqa: BLE001  the timed steps stand; the profile says why
+            result["kernel_profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return result
 
 
 def _fmt(result: dict, key: str, spec: str = ".2f") -> str:

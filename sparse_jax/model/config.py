@@ -13,8 +13,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from sparse_jax.attention import IMPLEMENTATIONS, patterns, resolve_implementation, tiles
+from sparse_jax.attention import IMPLEMENTATIONS, fused, patterns, resolve_implementation, tiles
 from sparse_jax.attention.blocks import BlockSizes
+from sparse_jax.attention.fused import RESIDUALS
 from sparse_jax.attention.patterns import MODES
 from sparse_jax.attention.spec import PatternSpec, layer_specs
 
@@ -22,6 +23,7 @@ REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names(RESIDUALS),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 POS_EMBS = ("image", "text", "single", "none")
@@ -55,7 +57,7 @@ class ModelConfig:
     rotary_fraction: float = 1.0  #: share of each head's query/key features rotated (rest: none)
     shifted_heads: bool = False  #: strided column heads read keys/values 1..l back (not in paper)
     image_shape: tuple[int, int, int] = (32, 32, 3)  #: (rows, columns, channels): data, "image"
-    remat: str = "none"  #: none | full | dots (see module docstring)
+    remat: str = "none"  #: none | full | dots | attention (see module docstring)
     scan_layers: bool = False  #: jax.lax.scan over groups of layers
     dtype: str = "float32"  #: compute: float32 | bfloat16
     attention: str = "xla"  #: sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
@@ -180,6 +182,12 @@ class ModelConfig:
                      f"{self.num_heads} heads split evenly over a layer's patterns)")
             fail("kernel", f"h{sizes.heads_per_program} heads per program must divide {heads}; "
                            f"give {', '.join(fits)}")
+        if sizes is not None and sizes.variant == "onepass":
+            for spec in {s for specs in self.specs() for s in specs if s.kind != "dense"}:
+                try:
+                    fused.check_onepass(spec, sizes.heads_per_program)
+                except ValueError as e:
+                    fail("kernel", str(e))
         if self.shifted_heads:  # the pattern is strided (checked above)
             column_groups = {self.num_heads // len(specs) for specs in self.specs()
                              for spec in specs if _has_column(spec)}

@@ -22,9 +22,14 @@ Remat (``cfg.remat``, a named ``jax.checkpoint`` policy applied to each residual
 attention and feed-forward together): "none"; "full" = ``nothing_saveable`` (only each block's
 input is kept; the whole block is recomputed in the backward pass, ~4/3 of the FLOPs);
 "dots" = ``dots_with_no_batch_dims_saveable`` (keeps the projection matmul outputs, recomputes
-attention, norms and GeLU). On XLA:CPU (jax 0.10) remat saves memory only together with
-``scan_layers``: unrolled, the compiler drops jax's optimization barriers and schedules the
-recomputation early, so peak memory does not change (see scripts/benchmark_model.py).
+attention, norms and GeLU); "attention" = ``save_only_these_names`` of the Pallas attention's
+residuals (``attention.fused.RESIDUALS``: q, k, v, its output and log-sum-exp; 8 bytes per
+position and model dimension a layer in bfloat16) and nothing else: the block is recomputed but
+for the attention kernels' forward pass and the q, k, v projections (compiled for an H100, the
+paper's 16k step launches each forward kernel once instead of twice: docs/gpu_compile.md); on
+other attention implementations it is "full". On XLA:CPU (jax 0.10) remat saves memory only
+together with ``scan_layers``: unrolled, the compiler drops jax's optimization barriers and
+schedules the recomputation early, so peak memory does not change (scripts/benchmark_model.py).
 
 ``scan_layers``: the layers are grouped by the period of the schedule (1 merged/multihead,
 2 interleaved, len(schedule)) and ``jax.lax.scan`` runs over the groups, whose parameters are

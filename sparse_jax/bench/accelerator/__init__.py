@@ -22,14 +22,18 @@ named in the verdict.
   tests       tests/test_kernel.py with the kernels compiled (not interpreted): the dense
               reference checks at float32 and bfloat16; no test run is a failure
   attention   forward + backward, bfloat16, B=1 H=8 d=64: strided and fixed through
-              Pallas against cuDNN's fused dense attention at 16k, the kernel variants
-              side by side at 16k, then 64k, 8k and 32k
+              Pallas against cuDNN's fused dense attention at 16k, jax's FlashAttention-3 on
+              Mosaic GPU beside cuDNN (``mgpu``), the kernel variants side by side at 16k,
+              then 64k, 8k and 32k; each Pallas row beside its committed prediction
+              (``bench.predictions``)
   flex        the same patterns in PyTorch FlexAttention compiled with the same block mask
               (built compiled, without an n × n tensor), and PyTorch's fused dense attention
   train_step  a training step (loss, gradients, AdamW) of the paper's enwik8 model at 16,384
               bytes, batch 2: fixed through XLA and Pallas, and dense (cuDNN); also the one-GPU
-              preset's step, whose measured time sets the next stage's steps; with --profile,
-              jax.profiler traces of a few steps
+              preset's step, whose measured time sets the next stage's steps; a kernel profile
+              of the paper's fixed and dense steps and a dense check of one step through cuDNN,
+              XLA and the reference (``dense_check``); with --profile, jax.profiler traces of
+              a few steps
   preset      configs/bytes.py:size=gpu trained on the shipped code corpus with the faster
               implementation of the last stage, for as many steps as fit before the cap by the
               measured step with a margin (scripts/train.py), test bits with the byte classes

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+from sparse_jax.bench import predictions
+from sparse_jax.bench.accelerator import mgpu
 from sparse_jax.bench.accelerator.common import (
     TIME_UP,
     attention_flops,
@@ -25,7 +27,9 @@ from sparse_jax.bench.accelerator.common import (
 )
 
 # The H100 report: 67 s for 24 rows (~2.8 s a row with its compilation), two left out at 70.
-CAP, DRY_CAP = 125, 40  # 29 rows interleaved: 7 rounds of 3 runs each, after compiling
+# 34 rows interleaved: 7 rounds of 3 runs each, after compiling; the three Mosaic GPU / forward
+# rows at 16k ~10 s (cuDNN's forward compiles in ~1 s; jax's kernel compiles or refuses).
+CAP, DRY_CAP = 135, 60
 # A row compiled but not yet timed when the stage printed its results (a length's rows are timed
 # together, once all are compiled): what the row says if the stage stops there.
 NOT_TIMED = "compiled, not timed: the stage stopped first"
@@ -44,12 +48,16 @@ BASELINES = ["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas"]
 # compiled for an H100 with 248 bytes spilled in its dk/dv kernel; with 8 warps (no spill) or
 # 128 x 32 tiles it predicts 1.98 and 2.05 ms: not timed (docs/benchmarks/compiled_h100/
 # summary_tiles).
-VARIANTS_16K = ["fixed:128:32@pallas:chained:sum128x64",
+# strided's one-pass kernels (attention.pallas_onepass) and fixed's gathered ones
+# (attention.pallas_gathered), first: the cost model predicts onepass at 0.279 ms at 16k and
+# 1.24 ms at 64k on an H200, gathered at 1.12 and 13.8 ms (docs/cost_model.md).
+GATHERED = "fixed:128:32@pallas:chained:gathered:dkv128x128w8"
+VARIANTS_16K = ["strided:128@pallas:onepass:s1", GATHERED, "fixed:128:32@pallas:chained:sum128x64",
                 "strided:128@pallas:terms", "strided:128@pallas:chained:64x32",
                 "strided:128@pallas:chained:one_loop", "strided:128@pallas:chained:32x32",
                 "fixed:128:32@pallas:terms", "fixed:128:32@pallas:128x64:chained:w8",
                 "fixed:128:32@pallas:chained:64x32"]
-VARIANTS_64K = ["fixed:128:32@pallas:sum128x64",
+VARIANTS_64K = ["strided:128@pallas:onepass:s1", GATHERED, "fixed:128:32@pallas:sum128x64",
                 "strided:128@pallas:chained", "fixed:128:32@pallas:chained",
                 "strided:128@pallas:chained:64x32:one_loop", "fixed:128:32@pallas:chained:64x32"]
 VARIANTS_8K_32K = ["strided:128@pallas:terms", "fixed:128:32@pallas:terms",
@@ -62,12 +70,13 @@ def plan(dry_run: bool) -> dict:
     ``repeats`` runs."""
     if dry_run:
         return {"batch": 1, "heads": 2, "head_dim": 16, "rounds": 3, "repeats": 1, "groups": [
-            {"seq_len": 256, "patterns": ["dense@xla", "strided:16@xla",
+            {"seq_len": 256, "patterns": ["dense@xla", "dense@mgpu", "dense@mgpu:fwd",
+                                          "dense@xla:fwd", "strided:16@xla",
                                           "strided:16@pallas:16x16", "fixed:16:4@xla",
                                           "strided:16@pallas:16x16:chained:h2:one_loop"]},
             {"seq_len": 128, "patterns": ["fixed:16:4@pallas:16x32"]}]}
     return {"batch": 1, "heads": 8, "head_dim": 64, "rounds": 7, "repeats": 3, "groups": [
-        {"seq_len": 16384, "patterns": BASELINES},
+        {"seq_len": 16384, "patterns": BASELINES + mgpu.ROWS},
         {"seq_len": 16384, "patterns": VARIANTS_16K},
         {"seq_len": 65536, "patterns": [*BASELINES, *VARIANTS_64K]},
         {"seq_len": 8192, "patterns": [*BASELINES, *VARIANTS_8K_32K[:2]]},
@@ -80,7 +89,6 @@ def run(plan: dict) -> dict:
 
     from sparse_jax.attention import sparse_attention
     from sparse_jax.bench import tools
-    from sparse_jax.bench.attention import parse_pattern
 
     p = plan["attention"]
     peak = peak_tflops(jax.devices()[0].device_kind)
@@ -98,7 +106,9 @@ def run(plan: dict) -> dict:
                 row["error"] = TIME_UP
                 continue
             try:
-                spec, implementation, sizes = parse_pattern(row["pattern"], n)
+                spec, implementation, sizes, forward_only = parse(row["pattern"], n)
+                if forward_only:
+                    row["pass"] = "fwd"
                 if spec.kind == "dense":
                     def attend(q, k, v, implementation=implementation):
                         return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -106,10 +116,18 @@ def run(plan: dict) -> dict:
                 else:
                     def attend(q, k, v, spec=spec, implementation=implementation, sizes=sizes):
                         return sparse_attention(q, k, v, spec, implementation, sizes)
-                fn = jax.jit(jax.grad(lambda q, k, v, f=attend: f(q, k, v).astype(
-                    jnp.float32).sum(), argnums=(0, 1, 2)))
+                def build(f, forward_only=forward_only):
+                    return jax.jit(f) if forward_only else jax.jit(jax.grad(
+                        lambda a, b, c: f(a, b, c).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2)))
                 start = time.perf_counter()
-                compiled = fn.lower(q, k, v).compile()
+                if mgpu.is_mgpu(row["pattern"]):
+                    compiled = mgpu.compile_row(row, build, q, k, v)
+                    if compiled is None:  # refused, or no GPU here: said, never a base
+                        emit({"rows": done + of_n[:of_n.index(row) + 1]})
+                        continue
+                else:
+                    compiled = build(attend).lower(q, k, v).compile()
                 row["compile_s"] = time.perf_counter() - start
                 memory = compiled.memory_analysis()
                 row["planned_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
@@ -120,7 +138,8 @@ def run(plan: dict) -> dict:
                 calls[row["pattern"]], specs[row["pattern"]] = call, spec
             except Exception as e:  # noqa: BLE001  one line, and the next case runs
                 row["error"] = one_line(e)
-            emit({"rows": done + [r if "error" in r else {**r, "error": NOT_TIMED}
+            emit({"rows": done + [r if "error" in r or "not_measured" in r
+                                  else {**r, "error": NOT_TIMED}
                                   for r in of_n[:of_n.index(row) + 1]]})
         anchor_of = anchors(list(calls))
         try:
@@ -132,18 +151,29 @@ def run(plan: dict) -> dict:
             rounds = []
         stats = tools.interleaved_stats(rounds, anchor_of)
         for row in of_n:
-            if row["pattern"] not in stats or "error" in row:
+            if row["pattern"] not in stats or "error" in row or "not_measured" in row:
                 continue
             row.update(stats[row["pattern"]], anchor=anchor_of[row["pattern"]])
             keys = specs[row["pattern"]].mean_keys(n)
             tflops = attention_flops(p["batch"], p["heads"], n, keys, p["head_dim"]) / (
-                row["median_ms"] / 1e3) / 1e12
+                row["median_ms"] / 1e3) / 1e12 * (0.4 if row.get("pass") == "fwd" else 1.0)
             row.update(keys_per_query=keys, tflops=tflops,
                        of_peak=tflops / peak if peak else None,
                        device_peak_gb=tools.device_peak_memory_gb())
         done += of_n
         emit({"rows": done})
     return {"rows": done}
+
+
+def parse(pattern: str, n: int):
+    """A row's pattern as (spec, implementation, kernel sizes, forward only): ``parse_pattern``'s,
+    and the stage's own rows (``mgpu``: dense@mgpu, PATTERN:fwd)."""
+    from sparse_jax.bench.attention import parse_pattern
+
+    pattern, forward_only = mgpu.split(pattern)
+    if mgpu.is_mgpu(pattern):
+        return (*parse_pattern("dense", n)[:2], None, forward_only)
+    return (*parse_pattern(pattern, n), forward_only)
 
 
 def anchors(patterns: list[str]) -> dict[str, str | None]:
@@ -171,8 +201,8 @@ def summary(report: dict) -> list[str]:
     rows = stages.get("attention", {}).get("rows", []) + stages.get("flex", {}).get("rows", [])
     if not rows:
         return []
-    dense = {r["seq_len"]: r["median_ms"] for r in rows
-             if r["pattern"].startswith("dense@cudnn") and "median_ms" in r}
+    dense = {(r["seq_len"], r.get("pass") == "fwd"): r["median_ms"] for r in rows
+             if mgpu.split(r["pattern"])[0] == "dense@cudnn" and "median_ms" in r}
     a = report["plan"]["attention"]
     timing = (f"{a['rounds']} rounds after compilation, interleaved: each variant between two "
               "runs of its pattern's default kernel (a sample the median of "
@@ -185,20 +215,33 @@ def summary(report: dict) -> list[str]:
              "FLOPs 10·B·H·n·|S|·d (|S| the mean keys per query; forward alone: "
              "4·B·H·n·|S|·d); memory: XLA's plan (arguments, outputs, temporaries) or "
              "torch's peak:", "",
-             "| pattern | n | ms | / default | TFLOP/s | of bf16 peak | × vs cuDNN dense | "
-             "planned / peak GB | compile s | result |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pattern | n | ms | predicted ms | / predicted | / default | TFLOP/s | "
+             "of bf16 peak | × vs cuDNN dense | planned / peak GB | compile s | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    device = stages.get("env", {}).get("device_kind")
     for r in sorted(rows, key=lambda r: (r["seq_len"], r["pattern"])):
-        speedup = (dense[r["seq_len"]] / r["median_ms"]
-                   if r["seq_len"] in dense and "median_ms" in r else None)
+        base = dense.get((r["seq_len"], r.get("pass") == "fwd"))
+        speedup = base / r["median_ms"] if base and "median_ms" in r else None
         memory = r.get("planned_gb", r.get("device_peak_gb"))
-        name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd" else "")
+        name = r["pattern"] + (" (forward only)" if r.get("pass") == "fwd"
+                               and not r["pattern"].endswith(":fwd") else "")
+        predicted = predictions.cells(report.get("predictions"), "attention", r["pattern"],
+                                      r["seq_len"], device, r.get("median_ms"))
         lines.append(f"| {name} | {r['seq_len']} | {fmt(r.get('median_ms'))} | "
-                     f"{ratio_cell(r)} | "
+                     f"{' | '.join(predicted)} | {ratio_cell(r)} | "
                      f"{fmt(r.get('tflops'))} | {fmt(r.get('of_peak'), '.1%')} | "
                      f"{fmt(speedup)} | {fmt(memory)} | {fmt(r.get('compile_s'))} | "
-                     f"{r.get('error', 'ok')} |")
-    return lines + [""] + fastest(rows)
+                     f"{result_cell(r)} |")
+    return lines + [""] + mgpu.summary_lines(rows) + fastest(rows)
+
+
+def result_cell(row: dict) -> str:
+    """"ok", the row's error, or "not measured: why" (a kernel that refused, not a failure)."""
+    if "not_measured" in row:
+        return f"not measured: {row['not_measured']}"
+    if "error" in row:
+        return row["error"]
+    return "ok" + (f" ({row['dtype']}; {row['note']})" if row.get("note") else "")
 
 
 def ratio_cell(row: dict) -> str:

@@ -17,6 +17,7 @@ import time
 import zipfile
 
 from sparse_jax import cli
+from sparse_jax.bench import predictions
 from sparse_jax.bench.accelerator.common import REPO
 from sparse_jax.bench.accelerator.plan import CAPS, DRY_CAPS, MODULES, STAGES, plan_for
 from sparse_jax.bench.accelerator.summary import not_ok, summary_markdown
@@ -259,6 +260,9 @@ def run_report(output_dir: str, *, wheels: str | None = None, dry_run: bool = Fa
     plan = json.loads(json.dumps(plan or plan_for(dry_run)))
     report = {"dry_run": dry_run, "stages": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "command": " ".join(["python", *sys.argv]), "caps_s": caps, "budget_s": budget_s}
+    # the committed predictions, printed beside the measurements (docs/cost_model.md); a
+    # damaged file costs its own rows (said in results.md), not the loan
+    report["predictions"] = predictions.load(strict=False)
     scratch = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     previous = {}
     try:

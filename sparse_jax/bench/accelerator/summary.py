@@ -64,7 +64,23 @@ def summary_markdown(report: dict) -> str:
         lines.append(f"| {name} | {fmt(result.get('status'))} | "
                      f"{result.get('seconds', 0):.0f} | {note} |")
     lines.append("")
+    lines += prediction_lines(report)
     for name, module in MODULES.items():  # each returns [] without its figures
         if name != "env":
             lines += module.summary(report)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def prediction_lines(report: dict) -> list[str]:
+    """How the committed predictions held (``predictions.verdict``), or why none were read."""
+    from sparse_jax.bench import predictions
+
+    left_out = [f"Predictions not read: {e}" for e in (report.get("predictions") or {}).get(
+        "errors", ())]
+    stages = report["stages"]
+    measured = [("attention", r["pattern"], r["seq_len"], r["median_ms"])
+                for r in stages.get("attention", {}).get("rows", []) if "median_ms" in r]
+    measured += [("train_step", r["name"], None, r["step_s"] * 1e3)
+                 for r in stages.get("train_step", {}).get("rows", []) if "step_s" in r]
+    return predictions.verdict(report.get("predictions"), measured, stages.get(
+        "env", {}).get("device_kind")) + ([*left_out, ""] if left_out else [])

@@ -1,0 +1,187 @@
+r"""Predictions of kernels built but not yet measured, committed before a GPU times them: the
+calibrated cost model (``cost_model.predict`` with the fitted parameters,
+docs/benchmarks/cost_model/results.json) on each kernel's compile-report rows (static figures
+for an H100, compiled on a CPU), beside cuDNN's dense causal attention measured on an H200
+(docs/benchmarks/h200_2026-11-28): forward + backward, bf16, B = 1, H = 8, d = 64, at 8k, 16k,
+32k and 64k. Predictions, not measurements. Two tables:
+
+  python -m sparse_jax.bench.kernel_predictions strided \
+      docs/benchmarks/cost_model/kernels_strided.json
+  python -m sparse_jax.bench.kernel_predictions fixed docs/benchmarks/cost_model/kernels_fixed.json
+
+* ``strided``: the one-pass kernels (``attention.pallas_onepass``; compiled_h100/onepass), each
+  row also with ``per_item``'s bound (a persistent program's fixed cost paid per work item).
+* ``fixed``: the gathered kernels (``attention.pallas_gathered``; compiled_h100/gathered) beside
+  today's (compiled_h100 and its lengths folder). The model's per-tile latency is one fitted
+  constant for every kernel; what a contiguous, list-free walk with a deeper pipeline does to
+  it the compile output cannot say. Each gathered row is therefore given twice: at the fitted
+  latency and at half of it (an assumption, the one ``cost_model.DESIGNS`` prices as "summary
+  tiles at half today's latency"). TFLOP/s count the kept pairs as the accelerator report does
+  (``common.attention_flops``); "of cuDNN" is that rate over cuDNN's measured one.
+
+The table of every row the accelerator report times, printed beside its measurements, is
+``bench.predictions``'s (predictions.json); these two say more of two kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from sparse_jax.bench import cost_model
+
+DEVICE = "NVIDIA H200"
+GATHERED = "docs/benchmarks/compiled_h100/gathered/results.json"
+CUDNN = "docs/benchmarks/h200_2026-11-28/report_results.json"
+FIT = "docs/benchmarks/cost_model/results.json"  # the calibrated parameters
+TODAY = {8192: "fixed:128:32@pallas", 16384: "fixed:128:32@pallas:chained",
+         32768: "fixed:128:32@pallas", 65536: "fixed:128:32@pallas"}  # what each length runs
+HALF = 0.5  # the assumed per-tile latency of the gathered kernels, of the fitted one
+TARGET = 0.8  # issue 69: fixed at 80% of cuDNN's TFLOP/s on the kept pairs
+
+
+def _read(root, path):
+    with open(os.path.join(root, path)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Strided: the one-pass kernels.
+
+ONEPASS = "docs/benchmarks/compiled_h100/onepass/results.json"
+
+
+def per_item(f: dict) -> dict:
+    """Features ``f`` with a persistent kernel's fixed cost paid per work item instead of per
+    program (``items``, from the compile report; ``_persistent``'s inverse): the bound if an
+    item's own tiles in and outputs out cost what a program's prologue and epilogue do."""
+    out = {**f, "kernels": []}
+    for k in f["kernels"]:
+        items = k.get("items", k["programs"])
+        out["kernels"].append({**k, "programs": items,
+                               "tiles": k["tiles"] * k["programs"] / items})
+    return out
+
+
+def strided(params: dict, root: str = cost_model.REPO, static: str = ONEPASS) -> list[dict]:
+    """The model's time for every program of a compile report (``static``) beside cuDNN's
+    dense causal attention measured at the same length: pattern, n, predicted ms, the shares
+    of where they go, predicted ms if each work item paid a program's fixed cost
+    (``per_item``), cuDNN's ms and the predicted ratio."""
+    cudnn = {r["seq_len"]: r["median_ms"] for r in _read(root, CUDNN)["stages"]["attention"][
+        "rows"] if r["pattern"] == "dense@cudnn" and "median_ms" in r}
+    out = []
+    for (pattern, n), row in sorted(cost_model.static_rows(root, (static,)).items(),
+                                    key=lambda item: item[0][1]):
+        f = cost_model.features(row, pattern)
+        p = cost_model.parts(params, f, DEVICE)
+        ms, bound = p["total"] * 1e3, cost_model.predict(params, per_item(f), DEVICE)
+        out.append({"pattern": pattern, "n": n, "device": DEVICE, "predicted_ms": ms,
+                    "shares": {key: p[key] / p["total"] for key in (
+                        "launch", "programs", "tiles", "products", "xla_bytes")},
+                    "per_item_ms": bound, "cudnn_ms": cudnn.get(n),
+                    "ratio": cudnn[n] / ms if n in cudnn else None,
+                    "per_item_ratio": cudnn[n] / bound if n in cudnn else None,
+                    "params": FIT, "measured": CUDNN, "static": static,
+                    "prediction": True})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed: the gathered kernels.
+
+def _at_latency(params, f, factor):
+    """Predicted ms with the gathered kernels' per-tile latency ``factor`` × the fitted one."""
+    changed = cost_model._changed(f, lambda name: "gathered" in name, latency=factor)
+    return cost_model.predict(params, changed, DEVICE)
+
+
+def _latency_for(params, f, target_ms):
+    """The largest latency factor (of the fitted one) at which the prediction meets
+    ``target_ms`` (bisection; 0 if even no latency misses it, 1 if the fitted one meets it)."""
+    if _at_latency(params, f, 1.0) <= target_ms:
+        return 1.0
+    if _at_latency(params, f, 0.0) > target_ms:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _at_latency(params, f, mid) <= target_ms else (lo, mid)
+    return lo
+
+
+def fixed(root: str = cost_model.REPO) -> dict:
+    """Every row: pattern, n, kernels, predicted ms (fitted latency; for the gathered kernels
+    also at ``HALF`` of it), kept-pair TFLOP/s and the share of cuDNN's measured rate."""
+    from sparse_jax.attention.spec import PatternSpec
+    from sparse_jax.bench.accelerator.common import attention_flops
+
+    params = _read(root, FIT)["params"]
+    cudnn = {r["seq_len"]: r for r in _read(root, CUDNN)["stages"]["attention"]["rows"]
+             if r["pattern"] == "dense@cudnn"}
+    static = cost_model.static_rows(root)
+    rows = [(TODAY[n], n, static[(TODAY[n], n)]) for n in sorted(TODAY)]
+    for row in _read(root, GATHERED)["rows"]:
+        _, length, pattern = row["name"].split(" ", 2)
+        rows.append((pattern, int(length[:-1]) * 1024, row))
+    spec = PatternSpec("fixed", stride=128, c=32)
+    out = []
+    for pattern, n, row in rows:
+        f = cost_model.features(row, pattern)
+        flops = attention_flops(1, 8, n, spec.mean_keys(n), 64)
+        ms = {"fitted": cost_model.predict(params, f, DEVICE)}
+        reference = cudnn[n]["tflops"]
+        needed = None
+        if "gathered" in pattern:
+            ms["half_latency"] = _at_latency(params, f, HALF)
+            target_ms = flops / (TARGET * reference * 1e12) * 1e3
+            needed = _latency_for(params, f, target_ms)
+        out.append({"pattern": pattern, "n": n, "kernels": len(f["kernels"]),
+                    "xla_kernels": f["xla_kernels"], "predicted_ms": ms,
+                    "tflops": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()},
+                    "of_cudnn": {k: flops / (v * 1e-3) / 1e12 / reference
+                                 for k, v in ms.items()},
+                    "cudnn_ms": cudnn[n]["median_ms"], "cudnn_tflops": reference,
+                    "latency_for_target": needed,
+                    "parts": {k: v for k, v in cost_model.parts(params, f, DEVICE).items()
+                              if k != "kernels"},
+                    "per_kernel_ms": {k: v * 1e3 for k, v in cost_model.parts(
+                        params, f, DEVICE)["kernels"].items()}})
+    return {"device": DEVICE, "params": params, "assumed_latency": HALF, "target": TARGET,
+            "sources": {"gathered": GATHERED, "cudnn": CUDNN, "params": FIT,
+                        "today": cost_model.STATIC}, "rows": out}
+
+
+def fixed_markdown(result: dict) -> str:
+    """The table of docs/cost_model.md's section on the gathered kernels."""
+    lines = ["| kernel | n | Triton + XLA kernels | predicted ms | of cuDNN | at half the "
+             "latency: ms | of cuDNN | 80% needs latency × |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["rows"], key=lambda r: (r["n"], "gathered" in r["pattern"],
+                                                    r["pattern"])):
+        half = r["predicted_ms"].get("half_latency")
+        lines.append(f"| `{r['pattern'].split('@')[1]}` | {r['n']} | {r['kernels']} + "
+                     f"{r['xla_kernels']} | {r['predicted_ms']['fitted']:#.3g} | "
+                     f"{r['of_cudnn']['fitted']:.0%} | "
+                     + (f"{half:#.3g} | {r['of_cudnn']['half_latency']:.0%} | "
+                        f"{r['latency_for_target']:.2f} |" if half else "— | — | — |"))
+    return "\n".join(lines) + "\n"
+
+
+TABLES = {"strided": lambda root: {"rows": strided(_read(root, FIT)[
+    "params"], root)}, "fixed": fixed}
+
+if __name__ == "__main__":  # python -m sparse_jax.bench.kernel_predictions strided|fixed [JSON]
+    if len(sys.argv) < 2 or sys.argv[1] not in TABLES:
+        sys.exit("usage: python -m sparse_jax.bench.kernel_predictions strided|fixed [OUTPUT_JSON]")
+    result = TABLES[sys.argv[1]](cost_model.REPO)
+    if sys.argv[1] == "fixed":
+        print(fixed_markdown(result))
+    else:
+        for r in result["rows"]:
+            print(f"{r['pattern']} {r['n']}: {r['predicted_ms']:.3f} ms, "
+                  f"{r['ratio']:.1f}x cuDNN (per item: {r['per_item_ratio']:.1f}x)")
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"command": f"python -m sparse_jax.bench.kernel_predictions {sys.argv[1]} "
+                       + sys.argv[2], "date": "2026-11-29", **result}, f, indent=1)
