@@ -13,17 +13,33 @@ import ml_collections
 from ml_collections import config_dict
 
 
-def parse_args(arg: str | None, **choices: tuple[str, ...]) -> dict[str, str]:
-    """`"pattern=strided,size=tiny"` -> {"pattern": "strided", "size": "tiny"}.
+class Args(dict):
+    """The variant choices of a config argument (key -> value, defaults filled in); `given`:
+    the keys the argument itself named (a config may treat a key it was given differently
+    from its default, as enwik8's size=million does pattern)."""
+
+    given: frozenset = frozenset()
+
+
+def parse_args(arg: str | None, **choices: tuple[str, ...]) -> Args:
+    """`"pattern=strided,size=tiny"` -> {"pattern": "strided", "size": "tiny"}, strictly: the
+    one parser of every config file's argument, so that nothing in it is dropped or read twice.
 
     `choices` maps each accepted key to its allowed values, the first being the default.
-    Unknown keys (with the nearest accepted one), unknown values, keys given twice and malformed
-    items raise ValueError.
+    Unknown keys (with the nearest accepted one), unknown values, keys given twice, empty items
+    (",," or a trailing comma), whitespace anywhere and malformed items raise ValueError.
     """
-    values = {key: allowed[0] for key, allowed in choices.items()}
+    values = Args({key: allowed[0] for key, allowed in choices.items()})
     given = set()
-    for item in filter(None, (s.strip() for s in (arg or "").split(","))):
-        key, sep, value = (s.strip() for s in item.partition("="))
+    if arg and any(ch.isspace() for ch in arg):
+        raise ValueError(f"config argument {arg!r} holds a space; write key=value,key=value "
+                         "without spaces")
+    items = arg.split(",") if arg else []
+    if "" in items:
+        raise ValueError(f"config argument {arg!r} has an empty item; separate the key=value "
+                         "items by single commas")
+    for item in items:
+        key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"config argument {item!r} is not key=value (got {arg!r})")
         if key not in choices:
@@ -38,6 +54,7 @@ def parse_args(arg: str | None, **choices: tuple[str, ...]) -> dict[str, str]:
             raise ValueError(f"config argument {key!r} given twice in {arg!r}; give it once")
         given.add(key)
         values[key] = value
+    values.given = frozenset(given)  # the keys the argument named
     return values
 
 

@@ -36,7 +36,7 @@ def get_config(arg=None):
     args = common.parse_args(arg, pattern=("fixed", "strided", "dense"),
                              size=("paper", "small", "tiny", "million"))
     if args["size"] == "million":
-        if "pattern=" not in (arg or ""):
+        if "pattern" not in args.given:
             args["pattern"] = "strided"
         elif args["pattern"] != "strided":
             raise ValueError(f"size=million trains pattern=strided: {args['pattern']}'s keys per "

@@ -11,6 +11,10 @@ Pallas kernel against the XLA path and cuDNN's dense causal attention:
       --seq_lens=4096,8192,16384,32768,65536 --patterns=dense@cudnn,strided:128,\
 strided:128@pallas,fixed:128:32,fixed:128:32@pallas --output_dir=docs/benchmarks/h100/attention
 
+"× vs fastest dense" is a ratio only to a dense row that was measured at the same length and
+pass; where the dense rows asked for all failed (out of memory) it reads "not measured", and the
+script exits 1 after writing its results unless --baseline_optional is given.
+
 Patterns: ``dense`` (``jax.nn.dot_product_attention(..., is_causal=True)``), ``strided:L``,
 ``fixed:L:C``, ``local:W`` and ``strided:sqrt`` (stride round(√n)), each optionally followed by
 ``@IMPL``: ``dense@xla`` / ``dense@cudnn`` pick ``dot_product_attention``'s implementation, and
@@ -41,7 +45,7 @@ one device. Writes results.json, results.md and time_vs_seq_len.png to ``--outpu
 from absl import app, flags
 
 from sparse_jax import cli, sharding
-from sparse_jax.bench import attention
+from sparse_jax.bench import attention, tools
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths.")
 _PATTERNS = flags.DEFINE_list("patterns", ["dense", "strided:128", "fixed:128:32"], "Patterns.")
@@ -53,13 +57,19 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Input d
 _DEVICES = flags.DEFINE_integer(
     "devices", None, "Split heads over this many devices (default: one per core on a CPU, else "
     "all local devices).", lower_bound=1, upper_bound=sharding.MAX_CPU_DEVICES)
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).",
-                                lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported; at most "
+                                "1,000).", lower_bound=1, upper_bound=1000)
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 1, "Times every case runs (a fresh process each, interleaved with the other "
-    "cases); the round with the lowest median is reported.", lower_bound=1)
+    "cases); the round with the lowest median is reported (at most 100).", lower_bound=1,
+    upper_bound=100)
 _MEM_LIMIT = flags.DEFINE_float("mem_limit_gb", 20.0, "Kill a case whose RSS passes this.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "docs/benchmarks/attention", "Where results go.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
+_BASELINE_OPTIONAL = flags.DEFINE_bool("baseline_optional", False, "Exit 0 even when a "
+                                       "dense row asked for was not measured (out of memory): "
+                                       "its ratios then read 'not measured'.")
 
 
 def check(argv):
@@ -69,6 +79,11 @@ def check(argv):
     unknown = [p for p in _PASSES.value if p not in ("fwd", "fwdbwd")]
     if unknown:
         raise app.UsageError(f"--passes: unknown pass {unknown[0]!r}; choose from fwd, fwdbwd")
+    cli.memory_fits(  # what every case holds at least: q, k, v and the output
+        f"--batch={_BATCH.value:,} x --heads={_HEADS.value:,} x --head_dim={_HEAD_DIM.value:,} "
+        f"at n={max(seq_lens):,}: q, k, v and the output",
+        4 * _BATCH.value * _HEADS.value * _HEAD_DIM.value * max(seq_lens)
+        * (2 if _DTYPE.value == "bfloat16" else 4), "--batch, --heads, --head_dim or --seq_lens")
     for pattern in _PATTERNS.value:  # every name parses, at every length
         for seq_len in seq_lens:
             try:
@@ -81,17 +96,19 @@ def check(argv):
     devices = _DEVICES.value or attention.default_devices()
     if _HEADS.value % devices:
         raise app.UsageError(f"--heads={_HEADS.value} cannot be split over {devices} devices")
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=_OVERWRITE.value,
+                   holds=("results.json", "results.md", "time_vs_seq_len.png"))
 
 
 def main(argv):
     del argv
     devices = _DEVICES.value or attention.default_devices()
-    attention.benchmark_attention(
+    summary = attention.benchmark_attention(
         [int(n) for n in _SEQ_LENS.value], _PATTERNS.value, passes=_PASSES.value,
         heads=_HEADS.value, head_dim=_HEAD_DIM.value, batch=_BATCH.value, dtype=_DTYPE.value,
         devices=devices, repeats=_REPEATS.value, rounds=_ROUNDS.value,
         mem_limit_gb=_MEM_LIMIT.value, output_dir=_OUTPUT_DIR.value)
+    tools.require_baselines(summary["baselines_not_measured"], _BASELINE_OPTIONAL.value)
 
 
 if __name__ == "__main__":

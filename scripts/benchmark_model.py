@@ -32,6 +32,7 @@ from sparse_jax import cli, sharding
 from sparse_jax.bench import model
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 _SEQ_LEN = flags.DEFINE_list("seq_len", ["8192"], "Sequence lengths (a list runs each case at "
                              "each length, shortest first).")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
@@ -42,8 +43,8 @@ _STRIDE = flags.DEFINE_string("stride", "128", "Stride of the sparse patterns (f
 _UPDATE = flags.DEFINE_bool("update", False, "Time the whole training step: loss, gradients "
                             "and the AdamW update (default: loss and gradients).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per step.", lower_bound=1)
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step).",
-                              lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per case (after one warm-up step; at "
+                              "most 10,000).", lower_bound=1, upper_bound=10_000)
 _SEQ = flags.DEFINE_integer("seq", 1, "Split each sequence over this many simulated CPU "
                             "devices (context parallelism, the mesh's seq axis); XLA's memory "
                             "figures are then per device.", lower_bound=1,
@@ -62,12 +63,12 @@ def check(argv):
     """Every flag and case, before any case's process starts: each model valid at each length,
     and with --seq > 1 each sequence split over --seq devices as a run would split it."""
     cli.no_arguments(argv)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     if not _COMPILE_CIFAR.value:
         model.check_cases(_CASES.value, seq_lens=cli.integers("seq_len", _SEQ_LEN.value),
                           num_layers=_LAYERS.value, d_model=_D_MODEL.value,
                           num_heads=_HEADS.value, stride=_STRIDE.value, dtype=_DTYPE.value,
-                          seq=_SEQ.value)
+                          seq=_SEQ.value, batch_size=_BATCH.value)
 
 
 def main(argv):

@@ -26,6 +26,7 @@ from sparse_jax import cli
 from sparse_jax.bench import sampling
 
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.", lower_bound=1)
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Width.", lower_bound=1)
 _HEADS = flags.DEFINE_integer("num_heads", 4, "Heads.", lower_bound=1)
@@ -45,22 +46,30 @@ _EVAL_MIB = flags.DEFINE_integer("eval_mib", 1, "Size of the evaluated split in 
 def check(argv):
     """Every flag, before any model is built: the model (or --workdir's run) and the length."""
     cli.no_arguments(argv)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     if _WORKDIR.value is not None:
         from sparse_jax.run import setup, workdir
 
         cli.input_dir("workdir", _WORKDIR.value, "the folder of a training run")
         workdir.check_workdir(_WORKDIR.value)
-        seq_len = setup.recorded(_WORKDIR.value)[1].seq_len
+        cfg = setup.recorded(_WORKDIR.value)[1]
     else:
         from sparse_jax.model.config import ModelConfig
 
-        seq_len = ModelConfig(seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
-                              d_model=_D_MODEL.value, num_heads=_HEADS.value, pattern="strided",
-                              stride=_STRIDE.value).seq_len
+        cfg = ModelConfig(seq_len=_SEQ_LEN.value, num_layers=_LAYERS.value,
+                          d_model=_D_MODEL.value, num_heads=_HEADS.value, pattern="strided",
+                          stride=_STRIDE.value)
+    seq_len = cfg.seq_len
     if _LENGTH.value > seq_len:
         raise app.UsageError(f"--length={_LENGTH.value} must be at most the context, "
                              f"seq_len={seq_len}")
+    from sparse_jax.run import sizing
+
+    sizing.check_fits(cfg, _BATCH.value, training=False,
+                      fields="--batch_size, --seq_len, --d_model or --num_layers")
+    if _EVAL.value:
+        cli.memory_fits(f"--eval_mib={_EVAL_MIB.value:,}: the 20 x {_EVAL_MIB.value:,} MiB of "
+                        "generated data", 20 * _EVAL_MIB.value * 2**20, "--eval_mib")
 
 
 def main(argv):

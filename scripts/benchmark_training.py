@@ -11,7 +11,9 @@ from the same parameters and reads the same batches. `scripts/train.py`'s traine
 dense attention and with the strided pattern (stride ~ sqrt(n)), each in a fresh process;
 `--baselines=eager,compile` adds the twin under `torch.compile` (needs a C++ compiler).
 Prints steps/s, tokens/s and validation bits of every run and writes results.md and
-results.json to --output_dir.
+results.json to --output_dir. "× PyTorch" is a ratio only to a twin run that was measured: one
+that failed (torch not installed) reads "not measured", and the script then exits 1 after
+writing its results, unless --baseline_optional is given.
 """
 
 import sys
@@ -19,7 +21,7 @@ import sys
 from absl import app, flags
 
 from sparse_jax import cli, sharding
-from sparse_jax.bench import training
+from sparse_jax.bench import tools, training
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256", "1024"], "Context lengths.")
 _STEPS = flags.DEFINE_list("steps", ["2000"], "Training steps of every run: one number, or one "
@@ -34,6 +36,11 @@ _DATA = flags.DEFINE_string("data", "data/kjv.html.gz", "Byte file to train on."
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", -1, "CPU devices of this project's runs "
                                     "(-1: one per core).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write results.md and results.json here.")
+_BASELINE_OPTIONAL = flags.DEFINE_bool("baseline_optional", False, "Exit 0 even when the "
+                                       "PyTorch twin was not measured (torch missing, a run "
+                                       "failed); its ratios then read 'not measured'.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
 
 
 def _lengths_and_steps():
@@ -53,16 +60,18 @@ def check(argv):
         raise app.UsageError(f"--cpu_devices={_CPU_DEVICES.value}: give -1 (one per core) or 1 "
                              f"to {sharding.MAX_CPU_DEVICES:,}")
     training.check_arguments(_PATTERNS.value, _BASELINES.value, _DATA.value)
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
+                   overwrite=_OVERWRITE.value)
 
 
 def main(argv):
     seq_lens, steps = _lengths_and_steps()
-    training.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
+    info = training.benchmark_training(seq_lens, steps=steps * (len(seq_lens) // len(steps)),
                                 data_path=_DATA.value, patterns=_PATTERNS.value,
                                 baselines=_BASELINES.value,
                                 cpu_devices=_CPU_DEVICES.value, output_dir=_OUTPUT_DIR.value,
                                 command=" ".join(["python", *sys.argv]))
+    tools.require_baselines(info["baselines_not_measured"], _BASELINE_OPTIONAL.value)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 r"""Builds the larger code corpus, data/code_corpus.py.gz, from pinned PyPI source distributions.
 
-  nice -n 19 python scripts/build_code_corpus.py            # downloads 131 MB of sdists once
+  nice -n 19 python scripts/build_code_corpus.py --overwrite  # downloads 131 MB of sdists once
   python scripts/train.py --config=configs/code.py:size=long --workdir=workdirs/code_big \
       --config.data.path=data/code_corpus.py.gz
 
@@ -34,6 +34,8 @@ _SDISTS = flags.DEFINE_string("sdists", code_corpus.SDISTS, "Folder of the sdist
                               "it, missing ones downloaded into it.")
 _OUTPUT = flags.DEFINE_string("output", code_corpus.OUTPUT, "The corpus to write (.py.gz); its "
                               ".files.txt, .licenses.txt and .sha256 go beside it.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output and the "
+                               "records beside it.")
 _DOWNLOAD = flags.DEFINE_bool("download", True, "Download missing sdists from PyPI "
                               "(--nodownload: only read --sdists).")
 
@@ -50,7 +52,8 @@ def check(argv):
     if not _SDISTS.value or os.path.lexists(_SDISTS.value) and not os.path.isdir(_SDISTS.value):
         raise app.UsageError(f"--sdists={_SDISTS.value} is not a folder; give the folder of the "
                              "sdists (missing ones are downloaded into it)")
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value, beside=tuple(
+        os.path.basename(r) for r in code_corpus.records(_OUTPUT.value or "corpus.py.gz")))
     if not _OUTPUT.value.endswith(".gz"):
         raise app.UsageError(f"--output={_OUTPUT.value} must end in .gz (the corpus is written "
                              "gzip -9'd)")

@@ -7,11 +7,12 @@ logic lives in `sparse_jax.bench.pattern_study`.
 Each pattern is an ordinary training run in WORKDIR/<pattern>/, trained in its own process on the
 same data, seed and steps, then evaluated on the whole valid split. Writes results.md,
 results.json and valid_bits.png (validation bits against steps and wall time) to --output_dir
-(default: --workdir). --config.FIELD=VALUE overrides apply to every pattern; the pattern itself
-comes from --patterns (the config file's `pattern=` variant). Running the same command again
-reuses finished patterns and resumes interrupted ones. --minutes=M instead trains every pattern
-for the same wall time (each its own number of steps, from a timing of it first: Table 2's
-question at equal cost).
+(default: --workdir, whose results a rerun updates; an --output_dir elsewhere that holds them
+is refused unless --overwrite is given). --config.FIELD=VALUE overrides apply to every
+pattern; the pattern itself comes from --patterns (the config file's `pattern=` variant).
+Running the same command again reuses finished patterns and resumes interrupted ones.
+--minutes=M instead trains every pattern for the same wall time (each its own number of steps,
+from a timing of it first: Table 2's question at equal cost).
 """
 
 import os
@@ -35,6 +36,9 @@ _MINUTES = flags.DEFINE_float("minutes", None, "Train every pattern for this man
 MAX_MINUTES = 24 * 60
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md, results.json and "
                                   "valid_bits.png go (default: --workdir).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in an explicit "
+                               "--output_dir (those in --workdir are the study's own: a rerun "
+                               "updates them).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -50,7 +54,10 @@ def check(argv):
     if _MINUTES.value is not None and _STEPS.value is not None:
         raise app.UsageError("give either --steps or --minutes, not both")
     cli.output_dir("workdir", _WORKDIR.value, overwrite=None)
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=(
+        "results.md", "results.json", "valid_bits.png"), overwrite=_OVERWRITE.value or (
+        _OUTPUT_DIR.value is not None and _WORKDIR.value is not None
+        and os.path.realpath(_OUTPUT_DIR.value) == os.path.realpath(_WORKDIR.value)))
     try:
         study.check_patterns(_PATTERNS.value)
     except ValueError as e:

@@ -17,12 +17,13 @@ TPU: ci, attention16k, attention64k, tiles8k, tiles16k, bands16k, splash8k, spla
 forward16k, steps, all) or program names
 (--list prints them). On a v5p or v6e each TPU program also gets libtpu's static cycle estimate
 per Mosaic kernel (--nocycles: not; a v5e's profiler aborts, so it has none), and the table
-sets our kernels beside splash attention's on the same mask. The dense rows
-need cuDNN in the tools folder too (`pip install --no-deps --target .gpu_tools
-nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB); without it they compile XLA's unfused attention and say
-so. --check exits 1 when a program does not compile or a Triton kernel spills registers (on a
-TPU: has no Mosaic kernel or does not fit), naming each. Each program compiles in its own
-process with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
+sets our kernels beside splash attention's on the same mask. The dense rows need cuDNN in the
+tools folder too (`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1
+GB); without it they compile XLA's unfused attention and their row says it fell back (a
+dense@cudnn program named alone in --programs is refused instead: it asks for cuDNN itself).
+--check exits 1 when a program does not compile or a Triton kernel spills registers (on a TPU:
+has no Mosaic kernel or does not fit), naming each. Each program compiles in its own process
+with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
 $SPARSE_JAX_TPU_TOOLS or .tpu_tools) on its path. Writes results.md and results.json to
 --output_dir (a folder that holds results is refused without --overwrite). These are the
 compiler's figures; no time is measured (sparse_jax/bench/compiled.py and compiled_tpu.py say
@@ -51,7 +52,8 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and resu
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results in --output_dir.")
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a program fails to compile or spills.")
 _LIST = flags.DEFINE_bool("list", False, "Print the programs and their groups, then exit.")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take.")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 600, "Seconds one program's compile may take (at "
+                              "most a week).")
 _CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mosaic kernel "
                             "(default: on for v5p and v6e; v5e's profiler aborts).")
 
@@ -63,9 +65,7 @@ def check(argv):
     if _CYCLES.value is not None and compiled_for is compiled:
         raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
                              "or v6e)")
-    if not _TIMEOUT.value > 0:
-        raise app.UsageError(f"--timeout_s={_TIMEOUT.value:g}: give a positive number of "
-                             "seconds (a compile's time limit)")
+    cli.seconds("timeout_s", _TIMEOUT.value)  # a compile's time limit
     if _LIST.value:
         return
     try:

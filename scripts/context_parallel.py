@@ -37,8 +37,10 @@ _STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.", lower_b
 _C = flags.DEFINE_integer("c", 32, "Summary width of fixed.", lower_bound=1)
 _N = flags.DEFINE_list("n", ["65536"], "Sequence lengths.")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts P.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.", lower_bound=1)
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (at most 4,096: XLA's plan of "
+                              "2^31 heads aborts the process).", lower_bound=1, upper_bound=4096)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension (at most 4,096).",
+                                 lower_bound=1, upper_bound=4096)
 _IMPLEMENTATION = flags.DEFINE_enum("implementation", "xla", ["xla", "native", "auto"],
                                     "Term computations (native: XLA does not see the fused "
                                     "kernels' own memory).")
@@ -53,6 +55,8 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU device
 KINDS = ("strided", "fixed", "dense")  # what --patterns takes
 BATCH = 8  # --model_steps: the sequences of a step
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
+                               "--output_dir.")
 
 
 def _mib(x):
@@ -137,9 +141,14 @@ def check(argv):
     """Every flag, before JAX starts or anything compiles or is written."""
     cli.no_arguments(argv)
     devices = cli.integers("devices", _DEVICES.value)
-    cli.integers("n", _N.value)
+    lengths = cli.integers("n", _N.value)
     _specs()
-    cli.output_dir("output_dir", _OUTPUT_DIR.value, overwrite=None)
+    if _TIME.value:  # --time runs the attention: q, k, v and the output are allocated
+        cli.memory_fits(f"--heads={_HEADS.value:,} x --head_dim={_HEAD_DIM.value:,} at "
+                        f"--n={max(lengths):,}: q, k, v and the output", 16 * _HEADS.value
+                        * _HEAD_DIM.value * max(lengths), "--heads, --head_dim or --n")
+    cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
+                   overwrite=_OVERWRITE.value)
     if _MODEL_STEPS.value:
         from sparse_jax.run import setup
 
@@ -163,7 +172,7 @@ def main(argv):
         rows, lines = _model(devices, _MODEL_STEPS.value)
         _write(rows, lines, "Context parallelism: the model trained split and unsplit")
         return
-    from sparse_jax.bench import context_costs
+    from sparse_jax.bench import context_costs, tools
 
     specs = _specs()
     rows = context_costs.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
@@ -176,7 +185,8 @@ def main(argv):
              "| pattern | n | P | sent: forward | + backward | arguments | outputs | "
              "temporaries | total | total / P=1 | seconds |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    first = {}
+    first = {(r["pattern"], r["n"]): r["memory"]["total"] for r in rows  # "total / P=1": only
+             if r.get("memory") and r["devices"] == 1}  # against the P=1 row, when measured
     for row in rows:
         if "skipped" in row:
             lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
@@ -185,9 +195,9 @@ def main(argv):
         memory = row.get("memory")
         cells = [""] * 5
         if memory:
-            base = first.setdefault((row["pattern"], row["n"]), memory["total"])
             cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
-            cells.append(f"{memory['total'] / base:.3f}")
+            ratio = tools.ratio(memory["total"], first.get((row["pattern"], row["n"])))
+            cells.append(tools.NOT_MEASURED if ratio is None else f"{ratio:.3f}")
         cells.append(f"{row['seconds']:.3f}" if "seconds" in row else "")
         lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
                      f"{_mib(row['sent']['forward']['total'])} | "

@@ -7,7 +7,7 @@ estimate beside it, where the time of four programs goes, and the model's time f
 designs not yet built.
 
   python scripts/cost_model.py
-  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json
+  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json --overwrite
 
 --output_json also writes the markdown table beside it (results.md). docs/cost_model.md reads it.
 
@@ -15,16 +15,19 @@ After a loan, its report joins the fit in one step (its Pallas attention rows ne
 figures: a compile report in STATIC, or given with --static):
 
   python scripts/cost_model.py --measured=h100_2026-12-01=reports/h100 \
-      --output_json=docs/benchmarks/cost_model/results.json
+      --output_json=docs/benchmarks/cost_model/results.json --overwrite
 
 Predictions on record (sparse_jax/bench/predictions.py): the fitted model's time for every
 Pallas attention row of the accelerator report's plan, and the paper's 16k steps, written before
 a loan; the report prints them beside its measurements. A new kernel's, from its compiled rows:
 
-  python scripts/cost_model.py --predictions=docs/benchmarks/cost_model/predictions.json
+  python scripts/cost_model.py --predictions=docs/benchmarks/cost_model/predictions.json --overwrite
   python scripts/cost_model.py --static=docs/benchmarks/compiled_h100/new/results.json \
       --patterns=strided:128@pallas:NEW --lengths=8192,16384,32768,65536 \
       --predictions=docs/benchmarks/cost_model/predictions_new.json
+
+--output_json, the results.md beside it and --predictions, already there (or a folder), are
+refused before the fit unless --overwrite is given.
 """
 
 import json
@@ -37,6 +40,8 @@ from sparse_jax.bench import cost_model, predictions
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where the results go as JSON (and the "
                                    "table as results.md beside it); default: print only.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output_json, the "
+                               "results.md beside it, or --predictions.")
 _STARTS = flags.DEFINE_integer("starts", 24, "Starting points of the least-squares fit (at "
                                "most 1,000).", lower_bound=1, upper_bound=1000)
 _MEASURED = flags.DEFINE_list("measured", None, "More accelerator reports for the fit, as "
@@ -89,8 +94,8 @@ def _rows() -> list[tuple[str, int]]:
 def check(argv):
     """Every flag, before the fit starts."""
     cli.no_arguments(argv)
-    cli.output_file("output_json", _OUTPUT_JSON.value)
-    cli.output_file("predictions", _PREDICTIONS.value)
+    cli.output_file("output_json", _OUTPUT_JSON.value, _OVERWRITE.value, beside=("results.md",))
+    cli.output_file("predictions", _PREDICTIONS.value, _OVERWRITE.value)
     _measured()
     _static()
     _rows()

@@ -9,7 +9,8 @@ subfolders, or a fixed-seed split by --split_fractions, configs/images.py's by d
 picture is compressed alone by PNG (optimize=True) and lossless WebP (quality=100, method=6),
 and decoded again to check it is lossless; bits/dim = 8 x total bytes / total sub-pixels.
 Prints a table and writes the result as JSON to --output (default:
-<folder>.sparse_jax/baselines_<split>[_limit<N>].json, next to the decoded cache).
+<folder>.sparse_jax/baselines_<split>[_limit<N>].json, next to the decoded cache); a result
+already there is replaced only with --overwrite.
 """
 
 from absl import app, flags
@@ -25,6 +26,7 @@ cli.list_rules(_FRACTIONS, repeats="two splits may have the same share")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only N pictures, spread evenly over the split.",
                               lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", None, "Where the JSON goes.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 flags.mark_flags_as_required(["path"])
 
 
@@ -42,8 +44,11 @@ def check(argv):
     cli.no_arguments(argv)
     _fractions()
     cli.input_dir("path", _PATH.value, "a folder of PNG or JPEG pictures")
-    cli.output_file("output", _OUTPUT.value)
-    from sparse_jax.data import images
+    from sparse_jax.data import baselines, images
+
+    default = baselines.default_output(_PATH.value, _SPLIT.value, _LIMIT.value)
+    cli.output_file("output", default if _OUTPUT.value is None else _OUTPUT.value,
+                    _OVERWRITE.value)  # the default too: the result of an earlier run
 
     try:
         images.folder_shape(_PATH.value)  # pictures there, of one size: from their headers

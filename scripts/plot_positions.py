@@ -16,6 +16,7 @@ from absl import app, flags
 from sparse_jax import cli
 
 _OUTPUT = flags.DEFINE_string("output", None, "Where the PNG goes.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 _LABELS = flags.DEFINE_multi_string("label", None, "A legend label, once per result in order "
                                     "(default: the run folder, step and bits).")
 _TITLE = flags.DEFINE_string("title", "", "Title of the figure.")
@@ -29,7 +30,7 @@ def _results(argv) -> list[dict]:
         raise app.UsageError("give one or more evaluation JSON files (DIR/eval/*.json)")
     if _LABELS.value and len(_LABELS.value) != len(paths):
         raise app.UsageError(f"{len(_LABELS.value)} --label flags for {len(paths)} files")
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     results = []
     for path in paths:
         try:

@@ -27,11 +27,13 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; uses con
 _SPLIT = flags.DEFINE_enum("split", "valid", ["train", "valid", "test"], "Split to measure.")
 _DISTANCES = flags.DEFINE_list("distances", ["64", "512", "4096", "0"],
                                "Bytes back a copier may look (0: unlimited).")
-_K = flags.DEFINE_integer("k", 12, "Bytes that must repeat before a copy is predicted.",
-                          lower_bound=1)
+_K = flags.DEFINE_integer("k", 12, "Bytes that must repeat before a copy is predicted (at "
+                          "most 1,024: each position holds its k bytes while they are sorted).",
+                          lower_bound=1, upper_bound=1024)
 _COMPRESSORS = flags.DEFINE_bool("compressors", False, "Also measure what gzip -9, bzip2 -9 "
                                  "and xz -9e pay for the split given the splits before it.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the result here as JSON.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -39,7 +41,7 @@ def check(argv):
     """Every flag and the config's data, before the data is read."""
     cli.no_arguments(argv)
     cli.integers("distances", _DISTANCES.value, low=0)
-    cli.output_file("output", _OUTPUT.value)
+    cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
     from sparse_jax.data import datasets as data_lib
     from sparse_jax.data import sources
 

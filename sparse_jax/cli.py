@@ -1,10 +1,13 @@
 """What every entry point (`scripts/*.py`) shares: one error path.
 
 `run(main)` parses the flags and calls `main(argv)` like `absl.app.run`, except that a user
-error ends the command with ONE line on stderr and exit status 1:
+error ends the command with ONE line on stderr:
 
   error: <what is wrong, the path or field, what to do>
 
+and one exit status for each kind: 2 for a bad flag or `--config` value (refused when the flags
+are parsed or by the script's `check`, before any work: `BAD_VALUE`), 1 for what only the work
+finds (a damaged file, a full disk, a training run stopped by a non-finite loss: `FAILED`).
 User errors are bad flags and `--config.FIELD` overrides, bad config arguments and values
 (ValueError), missing or damaged files, unusable workdirs and full disks (OSError), a
 training run stopped by a non-finite loss (FloatingPointError), and a missing optional
@@ -21,7 +24,9 @@ every flag without doing any work (no compile, no child process, nothing written
 is refused before any is done. Every script's flags are also held, when they are parsed, to the
 rules no script waives (`check_flag_values`: numbers finite, integers within int32, lists not
 empty and without repeats unless `list_rules` allows it), and the checks of paths (`input_file`,
-`input_dir`, `output_file`, `output_dir`) and of lists of numbers (`integers`, `numbers`) here
+`input_dir`, `output_file`, `output_dir`: no file a script did not write in this run is
+replaced without its --overwrite), of lists of numbers (`integers`, `numbers`), of time limits
+(`seconds`: at most `MAX_SECONDS`, a week) and of sizes against the memory here (`memory_fits`)
 name the flag in their one line. tests/bad_flags.py tries every flag of every script with the
 values users mistype.
 
@@ -48,9 +53,24 @@ import traceback
 from absl import app, flags, logging
 
 from sparse_jax import stopping
+from sparse_jax.flag_checks import (  # noqa: F401  (the scripts' names for them)
+    MAX_INTEGER,
+    MAX_SECONDS,
+    available_memory,
+    input_dir,
+    input_file,
+    integers,
+    memory_fits,
+    numbers,
+    output_dir,
+    output_file,
+    seconds,
+)
 from sparse_jax.stopping import Stopped  # noqa: F401  (the scripts' name for it)
 
 USER_ERRORS = (ValueError, OSError, FloatingPointError, ModuleNotFoundError)
+BAD_VALUE = 2  # exit status: a flag or config value refused before any work
+FAILED = 1  # exit status: a user error the work itself met
 TRACEBACK_ENV = "SPARSE_JAX_TRACEBACK"
 HUGE_PAGES_ENV = "SPARSE_JAX_HUGE_PAGES"
 _HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its maps
@@ -121,42 +141,41 @@ def parse_flags(argv: list[str]) -> list[str]:
             path = arg.split("=", 1)[1].split(":")[0]
             if os.path.isdir(path):
                 fail(f"--config: {path} is a folder; give the path of a config file, e.g. "
-                     "configs/quickstart.py", 2)
+                     "configs/quickstart.py", BAD_VALUE)
             if not os.path.isfile(path):
                 fail(f"--config: config file {path} not found; give the path of one, e.g. "
-                     "configs/quickstart.py", 2)
+                     "configs/quickstart.py", BAD_VALUE)
             import configs  # here: the benchmark scripts run without ml_collections
 
             try:
                 module = configs.module(path)
             except Exception as e:  # noqa: BLE001  (a config file can fail in any way)
-                fail(f"--config: {path} cannot be loaded ({type(e).__name__}: {e})", 2)
+                fail(f"--config: {path} cannot be loaded ({type(e).__name__}: {e})", BAD_VALUE)
             if not callable(getattr(module, "get_config", None)):
                 fail(f"--config: {path} defines no get_config(arg) function; see "
-                     "configs/quickstart.py for one", 2)
+                     "configs/quickstart.py for one", BAD_VALUE)
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
-        fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", 2)
+        fail(f"{one_line(str(e)).rstrip('.')}. See --helpshort.", BAD_VALUE)
     except (KeyError, AttributeError) as e:  # a --config.FIELD override that does not exist
-        fail(_unknown_config_field(e, argv), 2)
+        fail(_unknown_config_field(e, argv), BAD_VALUE)
     except ValueError as e:
-        fail(str(e), 2)
+        fail(str(e), BAD_VALUE)
     try:
         check_flag_values(flags.FLAGS)
     except ValueError as e:
-        fail(f"{e}. See --helpshort.", 2)
+        fail(f"{e}. See --helpshort.", BAD_VALUE)
     fields = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
     for name in sorted({f for f in fields if fields.count(f) > 1}):  # the last one wins, but
         if isinstance(flags.FLAGS[name].value, (tuple, list)):  # a tuple's values are joined
             fail(f"--{name} is given twice, and a tuple field's values would be joined; give "
-                 "it once", 2)
+                 "it once", BAD_VALUE)
     return rest
 
 
 # The rules every script's flags follow, checked when they are parsed (`check_flag_values`), so
 # that a new flag is held to them without a line of its own:
-MAX_INTEGER = 2**31 - 1  # an integer flag without an upper bound of its own: the int32 limit
 _EMPTY_LISTS: dict[str, str] = {}  # list flags that may be given empty: name -> what it means
 _REPEATS: dict[str, str] = {}  # list flags whose items may repeat: name -> why
 
@@ -265,10 +284,12 @@ def _restart_with_huge_pages() -> None:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping.SIGNALS)
 
 
-def call(fn, argv: list[str]):
+def call(fn, argv: list[str], status: int = FAILED):
     """`fn(argv)` through the one error path of the module docstring: a user error ends the
-    process with one `error:` line (SystemExit). After a stop signal, whatever exception the
-    stop became on the way up (a library may wrap it) ends it with the stop's line."""
+    process with one `error:` line (SystemExit) and `status` (BAD_VALUE for a UsageError;
+    `status=BAD_VALUE` for a script's `check`, whose every refusal is of a value). After a stop
+    signal, whatever exception the stop became on the way up (a library may wrap it) ends it
+    with the stop's line."""
     try:
         return fn(argv)
     except SystemExit:
@@ -283,12 +304,12 @@ def call(fn, argv: list[str]):
             stopping.report(signum)
             sys.exit(128 + signum)
         if isinstance(e, app.UsageError):
-            fail(str(e), 2)
+            fail(str(e), BAD_VALUE)
         if not isinstance(e, USER_ERRORS) or _tracebacks_wanted():
             raise
         if isinstance(e, OSError) and e.strerror:  # not "[Errno 5] ..."
-            fail(e.strerror + (f": {e.filename}" if e.filename else ""))
-        fail(str(e))
+            fail(e.strerror + (f": {e.filename}" if e.filename else ""), status)
+        fail(str(e), status)
 
 
 def run(main, huge_pages: bool = False, check=None) -> None:
@@ -301,7 +322,7 @@ def run(main, huge_pages: bool = False, check=None) -> None:
     try:
         check_environment()
     except ValueError as e:
-        fail(str(e), 2)
+        fail(str(e), BAD_VALUE)
     if huge_pages:
         _restart_with_huge_pages()
 
@@ -313,7 +334,7 @@ def run(main, huge_pages: bool = False, check=None) -> None:
         stopping.during()
         try:
             if check is not None:
-                call(check, argv)
+                call(check, argv, BAD_VALUE)
             return call(main, argv)
         finally:
             stopping.after()
@@ -342,120 +363,6 @@ def no_arguments(argv: list[str]) -> None:
     """UsageError for positional arguments (the scripts take flags only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-
-
-# Paths given by flags, checked before any work and writing nothing: each error names the flag.
-
-
-def input_file(name: str, path: str | None, what: str = "a file") -> None:
-    """UsageError unless `path` (the value of --`name`; None: not given) is a readable file."""
-    if path is None:
-        return
-    if not path:
-        raise app.UsageError(f"--{name}= is empty; give {what}")
-    if os.path.isdir(path):
-        raise app.UsageError(f"--{name}={path} is a folder; give {what}")
-    if not os.path.exists(path):
-        raise app.UsageError(f"--{name}={path} does not exist; give {what}")
-    if not os.access(path, os.R_OK):
-        raise app.UsageError(f"--{name}={path} cannot be read; give {what}")
-
-
-def input_dir(name: str, path: str | None, what: str = "a folder") -> None:
-    """UsageError unless `path` (the value of --`name`; None: not given) is a readable folder."""
-    if path is None:
-        return
-    if not path:
-        raise app.UsageError(f"--{name}= is empty; give {what}")
-    if not os.path.exists(path):
-        raise app.UsageError(f"--{name}={path} does not exist; give {what}")
-    if not os.path.isdir(path):
-        raise app.UsageError(f"--{name}={path} is a file, not a folder; give {what}")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise app.UsageError(f"--{name}={path} cannot be read; give {what}")
-
-
-def _writable_above(name: str, path: str) -> None:
-    """UsageError unless the nearest existing folder above `path` can be written (what is
-    missing below it is created by the writer), and no file stands in the way."""
-    above = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
-        raise app.UsageError(f"--{name}={path}: {above} is a file, not a folder")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise app.UsageError(f"--{name}={path}: {above} cannot be written; choose another place")
-
-
-def output_file(name: str, path: str | None, overwrite: bool | None = None) -> None:
-    """UsageError unless `path` (the value of --`name`; None: not given) can be written as a
-    file: not a folder, its folder writable, and (`overwrite` False) not already there; None:
-    the script replaces the file by design."""
-    if path is None:
-        return
-    if not path:
-        raise app.UsageError(f"--{name}= is empty; give the path of a file")
-    if os.path.isdir(path):
-        raise app.UsageError(f"--{name}={path} is a folder; give the path of a file")
-    if overwrite is False and os.path.lexists(path):
-        raise app.UsageError(f"--{name}={path} exists; pass --overwrite to replace it, or "
-                             "choose another path")
-    _writable_above(name, path)
-
-
-def output_dir(name: str, path: str | None, holds: tuple[str, ...] = (),
-               overwrite: bool | None = False) -> None:
-    """UsageError unless `path` (the value of --`name`; None: not given) can be the folder the
-    script writes `holds` (file names) into: not a file, writable, and (`overwrite` False)
-    holding none of them already; None: the script replaces them by design."""
-    if path is None:
-        return
-    if not path:
-        raise app.UsageError(f"--{name}= is empty; give a folder")
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise app.UsageError(f"--{name}={path} is a file, not a folder; give a folder")
-    if overwrite is False and os.path.isdir(path):
-        there = [h for h in holds if os.path.lexists(os.path.join(path, h))]
-        if there:
-            raise app.UsageError(f"--{name}={path} already holds {', '.join(there)}: give "
-                                 "--overwrite to replace them, or another folder")
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise app.UsageError(f"--{name}={path} cannot be written; choose another folder")
-    else:
-        _writable_above(name, path)
-
-
-def integers(name: str, items: list[str], low: int = 1, high: int = MAX_INTEGER) -> list[int]:
-    """The items of the list flag --`name` as integers in [low, high]; UsageError naming the
-    flag for one that is not."""
-    out = []
-    for item in items:
-        try:
-            value = int(item)
-        except ValueError:
-            raise app.UsageError(f"--{name}: {item!r} is not an integer") from None
-        if not low <= value <= high:
-            raise app.UsageError(f"--{name}: {value} is outside [{low:,}, {high:,}]")
-        out.append(value)
-    return out
-
-
-def numbers(name: str, items: list[str], low: float = -math.inf,
-            high: float = math.inf) -> list[float]:
-    """The items of the list flag --`name` as finite numbers in [low, high]; UsageError naming
-    the flag for one that is not."""
-    out = []
-    for item in items:
-        try:
-            value = float(item)
-        except ValueError:
-            raise app.UsageError(f"--{name}: {item!r} is not a number") from None
-        if not math.isfinite(value) or not low <= value <= high:
-            raise app.UsageError(f"--{name}: {item} is not a finite number in [{low:g}, "
-                                 f"{high:g}]")
-        out.append(value)
-    return out
 
 
 def _main_is_a_script() -> bool:

@@ -15,9 +15,18 @@ script's check (`cli.run(main, check=...)`: what its main() runs before any work
 through the scripts' one error path (`cli.call`); main itself never runs. So a case costs
 milliseconds, and the values are checked without the work behind them.
 
+An accepted value that is an extreme (`flag_table.EXTREMES`: 0, -1, 10^12, a week) is then
+also run into the script's work, where the table gives the script flags that make it cheap
+(`Script.work`: a dry run, a toy size): the check and then main in the same process, main
+stopped after WORK_SECONDS. It must end with status 0 or be stopped, so that a value the checks
+pass and the work cannot take (a time limit too long for poll(): an OverflowError once) is
+caught here, not by a user.
+
 A case passes when
 
-* "error" (the table gives no reason to accept the value): a non-zero exit status, stderr
+* "error" (the table gives no reason to accept the value): exit status 2 (`cli.BAD_VALUE`, the
+  one status of a bad value in every script, whether absl's parser or the script's check
+  refuses it), stderr
   exactly one `error: ` line that names the flag (the table's regular expression, by default
   the flag's name), no traceback, nothing on stdout; or
 * "ok" (the table says why the value is valid): exit status 0 and no `error: ` line;
@@ -58,6 +67,7 @@ def scripts() -> list[str]:
                   if name.endswith(".py") and not name.startswith("_"))
 
 
+BAD_VALUE = 2  # sparse_jax.cli.BAD_VALUE (not imported here: the parent imports no jax)
 CASE_SECONDS = 60  # a check that takes longer is doing work (or never ends)
 
 
@@ -69,9 +79,23 @@ class WorkStarted(BaseException):
 # The child: one script's cases in this process.
 
 
+_UNGUARDED: dict = {}  # what _guard_work replaced: (owner, name) -> the original
+
+
+def _unguard() -> None:
+    """Undoes `_guard_work`'s refusals (the work phase starts processes)."""
+    for (owner, name), original in _UNGUARDED.items():
+        setattr(owner, name, original)
+
+
 def _guard_work(record: list[str]) -> None:
     """From here on, starting a child process or writing a file raises WorkStarted, and a
     compile is recorded in `record`."""
+    _UNGUARDED[(subprocess.Popen, "__init__")] = subprocess.Popen.__init__
+    _UNGUARDED.update({(os, n): getattr(os, n) for n in (
+        "fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve", "execvp",
+        "execvpe") if hasattr(os, n)})
+
     def refuse(what):
         def raiser(*args, **kwargs):
             raise WorkStarted(f"{what} {str(args[:2])[:120]}")
@@ -143,7 +167,7 @@ def _run_one(argv: list[str], check, root: str, work: list[str]) -> dict:
             signal.alarm(CASE_SECONDS)
             rest = cli.parse_flags(list(argv))
             if check is not None:
-                cli.call(check, rest)
+                cli.call(check, rest, cli.BAD_VALUE)
         except SystemExit as e:
             status = e.code if isinstance(e.code, int) else 1
         except WorkStarted as e:
@@ -163,6 +187,55 @@ def _run_one(argv: list[str], check, root: str, work: list[str]) -> dict:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue(),
             "wrote": wrote, "work": list(work)}
+
+
+WORK_SECONDS = 4  # how long an accepted extreme value runs into the script's work
+
+
+def _run_work(argv: list[str], recorded: dict, root: str) -> dict:
+    """Parses `argv`, calls the check and then main, as `cli.run` does, and stops main after
+    WORK_SECONDS (as SIGALRM: `cli.Stopped`, exit 128 + 14) if it has not ended by then: what
+    came of it. Whatever main wrote in `root` is removed."""
+    from sparse_jax import cli
+
+    _reset_flags()
+    sys.argv = list(argv)
+    out, err = io.StringIO(), io.StringIO()
+    before = set(bad_inputs.snapshot(root)) | _folders(root)
+    status = 0
+
+    def stop(signum, frame):
+        signal.alarm(0)
+        raise cli.Stopped(signum)
+
+    signal.signal(signal.SIGALRM, stop)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rest = cli.parse_flags(list(argv))
+            cli.call(recorded["check"], rest, cli.BAD_VALUE)
+            signal.alarm(WORK_SECONDS)
+            cli.call(recorded["main"], rest)
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001  (the case's failure: its traceback is reported)
+            status = "crash"
+            err.write(traceback.format_exc())
+        finally:
+            signal.alarm(0)
+    for rel in sorted((set(bad_inputs.snapshot(root)) | _folders(root)) - before, reverse=True):
+        path = os.path.join(root, rel)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def judge_work(got: dict) -> list[str]:
+    """What is wrong with an accepted value's first seconds of work: anything but exit 0 or the
+    stop (128 + SIGALRM)."""
+    if got["status"] in (0, 128 + signal.SIGALRM):
+        return []
+    text = got["stderr"].strip() or got["stdout"].strip() or "(no output)"
+    return [f"accepted, but its first {WORK_SECONDS} s of work ended {got['status']}: "
+            f"{text.splitlines()[-1][:300]}"]
 
 
 def _folders(root: str) -> set[str]:
@@ -187,6 +260,9 @@ def judge(case: flag_table.Case, got: dict) -> list[str]:
                   and not line.startswith("error: ")]
         if got["status"] == 0:
             problems.append("accepted (exit 0): the table gives no reason to")
+        elif got["status"] != BAD_VALUE:
+            problems.append(f"exit status {got['status']}, not {BAD_VALUE} (a bad value's, "
+                            "sparse_jax/cli.py)")
         elif len(lines) != 1:
             problems.append(f"{len(lines)} 'error: ' lines on stderr (expected 1)")
         elif not re.search(case.match, lines[0], re.I):
@@ -275,6 +351,19 @@ def child(script: str, without=()) -> dict:
             if os.environ.get("BAD_FLAGS_PROGRESS"):
                 print(f"{results[-1]['seconds']:7.3f} s {case.name}", file=sys.__stderr__,
                       flush=True)
+        if entry.work is not None and recorded.get("main"):
+            _unguard()  # the work phase: each accepted extreme value runs into main
+            for case, result in zip(cases, results):
+                if case.ok is None or case.value not in flag_table.EXTREMES \
+                        or result["problems"]:
+                    continue
+                given = {a.split("=")[0] for a in case.argv[1:]}
+                argv = case.argv + [w for w in entry.work if w.split("=")[0] not in given]
+                start = time.perf_counter()
+                got = _run_work(argv, recorded, root)
+                result["work"] = {"argv": argv[1:], "status": got["status"],
+                                  "seconds": round(time.perf_counter() - start, 3)}
+                result["problems"] = judge_work(got)
         return {"script": script, "flags": names, "problems": problems, "results": results}
     finally:
         os.chdir(ROOT)

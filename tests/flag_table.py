@@ -4,7 +4,8 @@ config tree), the values users mistype and which of them are valid, with the rea
 A flag's entry is its kind, which gives the values tried:
 
 * `Count` (an integer flag) and `Number` (a float flag): 0, -1, a huge value (10^12), nan, inf
-  and text;
+  and text; a Count also the largest value the int32 rule lets through (2^31 - 1), which its
+  own checks must refuse unless the script can take it;
 * `Items` (a list flag): an empty list, an item given twice, an unknown item (and for a list of
   numbers 0, -1 and a huge value as an item);
 * `Path` (a file or folder the script reads or writes): empty, a missing path, a regular file
@@ -13,7 +14,7 @@ A flag's entry is its kind, which gives the values tried:
 * `Text`, `Choice` (an enum) and `Switch` (a bool): the values given, an unknown choice, text
   for a bool;
 * `Config` (--config): a missing file, a folder, and its argument (`FILE:key=value,...`)
-  empty, unknown, misspelled, given twice or without a value.
+  empty, unknown, misspelled, given twice, without a value, with a space or an empty item.
 
 Every value is expected to be refused in one line that names the flag, unless the entry's `ok`
 maps its label to why it is valid. `extra` adds cases of its own ({label: value}), refused
@@ -29,6 +30,12 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HUGE = "1000000000000"  # 10^12: a length, a count, a million devices and more
+MAX32 = "2147483647"  # 2^31 - 1: the largest integer a flag without a bound of its own takes
+WEEK = "604800"  # sparse_jax.cli.MAX_SECONDS: the longest time limit, cap or budget accepted
+# The labels of accepted values that are extremes: where a script's entry has `work`, each is
+# also run into the script's first seconds of work (tests/bad_flags.py), so that a value the
+# checks pass but the work cannot take (a wait too long for poll()) is caught.
+EXTREMES = ("0", "-1", "huge", "max", "a week", "cap a week")
 NUMBERS = {"0": "0", "-1": "-1", "huge": HUGE, "nan": "nan", "inf": "inf", "text": "ten"}
 
 
@@ -54,7 +61,7 @@ class Kind:
 
 class Count(Kind):
     def values(self):
-        return dict(NUMBERS)
+        return {**NUMBERS, "max": MAX32}
 
 
 class Number(Kind):
@@ -125,6 +132,8 @@ class Config(Kind):
                 "empty argument": f"{f}:", "unknown argument": f"{f}:bogus=1",
                 "misspelled argument": f"{f}:{key[:-1]}={self.arg.split('=')[1]}",
                 "argument twice": f"{f}:{self.arg},{self.arg}", "no value": f"{f}:{key}=",
+                "space in argument": f"{f}:{key} ={self.arg.split('=')[1]}",
+                "empty item": f"{f}:{self.arg},",
                 "unknown value": f"{f}:{key}=bogus"}
 
 
@@ -133,6 +142,10 @@ class Script:
     base: list  # a valid command's flags ({tmp}: the case folder, {repo}: the repository)
     flags: dict  # name -> Kind
     config_fields: bool = False  # also every --config.FIELD of the config tree (CONFIG)
+    # Flags that make the script's work cheap (a dry run, a toy size): each accepted extreme
+    # value (EXTREMES) then also runs into the first seconds of main with them; None: main is
+    # not run (its work needs what the case folder does not hold: a trained checkpoint).
+    work: list | None = None
 
 
 def distributed(**ok) -> dict:
@@ -149,25 +162,25 @@ def distributed(**ok) -> dict:
 
 NEW = "a folder that does not exist yet is created"
 EMPTY_FOLDER = "an empty folder is written into"
-REWRITTEN = "the script rewrites its results there by design (rerun into docs/benchmarks/...)"
-REPLACED = "the script replaces the file by design"
 RUN = {"missing": NEW, "folder": "an empty folder: a new run"}
 ANY_FILE = "any file of bytes is read"
 NEW_FILE = "its folder is created"
 
 SCRIPTS = {
-    "accelerator_report": Script(["--output_dir={tmp}/report"], {
+    "accelerator_report": Script(["--output_dir={tmp}/report"], work=["--dry_run"], flags={
         "output_dir": Path(role="out_dir", holds=("results.md", "results.json", "log.txt"),
                            ok={"missing": NEW, "folder": EMPTY_FOLDER}),
         "wheels": Path(role="in_dir"),
         "dry_run": Switch(),
         "stages": Items(item="env"),
-        "budget_s": Number(ok={"huge": "a budget above the stages' caps changes nothing: each "
-                                       "stage keeps its own cap"}),
+        "budget_s": Number(extra={"a week": WEEK}, ok={
+            "a week": "the longest wait accepted (cli.MAX_SECONDS); a budget above the stages' "
+                      "caps changes nothing: each stage keeps its own cap"}),
         "caps": Items(item="tests=150", extra={"cap 0": "tests=0", "cap nan": "tests=nan",
-                                               "cap huge": f"tests={HUGE}"},
-                      ok={"cap huge": "a cap above the budget changes nothing: --budget_s "
-                                      "bounds the run"}),
+                                               "cap huge": f"tests={HUGE}",
+                                               "cap a week": f"env={WEEK}"},
+                      ok={"cap a week": "the longest wait accepted (cli.MAX_SECONDS): the env "
+                                        "stage runs under it"}),
         "profile": Switch(),
         "overwrite": Switch(),
     }),
@@ -175,7 +188,8 @@ SCRIPTS = {
         "workdir": Path(role="in_dir"),
         "split": Choice(),
         "checkpoint": Text(given={"empty": "", "text": "bogus", "-1": "-1", "absent": "99"}),
-        "windows": Count(),
+        "windows": Count(ok={"max": "more windows than the split holds is refused once the "
+                                          "split is read, before any window runs"}),
         "layers": Items(item="0", numbers=True, ok={"0": "layer 0, the first"}),
         "heads": Items(item="0", numbers=True, ok={"0": "head 0, the first"}),
         "bands": Items(item="64", numbers=True),
@@ -187,7 +201,9 @@ SCRIPTS = {
                            ok={"missing": NEW, "folder": EMPTY_FOLDER}),
         "overwrite": Switch(),
     }),
-    "benchmark_attention": Script(["--devices=1", "--output_dir={tmp}/out"], {
+    "benchmark_attention": Script(["--devices=1", "--output_dir={tmp}/out"], work=[
+        "--seq_lens=256", "--patterns=dense", "--passes=fwd", "--repeats=1", "--rounds=1",
+        "--heads=1", "--head_dim=8"], flags={
         "seq_lens": Items(item="4096", numbers=True),
         "patterns": Items(item="dense"),
         "passes": Items(item="fwd"),
@@ -199,11 +215,14 @@ SCRIPTS = {
         "repeats": Count(),
         "rounds": Count(),
         "mem_limit_gb": Number(ok={"huge": "a limit above the machine's memory kills no case"}),
+        "baseline_optional": Switch(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "benchmark_model": Script([], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "seq_len": Items(item="8192", numbers=True),
         "num_layers": Count(),
         "d_model": Count(),
@@ -222,7 +241,8 @@ SCRIPTS = {
         "compile_cifar": Switch(),
     }),
     "benchmark_sampling": Script([], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "num_layers": Count(),
         "d_model": Count(),
         "num_heads": Count(),
@@ -230,7 +250,7 @@ SCRIPTS = {
         "stride": Count(),
         "length": Count(),
         "batch_size": Count(),
-        "naive_steps": Count(),
+        "naive_steps": Count(ok={"max": "clamped to the sample: min(naive_steps, length - 1)"}),
         "workdir": Path(role="in_dir"),
         "eval": Switch(),
         "eval_mib": Count(),
@@ -240,10 +260,12 @@ SCRIPTS = {
         "steps": Items(item="100", numbers=True),
         "patterns": Items(item="dense"),
         "baselines": Items(item="eager"),
+        "baseline_optional": Switch(),
         "data": Path(role="in_file", ok={"file": ANY_FILE}),
         "cpu_devices": Count(ok={"-1": "one device per core, the default"}),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "build_code_corpus": Script(["--pins={repo}/data/code_corpus_pins.txt",
                                  "--output={tmp}/corpus.py.gz", "--sdists={tmp}/sdists"], {
@@ -253,6 +275,7 @@ SCRIPTS = {
             "folder": "the missing sdists are downloaded into it"}),
         "output": Path(role="out_file", ok={"missing .gz": NEW_FILE},  # a_file: not a .gz
                        extra={"missing .gz": "{tmp}/absent/corpus.py.gz"}),
+        "overwrite": Switch(),
         "download": Switch(),
     }),
     "compare_patterns": Script(["--config={repo}/configs/quickstart.py",
@@ -263,13 +286,14 @@ SCRIPTS = {
             "missing": NEW, "folder": "an empty folder: a new study",
             "output": "running again reuses the finished patterns and resumes the others"}),
         "patterns": Items(item="dense"),
-        "steps": Count(),
+        "steps": Count(ok={"max": "a long study, not a wrong one: it stops and resumes at any "
+                                      "time, as train.py's total_steps"}),
         "minutes": Number(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"), ok={
-            "missing": NEW, "folder": EMPTY_FOLDER,
-            "output": "running again rewrites the tables of the runs it reuses"}),
+            "missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
-    "compile_report": Script(["--tools={tmp}/gpu_tools", "--programs=ci"], {
+    "compile_report": Script(["--tools={tmp}/gpu_tools", "--programs=ci"], work=[], flags={
         "target": Choice(),
         "programs": Items(item="ci", extra={"dense@cudnn without cuDNN":
                                             "attention 16k dense@cudnn"}),
@@ -279,13 +303,15 @@ SCRIPTS = {
         "overwrite": Switch(),
         "check": Switch(),
         "list": Switch(),
-        "timeout_s": Number(ok={"huge": "a time limit that never ends a compile: every "
-                                        "program compiles to its end"}),
+        "timeout_s": Number(extra={"a week": WEEK}, ok={
+            "a week": "the longest wait accepted (cli.MAX_SECONDS): every program compiles to "
+                      "its end"}),
         "cycles": Switch(),
     }),
     "context_parallel": Script(["--n=1024", "--devices=1,2"], {
         "patterns": Items(item="strided"),
-        "stride": Count(),
+        "stride": Count(ok={"max": "a stride beyond n: the costs of the pattern's local part, "
+                                       "as counted (nothing of size stride is built)"}),
         "c": Count(),
         "n": Items(item="1024", numbers=True),
         "devices": Items(item="2", numbers=True),
@@ -298,15 +324,17 @@ SCRIPTS = {
                              extra={"2 steps over 3 devices": "--model_steps=2 --devices=3"}),
         "cpu_devices": Count(),
         "output_dir": Path(role="out_dir", holds=("results.json", "results.md"),
-                           ok={"missing": NEW, "folder": EMPTY_FOLDER, "output": REWRITTEN}),
+                           ok={"missing": NEW, "folder": EMPTY_FOLDER}),
+        "overwrite": Switch(),
     }),
     "cost_model": Script([], {
-        "output_json": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output_json": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "starts": Count(),
         "measured": Items(item="h200_2026-11-28={repo}/docs/benchmarks/h200_2026-11-28/"
                                "report_results.json"),
         "static": Items(item="{repo}/docs/benchmarks/compiled_h100/results.json"),
-        "predictions": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "predictions": Path(role="out_file", ok={"missing": NEW_FILE}),
         "patterns": Items(item="fixed:128:32@pallas"),
         "lengths": Items(item="16384", numbers=True),
     }),
@@ -336,23 +364,28 @@ SCRIPTS = {
         "split": Choice(),
         "split_fractions": Items(item="0.5", extra={"nan": "nan,0.5,0.5",
                                                     "negative": "1.5,-0.25,-0.25"}),
-        "limit": Count(),
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "limit": Count(ok={"max": "at most the split is taken: min(limit, pictures)"}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
     }),
-    "plot_pattern": Script(["--output={tmp}/pattern.png"], {
+    "plot_pattern": Script(["--output={tmp}/pattern.png"], work=["--seq_len=256"], flags={
         "kind": Choice(),
         "seq_len": Count(),
-        "stride": Count(),
-        "c": Count(),
-        "local_width": Count(),
+        "stride": Count(ok={"max": "a stride beyond --seq_len: its n x n picture shows the "
+                                       "local part that is left"}),
+        "c": Count(ok={"max": "a summary wider than the block: the picture shows the "
+                                  "pattern as its spec clips it"}),
+        "local_width": Count(ok={"max": "a window beyond --seq_len: every earlier key, drawn"}),
         "summary": Choice(),
-        "summary_block": Count(ok={"0": "the default: no sub-block"}),
+        "summary_block": Count(ok={"0": "the default: no sub-block",
+                                   "max": "a sub-block beyond the summary: the whole summary"}),
         "query": Count(ok={"0": "the first query's row"}),
         "output": Path(role="out_file", ok={"missing": NEW_FILE}),
         "overwrite": Switch(),
     }),
     "plot_positions": Script(["--output={tmp}/positions.png", "{tmp}/eval.json"], {
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
         "label": Multi(ok={"empty": "an empty legend label is drawn as none"}),
         "title": Text(ok={"empty": "no title, the default"}),
     }),
@@ -363,7 +396,8 @@ SCRIPTS = {
         "distances": Items(item="64", numbers=True, ok={"0": "0 is unlimited (documented)"}),
         "k": Count(),
         "compressors": Switch(),
-        "output": Path(role="out_file", ok={"missing": NEW_FILE, "file": REPLACED}),
+        "output": Path(role="out_file", ok={"missing": NEW_FILE}),
+        "overwrite": Switch(),
     }),
     "sample": Script(["--workdir={tmp}/run"], {
         "workdir": Path(role="in_dir"),
@@ -376,7 +410,7 @@ SCRIPTS = {
         "prompt": Text(ok={"empty": "no prompt: the samples start from a newline, as "
                                     "without the flag"}),
         "prompt_file": Path(role="in_file", ok={"file": "any file of bytes is a prompt"}),
-        "seed": Count(ok={"0": "a seed, the default"}),
+        "seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
         "output": Path(role="out_file", ok={"missing": NEW_FILE}),
         "checkpoint": Text(given={"empty": "", "text": "bogus", "-1": "-1", "absent": "99"}),
         "complete": Count(ok={"0": "the default: samples, no completion"}),
@@ -405,16 +439,19 @@ SCRIPTS = {
 FIELD_TUPLE = {"empty": "()", "text": "bogus", "short": "(1,)"}
 FIELD_TEXT = {"empty": "", "unknown": "bogus"}
 IGNORED = "read by cifar10 only: a run of bytes ignores it"
+LONG = "a long run, not a wrong one: it checkpoints, stops and resumes at any time"
+RARE = "an interval longer than the run: a count compared with the step, nothing allocated"
 CONFIG = {
-    "seed": Count(ok={"0": "a seed"}),
-    "total_steps": Count(),
+    "seed": Count(ok={"0": "a seed", "max": "a seed (int32)"}),
+    "total_steps": Count(ok={"max": LONG}),
     "batch_size": Count(),
-    "log_every": Count(),
-    "eval_every": Count(),
-    "eval_batches": Count(ok={"0": "<= 0: every batch (documented)",
+    "log_every": Count(ok={"max": RARE}),
+    "eval_every": Count(ok={"max": RARE}),
+    "eval_batches": Count(ok={"max": "at most every batch of the split is read",
+                              "0": "<= 0: every batch (documented)",
                               "-1": "<= 0: every batch (documented)"}),
-    "checkpoint_every": Count(),
-    "keep_checkpoints": Count(),
+    "checkpoint_every": Count(ok={"max": RARE}),
+    "keep_checkpoints": Count(ok={"max": "every checkpoint kept: a count, nothing allocated"}),
     "profile_steps": Text(given=FIELD_TUPLE, ok={"empty": "(): no profile, the default"}),
     "context_stages": Text(given=FIELD_TUPLE, ok={"empty": "(): the full context throughout"}),
     "optimizer.lr": Number(ok={"huge": "any positive rate is AdamW's; one that diverges stops "
@@ -440,11 +477,13 @@ CONFIG = {
     "data.manual_dir": Path(role="in_dir", ok={k: IGNORED for k in ("missing", "file",
                                                                      "folder")}),
     "data.split_fractions": Text(given=FIELD_TUPLE),
-    "data.seed": Count(ok={"0": "a seed, the default"}),
-    "data.embedded_bytes": Count(),
-    "data.embedded_seed": Count(ok={"0": "a seed, the default"}),
+    "data.seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
+    "data.embedded_bytes": Count(ok={"max": "a 2 GiB stream: minutes to generate, and it fits "
+                                            "here (setup.complete refuses one that does not)"}),
+    "data.embedded_seed": Count(ok={"0": "a seed, the default", "max": "a seed (int32)"}),
     "data.embedded_row_width": Count(),
-    "data.embedded_copy_distance": Count(),
+    "data.embedded_copy_distance": Count(ok={"max": "no row is a copy: a stream without "
+                                                             "long-range structure"}),
     "model.vocab_size": Count(),
     "model.seq_len": Count(),
     "model.num_layers": Count(),
@@ -455,7 +494,7 @@ CONFIG = {
     "model.dropout": Number(ok={"0": "no dropout, the default"}),
     "model.pattern": Text(given=FIELD_TEXT),
     "model.stride": Count(),
-    "model.c": Count(),
+    "model.c": Count(ok={"max": "read by the fixed pattern only: quickstart is strided"}),
     "model.local_width": Count(),
     "model.summary": Text(given=FIELD_TEXT),
     "model.mode": Text(given=FIELD_TEXT),

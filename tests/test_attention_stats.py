@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import write_pictures
 from sparse_jax import attention_stats as A
-from sparse_jax import train
+from sparse_jax import evaluate, sample, train
 from sparse_jax.attention import weights as W
 from sparse_jax.attention.reference import dense_attention
 from sparse_jax.attention.spec import PatternSpec
@@ -27,6 +27,7 @@ from sparse_jax.model.transformer import SparseTransformer
 from sparse_jax.run import checkpoints
 from sparse_jax.run import config as config_lib
 from test_evaluate import ROOT, TINY_TEXT, get_config, save_like_train
+from test_train import read_metrics
 
 N = 64
 
@@ -332,9 +333,27 @@ def test_script_prints_the_table_writes_its_files_and_refuses_bad_input(text_run
     again = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--split=valid",
                             f"--output_dir={out}"], capture_output=True, text=True, env=env,
                            timeout=300)
-    assert again.returncode == 1 and "valid_4.png exists" in again.stderr
+    assert again.returncode == 2 and "valid_4.png exists" in again.stderr  # refused first
     bad = subprocess.run([sys.executable, script, f"--workdir={text_run}", "--heads=7",
                           f"--output_dir={tmp_path / 'bad'}"], capture_output=True, text=True,
                          env=env, timeout=300)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: --heads: head 7 does not exist")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --heads: head 7 does not exist")
     assert len(bad.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "bad")
+
+
+def test_training_resumes_after_every_script_wrote_its_default_outputs_into_the_workdir(
+        text_run, tmp_path):
+    """evaluate.py, sample.py and attention_stats.py write into the workdir by default (eval/,
+    samples/, attention/): each is a name run/workdir.py knows, so the run trains on there
+    (attention/ once made train.py refuse the workdir as holding files not its own)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(text_run, run)
+    before = set(os.listdir(run))
+    evaluate.evaluate(run, split="valid", progress=False)
+    sample.sample(run, num_samples=1, length=4)
+    A.attention_stats(run, split="valid", windows=1, layers=[0], progress=False)
+    assert set(os.listdir(run)) - before == {"eval", "samples", "attention"}
+    metrics = train.train(get_config("quickstart", "data=embedded",
+                                     **{**TINY_TEXT, "total_steps": 6}), run)
+    assert metrics["step"] == 6
+    assert [r["step"] for r in read_metrics(run) if r.get("split") == "train"][-1] == 6

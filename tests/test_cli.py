@@ -115,7 +115,13 @@ def test_a_path_flag_is_checked_without_writing(tmp_path):
              (cli.input_file, ("data", str(tmp_path)), "is a folder"),
              (cli.input_dir, ("path", str(tmp_path / "file")), "is a file"),
              (cli.output_file, ("output", str(tmp_path)), "is a folder"),
-             (cli.output_file, ("output", str(tmp_path / "file"), False), "exists"),
+             (cli.output_file, ("output", str(tmp_path / "file")), "exists"),  # unasked
+             # a file written beside the output (cost_model.py's results.md): an unrelated one
+             # there is not replaced, and a folder there is refused before the work, not after
+             (cli.output_file, ("output", str(tmp_path / "done" / "cm.json"), False,
+                                ("results.md",)), "results.md exists; pass --overwrite"),
+             (cli.output_file, ("output", str(tmp_path / "cm.json"), True, ("done",)),
+              "done is a folder"),
              (cli.output_dir, ("output_dir", str(tmp_path / "file")), "is a file"),
              (cli.output_dir, ("output_dir", str(tmp_path / "done"), ("results.md",)),
               "already holds results.md"),
@@ -127,4 +133,6 @@ def test_a_path_flag_is_checked_without_writing(tmp_path):
     before = sorted(p.name for p in tmp_path.rglob("*"))
     cli.output_dir("output_dir", str(tmp_path / "new" / "deeper"), ("results.md",))
     cli.output_file("output", str(tmp_path / "new" / "out.json"))
+    cli.output_file("output", str(tmp_path / "file"), True)  # --overwrite
+    cli.output_file("output", str(tmp_path / "done" / "cm.json"), True, ("results.md",))
     assert sorted(p.name for p in tmp_path.rglob("*")) == before

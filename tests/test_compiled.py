@@ -200,3 +200,28 @@ def test_the_check_fails_for_a_kernel_that_spills_or_cannot_compile():
     too_big = compiled.compile_program(_program("128x256"), "h100", tools)  # 263,680 B
     assert "Shared memory size limit exceeded" in too_big["error"]
     assert compiled.problems([too_big])
+
+
+@pytest.mark.slow
+def test_a_cudnn_row_without_cudnn_falls_back_to_xla_and_says_so(tmp_path):
+    """The report's promise (its docs and --help): without cuDNN in the tools, a dense@cudnn
+    program compiles XLA's unfused attention and its row says it fell back (it once failed:
+    "RuntimeError: cuDNN not found")."""
+    tools = _tools()
+    if os.path.isdir(os.path.join(tools, "nvidia", "cudnn")):  # a folder without cuDNN: links
+        bare = tmp_path / "tools"
+        bare.mkdir()
+        for name in os.listdir(tools):
+            if name != "nvidia":
+                os.symlink(os.path.join(tools, name), bare / name)
+        (bare / "nvidia").mkdir()
+        for name in os.listdir(os.path.join(tools, "nvidia")):
+            if name != "cudnn":
+                os.symlink(os.path.join(tools, "nvidia", name), bare / "nvidia" / name)
+        tools = str(bare)
+    program = next(p for p in compiled.select(["all"]) if p.get("pattern") == "dense@cudnn"
+                   and p["seq_len"] == 8192)
+    row = compiled.compile_program(program, "h100", tools)
+    assert "error" not in row, row.get("error")
+    assert row["note"].startswith("fell back") and "dense@xla" in row["note"]
+    assert row["planned_gb"] > 0

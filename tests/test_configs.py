@@ -127,10 +127,33 @@ def test_every_field_has_a_comment():
     ("sise=tiny", "unknown config argument"),
     ("tiny", "not key=value"),
     ("pattern=local", "not one of"),
+    ("size=million,pattern =fixed", "holds a space"),  # was read as pattern=strided's default
+    ("size=million, pattern=strided", "holds a space"),
+    ("size=tiny,,pattern=fixed", "empty item"),
+    ("size=tiny,", "empty item"),
+    (",size=tiny", "empty item"),
+    ("size=tiny,size=tiny", "given twice"),
 ])
 def test_bad_config_arguments_fail(arg, message):
     with pytest.raises(ValueError, match=message):
         load("enwik8.py").get_config(arg)
+
+
+@pytest.mark.parametrize("name", configs.names())
+def test_every_config_file_parses_its_argument_strictly(name):
+    """Every config file's argument goes through the one strict parser (common.parse_args): a
+    space or an empty item is refused by each, not dropped."""
+    for arg in ("bogus =1", "bogus=1,", " "):
+        with pytest.raises(ValueError, match="space|empty item"):
+            configs.load(f"{name}:{arg}")
+
+
+def test_a_key_given_is_told_from_its_default():
+    """enwik8's size=million trains strided unless pattern is given: given, fixed is refused
+    (a space once hid the key from it: 20 strided layers were described)."""
+    assert load("enwik8.py").get_config("size=million").model.pattern == "strided"
+    with pytest.raises(ValueError, match="size=million trains pattern=strided"):
+        load("enwik8.py").get_config("size=million,pattern=fixed")
 
 
 def parse(*argv, values=None):

@@ -344,7 +344,10 @@ def test_plot_positions_script_draws_several_results_and_refuses_other_files(tex
     assert proc.returncode == 0, proc.stderr
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, script, f"--output={out}",
+    again = subprocess.run([sys.executable, script, f"--output={out}", *results],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr  # not replaced
+    bad = subprocess.run([sys.executable, script, f"--output={out}", "--overwrite",
                           os.path.join(text_run, "config.json")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "no bits by position" in bad.stderr

@@ -752,6 +752,15 @@ def test_kernel_options_are_checked_for_the_platform_traced_for():
             "options are the Pallas kernel's (attention='pallas', or 'auto' on a GPU or TPU)")
         assert ModelConfig(**base, attention="pallas", kernel="chained").kernel_unused is None
         assert ModelConfig(**base, attention="auto").kernel_unused is None
+        # an option the pattern never reads: the summary term's tiles on a strided model
+        assert ModelConfig(**base, attention="pallas", kernel="sum128x64").kernel_unused == (
+            "model.kernel's summary tiles (sumQxK) are not used: only the fixed pattern has a "
+            "summary term, and pattern='strided'")
+        assert ModelConfig(**{**base, "pattern": "fixed", "c": 2}, attention="pallas",
+                           kernel="sum128x64").kernel_unused is None
+    with compiling_for("tpu"):  # two options unused: one note names both
+        note = ModelConfig(**base, attention="auto", kernel="w8:sum128x128").kernel_unused
+        assert "are Triton's" in note and "summary tiles (sumQxK) are not used" in note
 
 
 def test_training_says_once_that_an_unused_kernel_option_is_not_used(tmp_path, capsys):

@@ -9,8 +9,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "sparse_jax"
 # Lowest first: a module imports only from its own part or the parts before it.
 LAYERS = [
-    ("files", "cli", "stopping", "logs", "sharding"),  # files, the error path and stops, console,
-    # logs, meshes
+    ("files", "flag_checks", "cli", "stopping", "logs", "sharding"),  # files, flag checks, the
+    # error path and stops, console, logs, meshes
     ("attention",),  # patterns to kernels
     ("model",),  # the Flax model
     ("data",),  # sources, datasets, batches

@@ -225,13 +225,20 @@ def benchmark_attention(seq_lens, patterns, *, passes=("fwd", "fwdbwd"), heads: 
                 * (2.5 if row["pass"] == "fwdbwd" else 1.0)
             row["gflops"] = flops / (row["median_ms"] / 1e3) / 1e9
             row["of_ceiling"] = row["gflops"] / ceiling
+    asked_dense = any(p.split("@")[0] == "dense" for p in patterns)
+    missing = []  # (seq_len, pass) where dense was asked for and none was measured
     for row in rows:  # speed-up against the fastest dense at the same seq_len and pass
         dense = [r["median_ms"] for r in rows if r["pattern"].split("@")[0] == "dense"
                  and r["seq_len"] == row["seq_len"] and r["pass"] == row["pass"]
                  and "median_ms" in r]
-        if dense and "median_ms" in row:
-            row["speedup_vs_dense"] = min(dense) / row["median_ms"]
+        if not asked_dense or "median_ms" not in row:
+            continue
+        row["speedup_vs_dense"] = tools.ratio(min(dense), row["median_ms"]) if dense \
+            else tools.NOT_MEASURED
+        if not dense and f"dense at n={row['seq_len']} {row['pass']}" not in missing:
+            missing.append(f"dense at n={row['seq_len']} {row['pass']}")
     summary = {"machine": tools.machine(), "matmul_gflops": ceiling,
+               "baselines_not_measured": missing,
                "matmul_gflops_measured": ceilings, "settings": {**common, "rounds": rounds},
                "rows": rows, "growth": growth_exponents(rows)}
     table = tools.markdown_table([{**r, "result": r.get("error", "ok")} for r in rows], [

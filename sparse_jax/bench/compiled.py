@@ -318,6 +318,11 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
     occupancy, waves, tiles and bytes), or with "error" the compiler's last line."""
     t = TARGETS[target]
     row = {"name": program["name"], "group": program["group"], "target": target}
+    no_cudnn = not os.path.isdir(os.path.join(tools, "nvidia", "cudnn"))
+    if no_cudnn and str(program.get("pattern", "")).endswith("@cudnn"):  # the fallback promised:
+        program = {**program, "pattern": program["pattern"][:-len("@cudnn")] + "@xla"}
+        row["note"] = ("fell back: no cuDNN in --tools (nvidia-cudnn-cu12), so XLA's unfused "
+                       "attention (dense@xla) was compiled, as a GPU without cuDNN runs it")
     with tempfile.TemporaryDirectory(prefix="sparse_jax_compile_") as dump:
         env = tools_env(tools)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
@@ -341,7 +346,7 @@ def compile_program(program: dict, target: str, tools: str, timeout: float = 600
                 with open(os.path.join(dump, path)) as f:
                     thunks += parse_thunks(f.read())
     ptxas = parse_ptxas(proc.stderr)
-    if _dense(program) and not os.path.isdir(os.path.join(tools, "nvidia", "cudnn")):
+    if _dense(program) and no_cudnn and "note" not in row:
         row["note"] = ("no cuDNN in --tools (nvidia-cudnn-cu12): XLA's unfused attention, as on "
                        "a GPU without cuDNN")
     memory = row["memory"]

@@ -4,7 +4,7 @@ accelerator reports' measured rows: forward + backward, bfloat16, B=1 H=8 d=64, 
 (``sparse_jax.bench.compiled``: per Triton kernel its programs, key tiles per program, blocks
 per SM, threads, spilled bytes; per program the bytes of XLA's own kernels around them).
 
-  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json
+  python scripts/cost_model.py --output_json=docs/benchmarks/cost_model/results.json --overwrite
 
 The model, per Triton kernel k of a program (S SMs; P_k programs, T_k key tiles per program on
 average, b_k blocks resident per SM, tiles of q × k queries and keys, m_k matrix products per

@@ -169,13 +169,15 @@ def _stride(stride, seq_len: int) -> int:
 
 def check_cases(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 256,
                 num_heads: int = 4, stride="128", dtype: str = "float32",
-                seq: int = 1) -> dict[tuple[int, str], dict]:
+                seq: int = 1, batch_size: int = 1) -> dict[tuple[int, str], dict]:
     """Every case of `benchmark_model` checked before anything runs (ValueError, one line
     naming the flag): each parses, each model is valid (``ModelConfig``) at each length, and
     with `seq` > 1 each splits its sequence over `seq` devices as a run would
-    (``context.check_model_split``). Returns {(seq_len, case): the model's fields}."""
+    (``context.check_model_split``), and a step of `batch_size` sequences can fit this machine
+    (``sizing.check_fits``). Returns {(seq_len, case): the model's fields}."""
     from sparse_jax.attention import IMPLEMENTATIONS
     from sparse_jax.attention.context import check_model_split
+    from sparse_jax.run import sizing
 
     for name in cases:  # every case parses before anything runs
         parts = name.split(":")
@@ -200,6 +202,8 @@ def check_cases(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: int = 
             cfg = ModelConfig(**model)
             if seq > 1:
                 check_model_split(cfg.specs(), seq_len, seq)
+            sizing.check_fits(cfg, batch_size, fields="--batch_size, --seq_len, --d_model or "
+                                                      "--num_layers")
         except ValueError as e:
             raise ValueError(f"--cases={name} at --seq_len={seq_len}"
                              + (f" over --seq={seq}" if seq > 1 else "") + f": {e}") from None
@@ -219,7 +223,8 @@ def benchmark_model(cases, *, seq_lens=(8192,), num_layers: int = 4, d_model: in
     that many simulated CPU devices (`run_model_case`; XLA's figures per device). Logs a
     markdown table row by row and returns every case's numbers."""
     models = check_cases(cases, seq_lens=seq_lens, num_layers=num_layers, d_model=d_model,
-                         num_heads=num_heads, stride=stride, dtype=dtype, seq=seq)
+                         num_heads=num_heads, stride=stride, dtype=dtype, seq=seq,
+                         batch_size=batch_size)
     what = "loss, gradients and AdamW update" if update else "loss + gradients"
     split = f", each sequence split over {seq} CPU devices (XLA per device)" if seq > 1 else ""
     log(f"{num_layers} layers, d={d_model}, {num_heads} heads, batch {batch_size}, {dtype}, "

@@ -331,8 +331,8 @@ def summarize(run_dir: str, config) -> dict:
 def markdown(rows: list[dict]) -> str:
     """The table of `summarize` rows; a "vs dense" column when dense was measured."""
     dense = next((r for r in rows if r["pattern"] == "dense"), None)
-    table = [dict(r, vs_dense=r["s_per_step"] / dense["s_per_step"]
-                  if dense and r["s_per_step"] and dense["s_per_step"] else None) for r in rows]
+    table = [dict(r, vs_dense=None if dense is None else (  # only against a measured dense
+        tools.ratio(r["s_per_step"], dense["s_per_step"]) or tools.NOT_MEASURED)) for r in rows]
     unit = rows[0]["unit"] if rows else "byte"
     return tools.markdown_table(table, [
         ("spec", "pattern"), ("params", "parameters"), ("mean_keys_per_query", "keys/query"),

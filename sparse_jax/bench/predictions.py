@@ -2,7 +2,7 @@ r"""Predictions on record: the cost model's time for every Pallas attention row 
 the accelerator report measures, written before a loan and printed beside the measurement after
 it (docs/cost_model.md, "Predictions on record").
 
-  python scripts/cost_model.py --predictions=docs/benchmarks/cost_model/predictions.json
+  python scripts/cost_model.py --predictions=docs/benchmarks/cost_model/predictions.json --overwrite
 
 A predictions file (``docs/benchmarks/cost_model/predictions*.json``; every such file is read):
 

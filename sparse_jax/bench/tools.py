@@ -14,6 +14,7 @@ time: a case sets up its devices first.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -156,10 +157,10 @@ def peak_rss_gb() -> float:
 
 
 def available_memory_gb() -> float:
-    """Memory the kernel could give a new allocation now (``MemAvailable``), in GB; Linux."""
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
+    """Memory the kernel could give a new allocation now (``cli.available_memory``), in GB."""
+    from sparse_jax import cli
+
+    return (cli.available_memory() or 0) / 1e9
 
 
 def matmul_size() -> int:
@@ -285,6 +286,30 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
             "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
             "python": platform.python_version()}
+
+
+# Ratios against a baseline row (× PyTorch, × vs dense, time vs dense): one only against a row
+# that was measured; a baseline that failed is "not measured" in the tables, and the script
+# exits non-zero (`require_baselines`) unless told the baseline is optional.
+NOT_MEASURED = "not measured"
+OPTIONAL_FLAG = "--baseline_optional"
+
+
+def ratio(value, baseline) -> float | None:
+    """`value` / `baseline` when both were measured (finite numbers, the baseline > 0), else
+    None: never a ratio against a run that did not happen."""
+    measured = [isinstance(v, (int, float)) and math.isfinite(v) for v in (value, baseline)]
+    return value / baseline if all(measured) and baseline > 0 else None
+
+
+def require_baselines(missing: list[str], optional: bool) -> None:
+    """ValueError (one line, exit 1 through `cli.run`) naming the baseline rows in `missing`
+    (failed, or not run) unless `optional` (the script's --baseline_optional): the results are
+    written first, their ratios to those rows shown as not measured."""
+    if missing and not optional:
+        raise ValueError(f"the baseline {', '.join(missing)} was not measured, so the ratios "
+                         f"to it are shown as {NOT_MEASURED!r}; fix it (its error is in the "
+                         f"table) or pass {OPTIONAL_FLAG} to accept results without it")
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

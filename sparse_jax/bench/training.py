@@ -110,8 +110,9 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
     """For each context length (and its number of steps): the PyTorch twin (dense attention) in
     each of `baselines` ("eager", "compile": `torch.compile`), then this project's trainer with
     each of `patterns` (stride ~ sqrt(n)), each in a fresh process, one after another. "×
-    PyTorch" is against the first baseline. Writes results.md and results.json to `output_dir`;
-    returns the JSON."""
+    PyTorch" is against the first baseline, only where it was measured ("not measured" where it
+    failed: `tools.ratio`; the JSON's baselines_not_measured names those rows). Writes
+    results.md and results.json to `output_dir`; returns the JSON."""
     import shutil
     import tempfile
 
@@ -137,20 +138,27 @@ def benchmark_training(seq_lens, *, steps: list[int], data_path: str,
                        "stride": None if overrides["model.pattern"] == "dense" else stride,
                        "steps": num_steps,
                        "wall_s": time.perf_counter() - start, **out}
+                baseline = next((r for r in rows if r["seq_len"] == seq_len
+                                 and r["impl"] == BASELINES[baselines[0]]), row)
                 if "error" not in out:
                     row["tokens_per_s"] = out["steps_per_s"] * overrides["batch_size"] * seq_len
-                    torch_row = next((r for r in rows if r["seq_len"] == seq_len
-                                      and r["impl"] == BASELINES[baselines[0]]), row)
-                    if "steps_per_s" in torch_row:
-                        row["vs_torch"] = out["steps_per_s"] / torch_row["steps_per_s"]
                     row["final_train_bits"] = list(out["train_bits"].values())[-1]
+                # × PyTorch: only against the first baseline's row when it was measured
+                row["vs_torch"] = tools.ratio(out.get("steps_per_s"), baseline.get("steps_per_s"))
+                if "error" not in out and row["vs_torch"] is None:
+                    row["vs_torch"] = tools.NOT_MEASURED
+                vs = row["vs_torch"]
                 log(f"n={seq_len} {impl} {pattern}: " + (out.get("error") or (
-                    f"{out['steps_per_s']:.2f} steps/s ({row.get('vs_torch', 1):.2f}x torch), "
+                    f"{out['steps_per_s']:.2f} steps/s ("
+                    + (f"{vs:.2f}x torch" if isinstance(vs, float) else f"torch {vs}") + "), "
                     f"valid {out['valid_bits']:.3f} bits/byte, {row['wall_s']:.0f} s in all")))
                 rows.append(row)
                 bar.update()
+    missing = sorted({f"{r['impl']} dense at n={r['seq_len']}" for r in rows
+                      if r["impl"] == BASELINES[baselines[0]] and "steps_per_s" not in r}) \
+        if baselines else []
     info = {"command": command, "machine": tools.machine(), "data": data_path,
-            "rows": rows}
+            "rows": rows, "baselines_not_measured": missing}
     if output_dir:
         table = tools.markdown_table(rows, [
             ("seq_len", "context"), ("impl", "implementation"), ("pattern", "attention"),

@@ -95,6 +95,9 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 fail(name, f"must be an integer >= {low}")
+        if self.embedded_row_width > self.embedded_bytes:  # one row, generated column by column
+            fail("embedded_row_width", f"must be at most embedded_bytes={self.embedded_bytes:,} "
+                                       "(a row longer than the stream)")
         fractions = self.split_fractions
         if isinstance(fractions, (list, tuple)):
             object.__setattr__(self, "split_fractions", tuple(fractions))

@@ -30,6 +30,9 @@ POS_EMBS = ("image", "text", "single", "none")
 PATTERNS = patterns.KINDS
 
 
+MAX_LAYERS = 4096  # the deepest model accepted: 32x the paper's deepest (128 layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of ``SparseTransformer``; validated on construction (ValueError)."""
@@ -70,6 +73,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(name, "must be a positive integer")
+        if self.num_layers > MAX_LAYERS:  # each layer's pattern is listed (`specs`)
+            fail("num_layers", f"above {MAX_LAYERS:,} layers (the paper's deepest has 128); "
+                               "give fewer")
         if self.local_width is not None and (not isinstance(self.local_width, int)
                                              or self.local_width < 1):
             fail("local_width", "must be None or a positive integer")
@@ -123,6 +129,9 @@ class ModelConfig:
             except (ValueError, OSError) as e:
                 fail("attention", f"{str(e).splitlines()[0]}; or set attention='auto' (the "
                                   "same numbers, on the XLA path where the kernels cannot run)")
+        if self.local_width is not None and self.local_width > self.seq_len:
+            fail("local_width", f"exceeds seq_len={self.seq_len}: a window wider than the "
+                                "context (each query's keys are listed)")
         if self.local_width is not None and self.pattern not in ("strided", "local"):
             fail("local_width", f"applies to pattern strided/local, not {self.pattern!r}")
         if self.summary != "paper" and self.pattern != "fixed":
@@ -237,11 +246,16 @@ class ModelConfig:
             return unused + "dense attention runs a fused dense kernel or XLA, not the " \
                             "block-sparse Pallas kernel the options are for"
         sizes, default = self.block_sizes, BlockSizes.for_backend("mosaic")
+        unused = []  # options the kernel has but this model's pattern or backend never reads
         if kernel_backend() == "mosaic" and (sizes.num_warps, sizes.num_stages) != (
                 default.num_warps, default.num_stages):
-            return ("model.kernel's warps and stages (wN, sN) are not used: they are "
-                    "Triton's (a GPU), and this TPU's kernels compile through Mosaic")
-        return None
+            unused.append("warps and stages (wN, sN): they are Triton's (a GPU), and this "
+                          "TPU's kernels compile through Mosaic")
+        if (sizes.summary_q or sizes.summary_k) and self.pattern != "fixed":
+            unused.append(f"summary tiles (sumQxK): only the fixed pattern has a summary term, "
+                          f"and pattern={self.pattern!r}")
+        return ("model.kernel's " + "; and its ".join(u.replace(":", " are not used:", 1)
+                                                       for u in unused)) if unused else None
 
     @property
     def base_spec(self) -> PatternSpec:

@@ -50,14 +50,13 @@ longer one (up to float rounding where their first windows differ in length).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax import logs
+from sparse_jax import cli, logs
 
 PROGRESS_WINDOWS = 4  # a sample of more windows than this shows its progress
 TOKEN_BYTES = 10  # host memory per sampled token, at most: int32 tokens, their bytes, the text
@@ -123,17 +122,8 @@ def check_sampling(temperature, top_k, top_p, vocab_size: int = 256) -> None:
 
 
 def available_memory() -> int | None:
-    """Bytes of host memory a new allocation could get now (Linux's MemAvailable; else the
-    physical memory), or None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            return None
+    """Bytes of host memory a new allocation could get now (`cli.available_memory`)."""
+    return cli.available_memory()
 
 
 def check_length(prompt_len: int, length, batch: int = 1,
@@ -149,6 +139,13 @@ def check_length(prompt_len: int, length, batch: int = 1,
     need = batch * (prompt_len + length) * bytes_per_token
     if available is not None and need > available:
         fits = max(0, available // (batch * bytes_per_token) - prompt_len)
+        if fits < 1:  # not even one token each: the samples are too many, not too long
+            most = available // ((prompt_len + 1) * bytes_per_token)
+            raise ValueError(f"num_samples={batch:,} cannot be held: that many samples of "
+                             f"{prompt_len + 1:,} tokens or more need about "
+                             f"{batch * (prompt_len + 1) * bytes_per_token / 2**30:,.1f} GiB of "
+                             f"host memory, and {available / 2**30:,.1f} GiB are available; "
+                             f"give at most {most:,} samples (far fewer for a long length)")
         raise ValueError(f"length={length:,} cannot be held: {batch} sample(s) of "
                          f"{prompt_len + length:,} tokens need about {need / 2**30:,.1f} GiB of "
                          f"host memory ({bytes_per_token} bytes a token), and "

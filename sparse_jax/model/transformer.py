@@ -59,6 +59,19 @@ from sparse_jax.model.layers import Block, linear
 # The model.
 
 
+def position_table_sizes(cfg: ModelConfig) -> list[int]:
+    """The rows of each position table (`position_tables`' sizes), without an array of the
+    positions (a size check of a huge seq_len must not allocate it)."""
+    if cfg.pos_emb == "none":
+        return []
+    if cfg.pos_emb == "single":
+        return [cfg.seq_len]
+    if cfg.pos_emb == "text":
+        cols = min(cfg.stride, cfg.seq_len)
+        return [-(-cfg.seq_len // cols), cols]
+    return list(cfg.image_shape)
+
+
 def position_tables(cfg: ModelConfig) -> list[tuple[int, np.ndarray]]:
     """(table size, index of every position 0..seq_len-1) for each position table."""
     p = np.arange(cfg.seq_len)

@@ -31,12 +31,14 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from sparse_jax import cli
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention import context
 from sparse_jax.data import images as images_lib
 from sparse_jax.data.batches import Stage
 from sparse_jax.model.config import ModelConfig, model_config
 from sparse_jax.run import config as config_lib
+from sparse_jax.run import sizing
 from sparse_jax.run import workdir as workdir_lib
 
 
@@ -65,6 +67,12 @@ def complete(config: ml_collections.ConfigDict, workdir: str | None = None,
     notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
              config_lib.follow_total_steps(config, preset_total_steps, recorded)]
     cfg = config_lib.check_config(config)
+    if devices is None:  # sizes that could never train on this machine
+        sizing.check_fits(cfg, config.batch_size // max(1, config.optimizer.grad_accum))
+        if config.data.name == "embedded":  # the stream, its symbols and choices: ~3 bytes each
+            cli.memory_fits(f"data.embedded_bytes={config.data.embedded_bytes:,}: the "
+                            "generated stream", 3 * config.data.embedded_bytes,
+                            "data.embedded_bytes")
     shape = mesh_shape(config, cfg, jax.device_count() if devices is None else devices)
     mesh = None if devices is not None else sharding_lib.make_mesh(
         config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))

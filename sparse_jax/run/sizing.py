@@ -15,19 +15,64 @@ from flax import nnx
 
 from sparse_jax import sharding as sharding_lib
 from sparse_jax.attention.spec import PatternSpec
+from sparse_jax.cli import available_memory
 from sparse_jax.model.config import DTYPES, ModelConfig
-from sparse_jax.model.transformer import SparseTransformer, position_tables
+from sparse_jax.model.transformer import SparseTransformer, position_table_sizes
 from sparse_jax.run.optim import abstract_train_state
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters, by formula (equals the allocated model's count)."""
     d, f, qk, v = cfg.d_model, cfg.ff_dim, cfg.qk_dim, cfg.vocab_size
-    embeddings = v * d + d * sum(size for size, _ in position_tables(cfg))
+    embeddings = v * d + d * sum(position_table_sizes(cfg))
     attention = 2 * (d * qk + qk) + 2 * (d * d + d)  # query, key; value, output
     feed_forward = d * f + f + f * d + d
     norms = 2 * 2 * d
     return embeddings + cfg.num_layers * (attention + feed_forward + norms) + 2 * d + d * v + v
+
+
+STATE_COPIES = 3  # what training holds of each parameter at least: itself, AdamW's two moments
+
+
+def machine_memory() -> int | None:
+    """Bytes the training state could take here: on a CPU the host memory available now, on
+    an accelerator every local device's limit together; None where that is not known."""
+    if jax.default_backend() == "cpu":
+        return available_memory()
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return sum(limits) if limits and all(limits) else None
+
+
+def least_bytes(cfg: ModelConfig, batch_size: int = 1, training: bool = True) -> int:
+    """A lower bound on the memory a step of `cfg` on `batch_size` sequences takes, by formula
+    (nothing built): training, the parameters and AdamW's two moments (`STATE_COPIES`) and each
+    layer's float32 input of every token (what even whole-block remat keeps, `describe`);
+    inference, the parameters and each layer's keys and values of every token (the decoder's
+    cache)."""
+    n, d, layers = cfg.seq_len, cfg.d_model, cfg.num_layers
+    params = param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize
+    if training:
+        return params * STATE_COPIES + batch_size * n * layers * 4 * d
+    c = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    return params + batch_size * n * layers * (cfg.qk_dim + d) * c
+
+
+def check_fits(cfg: ModelConfig, batch_size: int = 1, training: bool = True,
+               fields: str = "model.vocab_size, model.d_model, model.num_layers, "
+                             "model.ff_mult, model.seq_len or batch_size",
+               memory: int | None = None) -> None:
+    """ValueError (one line, before anything is allocated) when `least_bytes` exceeds `memory`
+    (default: `machine_memory`): a size that passes every field's own check but could never run
+    here (vocab_size = 2^31 - 1 once ran into an out-of-memory traceback at initialisation).
+    `fields`: what to lower, as the caller's flags name them."""
+    memory = machine_memory() if memory is None else memory
+    need = least_bytes(cfg, batch_size, training)
+    if memory is not None and need > memory:
+        raise ValueError(f"the model ({param_count(cfg):,} parameters, {batch_size:,} "
+                         f"sequence(s) of {cfg.seq_len:,}) needs at least {need / 2**30:,.1f} "
+                         f"GiB to {'train' if training else 'run'}, and this machine has "
+                         f"{memory / 2**30:,.1f} GiB; lower {fields} (scripts/describe.py "
+                         "shows the sizes)")
 
 
 @functools.lru_cache(maxsize=64)

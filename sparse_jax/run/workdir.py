@@ -7,7 +7,9 @@ evaluation and sampling write.
   WORKDIR/damaged_checkpoints/    checkpoints that could not be read, set aside, never deleted
   WORKDIR/data_fingerprint.json   what data the run trains on (`check_data`)
   WORKDIR/.lock                   held by the one training process that uses the workdir
-  WORKDIR/metrics.jsonl ...       logs (`sparse_jax.logs`); eval/ and samples/: outputs
+  WORKDIR/metrics.jsonl ...       logs (`sparse_jax.logs`)
+  WORKDIR/eval/, samples/, attention/   the default outputs of evaluate.py, sample.py and
+                                  attention_stats.py: a run resumes after any of them ran there
 
 `prepare_workdir` admits a training run: a new, empty or writable folder, or a run of this
 project that the config may resume; anything else there is refused, untouched.
@@ -38,7 +40,8 @@ FINGERPRINT = "data_fingerprint.json"
 PROBE = ".write_test"  # + part_suffix: the file that shows a folder is writable
 # What this project writes into a workdir: anything else there is someone else's.
 OURS = {config_lib.RECORD, config_lib.HISTORY, FOLDER, DAMAGED, LOCK, FINGERPRINT,
-        "metrics.jsonl", "tensorboard", "eval", "samples", "profile", "train.log", "study.json"}
+        "metrics.jsonl", "tensorboard", "eval", "samples", "attention", "profile", "train.log",
+        "study.json"}
 
 
 def steps(workdir: str) -> list[int]:

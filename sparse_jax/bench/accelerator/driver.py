@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ import tempfile
 import time
 import zipfile
 
+from sparse_jax import cli
 from sparse_jax.bench import predictions
 from sparse_jax.bench.accelerator.common import REPO
 from sparse_jax.bench.accelerator.plan import CAPS, DRY_CAPS, MODULES, STAGES, plan_for
@@ -36,19 +36,12 @@ def parse_caps(items) -> dict:
         try:
             if not sep or name not in MODULES:
                 raise ValueError
-            caps[name] = _positive_seconds(seconds)
+            caps[name] = cli.seconds("caps", seconds)
         except ValueError:
             raise ValueError(f"--caps: {item!r} is not STAGE=SECONDS with a stage of "
-                             f"{', '.join(MODULES)} and a positive finite number of seconds"
-                             ) from None
+                             f"{', '.join(MODULES)} and a positive number of seconds up to "
+                             f"{cli.MAX_SECONDS:,} (a week)") from None
     return caps
-
-
-def _positive_seconds(value) -> float:
-    seconds = float(value)
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{value!r} is not a positive finite number")
-    return seconds
 
 
 def check_wheels(folder: str) -> list[str]:
@@ -94,11 +87,7 @@ def check_arguments(stages=STAGES, caps: dict | None = None, budget_s: float | N
     for name, seconds in (caps or {}).items():
         parse_caps([f"{name}={seconds}"])
     if budget_s is not None:
-        try:
-            _positive_seconds(budget_s)
-        except (ValueError, TypeError):
-            raise ValueError(f"--budget_s={budget_s}: not a positive finite number of "
-                             "seconds") from None
+        cli.seconds("budget_s", budget_s)
     return check_wheels(wheels) if wheels is not None else []
 
 
