@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparse_jax.attention import blocks, measured, pallas, patterns, tiles
+from sparse_jax.attention import blocks, measured, pallas, patterns, tilepath, tiles
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
+from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, TileTerm
 from sparse_jax.attention.tiles import NEG as _NEG
 
 # ---------------------------------------------------------------------------------------------
@@ -46,6 +46,10 @@ def _terms(spec, rows, compiler):
     key-side ``pallas.Band``) where the band kernels run it (``blocks.band_plan``), else None)
     and compiler (``_for_term``)."""
     for term in spec.terms():
+        if isinstance(term, TileTerm):  # a user rule's tiles (``tilepath``)
+            yield (*tilepath.pallas_term(term, rows, compiler.block_q, compiler.block_k),
+                   None, compiler)
+            continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)
         lists = blocks.block_lists(layout, comp.block_q, comp.block_k)[0]
@@ -92,13 +96,18 @@ def _chain(spec, rows, compiler):
     tile = max(compiler.block_q, compiler.block_k, compiler.summary_q, compiler.summary_k)
     step = max(1, tile // (block & -block))  # rows * block a multiple of every tile
     col = min(tile, max(16, rows & -rows))
-    terms = sorted(spec.terms(), key=lambda t: [SummaryTerm, ColumnTerm,
+    terms = sorted(spec.terms(), key=lambda t: [SummaryTerm, ColumnTerm, TileTerm,
                                                 BandTerm].index(type(t)))
     if any(isinstance(t, ColumnTerm) for t in terms):
         step = max(step, col)
     rows = -(-rows // step) * step
     plan = []
     for term in terms:
+        if isinstance(term, TileTerm):  # sequence order, the kernels' tiles
+            at = (pallas.Rows(compiler.block_q), pallas.Rows(compiler.block_k))
+            plan.append((*tilepath.pallas_term(term, rows, compiler.block_q, compiler.block_k),
+                         compiler, at))
+            continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)
         if layout.kind == "columns":
@@ -282,6 +291,11 @@ def sparsity(spec: PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -
     rows = -(-seq_len // spec.block)
     kept = scored = 0
     for term in spec.terms():
+        if isinstance(term, TileTerm):
+            counts = tilepath.tile_counts(term, rows * spec.block, sizes.block_q, sizes.block_k)
+            kept, scored = kept + int(counts.sum()), scored + int(
+                (counts > 0).sum()) * sizes.block_q * sizes.block_k
+            continue
         layout = blocks.term_layout(term, rows)
         bq, bk = ((sizes.summary_q, sizes.summary_k) if layout.kind == "summary"
                   and sizes.summary_q else (sizes.block_q, sizes.block_k))

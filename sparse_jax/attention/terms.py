@@ -31,6 +31,7 @@ from sparse_jax.attention.patterns import (
     compact,
     summary_residues,
 )
+from sparse_jax.attention.tileterm import TileTerm, tile_key_count, tile_rows
 
 # --------------------------------------------------------------------------------------------
 # Block-level view for the fast path.
@@ -81,7 +82,7 @@ class SummaryTerm:
     residues: tuple[int, ...]
 
 
-Term = BandTerm | ColumnTerm | SummaryTerm
+Term = BandTerm | ColumnTerm | SummaryTerm | TileTerm  # TileTerm: a user rule's remainder
 
 
 def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
@@ -128,6 +129,8 @@ def term_rows(term: Term, i, seq_len: int, xp=np):
     traced position: a step of the cached decoder), ``[..., C]``, -1 where absent. ``C`` depends
     only on the term and ``seq_len`` (not on ``i``), so a decoder gets static shapes and builds
     no ``[seq_len, K]`` table; a sliding window lists just its ``max_distance + 1`` keys."""
+    if isinstance(term, TileTerm):
+        return tile_rows(term, i, seq_len, xp)
     i = xp.asarray(i)[..., None]
     if isinstance(term, BandTerm):
         if (term.max_distance is not None and term.max_distance <= term.prev * term.block
@@ -157,6 +160,8 @@ def term_key_count(term: Term, seq_len: int) -> int:
     """Keys one term gives the queries ``0 .. seq_len - 1``, all together, in O(seq_len) time and
     memory: the count ``term_candidates`` lists, without its ``[seq_len, C]`` array (for fixed at
     65,536 that array is 4 GB)."""
+    if isinstance(term, TileTerm):
+        return tile_key_count(term, seq_len)
     i = np.arange(seq_len)
     if isinstance(term, BandTerm):  # a key before position 0 is absent: only rows < prev lose
         rows_before = np.maximum(term.prev - i // term.block, 0) * term.block  # keys cut off
