@@ -12,6 +12,10 @@ the library runs it (docs/custom_patterns.md).
   ``tileterm.TileTerm``: the tiles holding a kept pair, with an exact mask on partial tiles;
 * ``heads(*patterns)``: head groups side by side (group g takes the g-th share of the heads).
 
+The terms an author writes: ``window(width, block)``, ``own_block(block)``, ``columns(stride,
+beyond=width)`` and ``summaries(block, residues)`` (``attention.terms``); the built-in strided
+and fixed patterns are made of the same (``strided``, ``fixed`` below give their index arrays).
+
 A definition is checked when it is made, on the first ``probe`` positions: the rule runs and
 returns booleans of the broadcast shape, no key after its query, no query without a key, every
 query keeps itself unless ``self_optional``, terms are disjoint and on one grid. A bad one is a
@@ -30,15 +34,26 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sparse_jax.attention.patterns import check_int, compact, indices_to_mask
+from sparse_jax.attention.patterns import (
+    PARTS,
+    check_choice,
+    check_int,
+    compact,
+    indices_to_mask,
+    summary_residues,
+)
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import (
     BandTerm,
     ColumnTerm,
     SummaryTerm,
     Term,
+    columns,
+    own_block,
+    summaries,
     term_candidates,
     terms_to_indices,
+    window,
 )
 from sparse_jax.attention.tileterm import TileTerm
 
@@ -96,14 +111,14 @@ def _fail(name: str, why: str):
 
 
 def _check_mask(name: str, indices: np.ndarray, n: int, self_optional: bool,
-                future: np.ndarray | None = None):
+                future: np.ndarray | None = None, empty_rows: bool = False):
     """One line for the first query with no key, or without itself; ``future`` a causal
     violation's (query, key) if any."""
     if future is not None:
         _fail(name, f"query {future[0]} keeps key {future[1]}, after it: a pattern is causal "
                     "(keep only keys j <= i)")
     counts = (indices >= 0).sum(1)
-    if (counts == 0).any():
+    if (counts == 0).any() and not empty_rows:
         _fail(name, f"query {int(np.argmin(counts))} keeps no key (of the first {n} "
                     "positions): every query needs one")
     if not self_optional:
@@ -142,9 +157,11 @@ def _check_terms(name: str, terms, probe: int) -> tuple[int, int]:
 
 
 def from_terms(*groups: Sequence[Term], name: str = "custom", self_optional: bool = False,
-               probe: int = PROBE) -> Pattern:
+               empty_rows: bool = False, probe: int = PROBE) -> Pattern:
     """A pattern whose head group g attends the union of the disjoint block terms
-    ``groups[g]`` (all on one grid: a band's and summary's ``block``, a column's ``stride``)."""
+    ``groups[g]`` (all on one grid: a band's and summary's ``block``, a column's ``stride``).
+    ``self_optional``/``empty_rows``: a query may leave itself out / keep no key (it then
+    outputs zeros; the fixed pattern's summary part alone does)."""
     if not groups:
         _fail(name, "give at least one head group of terms")
     specs = []
@@ -153,9 +170,32 @@ def from_terms(*groups: Sequence[Term], name: str = "custom", self_optional: boo
         block, n = _check_terms(name, terms, probe)
         spec = CustomSpec(name=name if len(groups) == 1 else f"{name}[{g}]", grid=block,
                           parts=terms)
-        _check_mask(spec.name, spec.indices(n), n, self_optional)
+        _check_mask(spec.name, spec.indices(n), n, self_optional, empty_rows=empty_rows)
         specs.append(spec)
     return Pattern(name, tuple(specs))
+
+
+def strided(stride: int, local_width: int | None = None, part: str = "both") -> Pattern:
+    """The paper's strided pattern as an author writes it: a window of ``local_width`` keys
+    (default stride + 1) and every stride-th key beyond it (``PatternSpec("strided")``)."""
+    check_choice("part", part, PARTS["strided"])
+    width = stride + 1 if local_width is None else local_width
+    terms = {"local": (window(width, stride),), "strided": (columns(stride),),
+             "both": (window(width, stride), columns(stride, beyond=width))}[part]
+    return from_terms(terms, name=f"strided({stride}, {width}, {part})")
+
+
+def fixed(stride: int, c: int, part: str = "both", summary: str = "paper",
+          summary_block: int = 0) -> Pattern:
+    """The paper's fixed pattern as an author writes it: the own block and the summary
+    residues of the earlier ones (``PatternSpec("fixed")``)."""
+    check_choice("part", part, PARTS["fixed"])
+    residues = summary_residues(stride, c, summary_block, summary)
+    terms = {"block": (own_block(stride),),
+             "summary": (own_block(stride, residues), summaries(stride, residues)),
+             "both": (own_block(stride), summaries(stride, residues))}[part]
+    return from_terms(terms, name=f"fixed({stride}, {c}, {part}, {summary}, {summary_block})",
+                      self_optional=part == "summary", empty_rows=part == "summary")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,10 +285,10 @@ def _find_terms(mask: np.ndarray, block: int) -> tuple[Term, ...]:
     w = _run_length(mask)
     own_row = all(mask[i[i % block >= d], i[i % block >= d] - d].all() for d in range(block))
     if own_row and w < block:
-        terms.append(BandTerm(block, prev=0, same_row=True))
+        terms.append(own_block(block))
         reach = 1
     elif 1 <= w <= n // 2:
-        terms.append(BandTerm(block, prev=-(-(w - 1) // block), max_distance=w - 1))
+        terms.append(window(w, block))
         reach = (w - 1) // block + 1
     else:
         return ()
@@ -256,14 +296,14 @@ def _find_terms(mask: np.ndarray, block: int) -> tuple[Term, ...]:
     column = all(mask[i[i >= m * block], i[i >= m * block] - m * block].all()
                  for m in range(reach, rows))
     if column and rows > reach + 1:
-        terms.append(ColumnTerm(block, min_rows=reach))
+        terms.append(ColumnTerm(block, min_rows=reach))  # columns(block, beyond=w)
     elif reach == 1 and terms[0].same_row:
         later = i[:, None] // block > i[None, :] // block  # keys of earlier rows
         kept = (mask | ~later).all(0)  # kept by every later query
         residues = tuple(int(r) for r in range(block)
                          if kept[r::block][:rows - 1].all())
         if residues:
-            terms.append(SummaryTerm(block, residues))
+            terms.append(summaries(block, residues))
     return tuple(terms)
 
 
@@ -303,10 +343,10 @@ def from_rule(allowed: Callable | None = None, *, keys: Callable | None = None,
     found = _find_terms(mask, block) if find_terms else ()
     covered = _union_rule(found)
 
-    def remainder(q, k):
-        got = rule(q, k)
-        if isinstance(q, np.ndarray) or isinstance(k, np.ndarray):
-            got = _evaluate(rule, name, q, k)
+    def remainder(q, k):  # on the host (NumPy) checked, in a kernel (jnp) as it is
+        host = isinstance(q, np.ndarray) and isinstance(k, np.ndarray)
+        got = _evaluate(rule, name, q, k) if host else rule(q, k)
+        if host:
             lost = covered(q, k) & ~got & (k <= q)
             if lost.any():
                 at = np.argwhere(np.broadcast_to(lost, lost.shape))[0]

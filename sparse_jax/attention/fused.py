@@ -46,9 +46,11 @@ def _terms(spec, rows, compiler):
     key-side ``pallas.Band``) where the band kernels run it (``blocks.band_plan``), else None)
     and compiler (``_for_term``)."""
     for term in spec.terms():
-        if isinstance(term, TileTerm):  # a user rule's tiles (``tilepath``)
-            yield (*tilepath.pallas_term(term, rows, compiler.block_q, compiler.block_k),
-                   None, compiler)
+        if isinstance(term, TileTerm):  # a user rule's tiles (``tilepath``), if it has any
+            layout, keep, lists = tilepath.pallas_term(term, rows, compiler.block_q,
+                                                       compiler.block_k)
+            if lists.forward[:, :2].any():
+                yield layout, keep, lists, None, compiler
             continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)
@@ -105,8 +107,10 @@ def _chain(spec, rows, compiler):
     for term in terms:
         if isinstance(term, TileTerm):  # sequence order, the kernels' tiles
             at = (pallas.Rows(compiler.block_q), pallas.Rows(compiler.block_k))
-            plan.append((*tilepath.pallas_term(term, rows, compiler.block_q, compiler.block_k),
-                         compiler, at))
+            layout, keep, lists = tilepath.pallas_term(term, rows, compiler.block_q,
+                                                       compiler.block_k)
+            if lists.forward[:, :2].any():
+                plan.append((layout, keep, lists, compiler, at))
             continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)

@@ -85,6 +85,38 @@ class SummaryTerm:
 Term = BandTerm | ColumnTerm | SummaryTerm | TileTerm  # TileTerm: a user rule's remainder
 
 
+# The terms as a pattern's author writes them (``attention.custom``); the built-in patterns below
+# are made of these, so a user's pattern and a built-in one are the same objects.
+
+
+def window(width: int, block: int) -> BandTerm:
+    """A sliding window of ``width`` keys ending at the query (``j in [i - width + 1, i]``) on a
+    grid of ``block`` positions per row."""
+    width, block = check_int("width", width), check_int("block", block)
+    return BandTerm(block, prev=-(-(width - 1) // block), max_distance=width - 1)
+
+
+def own_block(block: int, residues: Sequence[int] | None = None) -> BandTerm:
+    """The keys ``j <= i`` in the query's own row of ``block`` (only those at ``residues``
+    ``j mod block`` if given)."""
+    block = check_int("block", block)
+    return BandTerm(block, prev=0, same_row=True,
+                    residues=None if residues is None else tuple(residues))
+
+
+def columns(stride: int, beyond: int = 0) -> ColumnTerm:
+    """Every ``stride``-th key back, ``i - m * stride``, leaving out those of a window of
+    ``beyond`` keys (0: none) that a ``window`` term gives already."""
+    stride = check_int("stride", stride)
+    beyond = check_int("beyond", beyond, 0)
+    return ColumnTerm(stride, min_rows=(beyond - 1) // stride + 1 if beyond else 0)
+
+
+def summaries(block: int, residues: Sequence[int]) -> SummaryTerm:
+    """The keys at ``residues`` (``j mod block``) of every row before the query's."""
+    return SummaryTerm(check_int("block", block), tuple(residues))
+
+
 def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
                   part: str = "both", local_width: int | None = None, summary: str = "paper",
                   summary_block: int = 0) -> tuple[Term, ...]:
@@ -100,28 +132,25 @@ def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
     stride = check_int("stride", stride)
     if kind == "local":
         width = stride + 1 if local_width is None else check_int("local_width", local_width)
-        block = max(1, width - 1)
-        return (BandTerm(block, prev=-(-(width - 1) // block), max_distance=width - 1),)
+        return (window(width, max(1, width - 1)),)
     if kind == "strided":
         check_choice("part", part, PARTS["strided"])
         width = stride + 1 if local_width is None else check_int("local_width", local_width)
         terms = []
         if part in ("both", "local"):
-            prev = -(-(width - 1) // stride)
-            terms.append(BandTerm(stride, prev=prev, max_distance=width - 1))
+            terms.append(window(width, stride))
         if part == "strided":
-            terms.append(ColumnTerm(stride, min_rows=0))
+            terms.append(columns(stride))
         if part == "both":  # keys i - m*l with m*l <= w - 1 are in the local window already
-            terms.append(ColumnTerm(stride, min_rows=(width - 1) // stride + 1))
+            terms.append(columns(stride, beyond=width))
         return tuple(terms)
     residues = summary_residues(stride, c, summary_block, summary)
     check_choice("part", part, PARTS["fixed"])
     if part == "block":
-        return (BandTerm(stride, prev=0, same_row=True),)
+        return (own_block(stride),)
     if part == "summary":
-        return (BandTerm(stride, prev=0, same_row=True, residues=residues),
-                SummaryTerm(stride, residues))
-    return (BandTerm(stride, prev=0, same_row=True), SummaryTerm(stride, residues))
+        return (own_block(stride, residues), summaries(stride, residues))
+    return (own_block(stride), summaries(stride, residues))
 
 
 def term_rows(term: Term, i, seq_len: int, xp=np):

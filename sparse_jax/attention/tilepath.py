@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.attention import blocks, pallas
-from sparse_jax.attention.reference import FLOOR as _FLOOR
 from sparse_jax.attention.reference import NEG as _NEG
 from sparse_jax.attention.reference import dot
 from sparse_jax.attention.tileterm import TileTerm, tile_counts, tile_plan
