@@ -388,16 +388,17 @@ def is_named(pattern: str) -> bool:
 
 
 def parse(pattern: str) -> tuple[str, str, dict]:
-    """``(module, name, params)`` of ``"module:name(k=v, ...)"`` (literal values)."""
+    """``(module, name, params)`` of ``"module:name(k=v, ...)"`` (literal values; ``;`` may
+    separate them instead of ``,``, as a comma-separated flag needs)."""
     head, _, args = pattern.partition("(")
     module, _, name = head.strip().partition(":")
     if not module or not name.isidentifier():
         raise ValueError(f"pattern {pattern!r}: name a user pattern as module:name or "
                          "module:name(k=v, ...), e.g. my_patterns:longformer(window=256)")
     params = {}
-    if args:
+    if args:  # ";" separates parameters too (in comma-separated lists of patterns)
         try:
-            call = ast.parse(f"f({args}", mode="eval").body
+            call = ast.parse(f"f({args.replace(';', ',')}", mode="eval").body
             params = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
             if call.args or None in params:
                 raise ValueError

@@ -65,6 +65,7 @@ def complete(config: ml_collections.ConfigDict, workdir: str | None = None,
     notes = [images_lib.fill_model_shape(config),  # configs/images.py: the pictures' shape
              config_lib.follow_total_steps(config, preset_total_steps, recorded)]
     cfg = config_lib.check_config(config)
+    config_lib.fill_fingerprint(config, cfg)  # a named pattern's, as the record keeps it
     shape = mesh_shape(config, cfg, jax.device_count() if devices is None else devices)
     mesh = None if devices is not None else sharding_lib.make_mesh(
         config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))

@@ -38,7 +38,8 @@ FINGERPRINT = "data_fingerprint.json"
 PROBE = ".write_test"  # + part_suffix: the file that shows a folder is writable
 # What this project writes into a workdir: anything else there is someone else's.
 OURS = {config_lib.RECORD, config_lib.HISTORY, FOLDER, DAMAGED, LOCK, FINGERPRINT,
-        "metrics.jsonl", "tensorboard", "eval", "samples", "profile", "train.log", "study.json"}
+        "metrics.jsonl", "tensorboard", "eval", "samples", "profile", "train.log", "study.json",
+        "attention"}  # attention: scripts/attention_stats.py's default output
 
 
 def steps(workdir: str) -> list[int]:
