@@ -56,3 +56,18 @@ def axial(width: int = 96, split: bool = False) -> custom.Pattern:
                             name=f"axial(width={width}, split)")
     return custom.from_rule(lambda q, k: row(q, k) | column(q, k), block=width,
                             name=f"axial(width={width})")
+
+
+def random_tiles(density: float = 0.125, block: int = 128, seed: int = 0) -> custom.Pattern:
+    """A rule no built-in term covers beyond the own block: each query block keeps its own block
+    (causal) and a seeded pseudo-random ``density`` of the earlier key blocks (the generic
+    tiles' benchmark, docs/custom_patterns.md)."""
+    threshold = round(density * 1009)
+
+    def rule(q, k):
+        a, b = q // block, k // block
+        h = (a * a * 31 + b * b * 17 + a * b * 7 + seed * 101 + 13) % 1009
+        return (k <= q) & ((a == b) | (h < threshold))
+
+    return custom.from_rule(rule, block=block, name=f"random_tiles(density={density}, "
+                                                   f"block={block}, seed={seed})")

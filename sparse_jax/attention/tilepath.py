@@ -28,7 +28,7 @@ import numpy as np
 from sparse_jax.attention import blocks, pallas
 from sparse_jax.attention.reference import NEG as _NEG
 from sparse_jax.attention.reference import dot
-from sparse_jax.attention.tileterm import TileTerm, tile_counts, tile_plan
+from sparse_jax.attention.tileterm import EMPTY, TileTerm, tile_counts, tile_plan
 
 _STEP_SCORES = 1 << 18  # scores in one scan step, all batch rows and heads (as ``xla``'s)
 
@@ -37,14 +37,38 @@ def tile_terms(spec) -> tuple[TileTerm, ...]:
     return tuple(t for t in spec.terms() if isinstance(t, TileTerm))
 
 
-def _steps(term: TileTerm, rows: int, lanes: int):
-    """(chunk rows c, the plan's arrays by step: key rows [S, c, M], mask ids [S, c, M])."""
+_BUCKETS = 6  # most scans per term: query rows grouped by how many tiles they list
+
+
+@functools.lru_cache(maxsize=32)
+def _buckets(term: TileTerm, rows: int, lanes: int):
+    """The query rows with tiles, grouped by how many (``M``, rounded up to the group's most:
+    a row pads its list only to its group's width, not to the longest row's), each group as a
+    scan's steps: (query rows [S, c], key rows [S, c, M], mask ids [S, c, M]), ``c`` rows a
+    step; the last step padded with row ``rows`` (outside the grid: read as zeros, written
+    nowhere)."""
     plan = tile_plan(term, rows)
-    width = plan.key_rows.shape[1]
-    most = max(1, _STEP_SCORES // (lanes * term.block * term.block * width))
-    c = max(x for x in range(1, min(most, rows) + 1) if rows % x == 0)
-    shape = (rows // c, c, width)
-    return plan, c, plan.key_rows.reshape(shape), plan.mask_ids.reshape(shape)
+    counts = (plan.mask_ids != EMPTY).sum(1)
+    widths = sorted(set(counts.tolist()) - {0})
+    while len(widths) > _BUCKETS:  # merge the group with fewest rows into the next wider
+        sizes = [int(((counts > (widths[i - 1] if i else 0)) & (counts <= w)).sum())
+                 for i, w in enumerate(widths[:-1])]
+        widths.pop(int(np.argmin(sizes)))
+    groups, low = [], 0
+    for width in widths:
+        members = np.nonzero((counts > low) & (counts <= width))[0]
+        low = width
+        c = min(len(members), max(1, _STEP_SCORES // (lanes * term.block ** 2 * width)))
+        steps = -(-len(members) // c)
+        padded = np.full(steps * c, rows, np.int32)
+        padded[:len(members)] = members
+        key_rows = np.zeros((steps * c, width), np.int32)
+        mask_ids = np.full((steps * c, width), EMPTY, np.int32)
+        key_rows[:len(members)] = plan.key_rows[members, :width]
+        mask_ids[:len(members)] = plan.mask_ids[members, :width]
+        groups.append((padded.reshape(steps, c), key_rows.reshape(steps, c, width),
+                       mask_ids.reshape(steps, c, width)))
+    return plan.masks, groups
 
 
 def _gather(x, key_rows, c, width):
@@ -59,75 +83,77 @@ def _keep(masks, mask_ids, c, width, b):
     return m.transpose(0, 2, 1, 3).reshape(c, b, width * b)[None, :, None]
 
 
-def _rows(x, r0, c):
-    """Rows ``r0 .. r0 + c - 1`` of a grid array [B, R, b, H, ...] as [B, c, H, b, ...]."""
-    s = jax.lax.dynamic_slice_in_dim(x, r0, c, axis=1)
-    return jnp.moveaxis(s, 3, 2)
+def _rows(x, rows):
+    """Grid rows ``rows`` [c] of [B, R, b, H, ...] as [B, c, H, b, ...] (zeros past R)."""
+    return jnp.moveaxis(jnp.take(x, rows, axis=1, mode="fill", fill_value=0), 3, 2)
 
 
-def _put(x, r0, y):
-    """``x`` with rows ``r0 ..`` set to ``y`` [B, c, H, b, ...]."""
-    return jax.lax.dynamic_update_slice_in_dim(x, jnp.moveaxis(y, 2, 3).astype(x.dtype), r0, 1)
+def _put(x, rows, y, add=False):
+    """``x`` with grid rows ``rows`` set to (or plus) ``y`` [B, c, H, b, ...] (none past R)."""
+    y = jnp.moveaxis(y, 2, 3).astype(x.dtype)
+    at = x.at[:, rows]
+    return at.add(y, mode="drop") if add else at.set(y, mode="drop")
+
+
+def _scan(step, carry, groups):
+    for group in groups:
+        carry = jax.lax.scan(step, carry, tuple(map(jnp.asarray, group)))[0]
+    return carry
 
 
 def forward(term: TileTerm, scale, q_g, k_g, v_g, state):
     """``state`` (row maximum, sum, weighted values; grid layout, float32) with the term's keys
     merged in."""
     batch, rows, b, heads, _ = q_g.shape
-    plan, c, key_rows, mask_ids = _steps(term, rows, batch * heads)
-    if not plan.tiles:
-        return state
-    width, masks = key_rows.shape[2], jnp.asarray(plan.masks)
+    masks, groups = _buckets(term, rows, batch * heads)
+    masks = jnp.asarray(masks)
 
     def step(carry, xs):
         row_max, total, acc = carry
-        r0, kr, mi = xs
-        q = jax.lax.dynamic_slice_in_dim(q_g, r0, c, 1) * jnp.asarray(scale, q_g.dtype)
+        r, kr, mi = xs
+        c, width = kr.shape
+        q = jnp.take(q_g, r, axis=1, mode="fill", fill_value=0) * jnp.asarray(scale, q_g.dtype)
         k, v = (_gather(x, kr, c, width) for x in (k_g, v_g))
         s = dot("bcqhd,bckhd->bchqk", q, k)
         s = jnp.where(_keep(masks, mi, c, width, b), s, _NEG)
-        old_max = _rows(row_max, r0, c)
+        old_max = _rows(row_max, r)
         new_max = jnp.maximum(old_max, s.max(-1))
         p = jnp.exp(s - new_max[..., None])
         rescale = jnp.exp(old_max - new_max)
-        new_total = p.sum(-1) + rescale * _rows(total, r0, c)
+        new_total = p.sum(-1) + rescale * _rows(total, r)
         values = dot("bchqk,bckhd->bchqd", p.astype(v_g.dtype), v)
-        new_acc = values + rescale[..., None] * _rows(acc, r0, c)
-        return (_put(row_max, r0, new_max), _put(total, r0, new_total),
-                _put(acc, r0, new_acc)), None
+        new_acc = values + rescale[..., None] * _rows(acc, r)
+        return (_put(row_max, r, new_max), _put(total, r, new_total),
+                _put(acc, r, new_acc)), None
 
-    starts = jnp.arange(0, rows, c)
-    return jax.lax.scan(step, state, (starts, jnp.asarray(key_rows), jnp.asarray(mask_ids)))[0]
+    return _scan(step, state, groups)
 
 
 def backward(term: TileTerm, scale, q_g, k_g, v_g, d_out, lse, delta, grads):
     """``grads`` (dq, dk, dv; grid layout, float32) plus the term's share for the joint
     log-sum-exp ``lse`` and ``delta = dO·O`` ([B, R, b, H])."""
     batch, rows, b, heads, _ = q_g.shape
-    plan, c, key_rows, mask_ids = _steps(term, rows, batch * heads)
-    if not plan.tiles:
-        return grads
-    width, masks = key_rows.shape[2], jnp.asarray(plan.masks)
+    masks, groups = _buckets(term, rows, batch * heads)
+    masks = jnp.asarray(masks)
 
     def step(carry, xs):
         d_q, d_k, d_v = carry
-        r0, kr, mi = xs
-        q = jax.lax.dynamic_slice_in_dim(q_g, r0, c, 1) * jnp.asarray(scale, q_g.dtype)
-        do = jax.lax.dynamic_slice_in_dim(d_out, r0, c, 1).astype(v_g.dtype)
+        r, kr, mi = xs
+        c, width = kr.shape
+        q = jnp.take(q_g, r, axis=1, mode="fill", fill_value=0) * jnp.asarray(scale, q_g.dtype)
+        do = jnp.take(d_out, r, axis=1, mode="fill", fill_value=0).astype(v_g.dtype)
         k, v = (_gather(x, kr, c, width) for x in (k_g, v_g))
-        p = jnp.exp(dot("bcqhd,bckhd->bchqk", q, k) - _rows(lse, r0, c)[..., None])
+        p = jnp.exp(dot("bcqhd,bckhd->bchqk", q, k) - _rows(lse, r)[..., None])
         p = jnp.where(_keep(masks, mi, c, width, b), p, 0.0)
         dp = dot("bcqhd,bckhd->bchqk", do, v)
-        ds = (p * (dp - _rows(delta, r0, c)[..., None])).astype(q_g.dtype)
-        dq = dot("bchqk,bckhd->bchqd", ds, k) * scale
-        d_q = _put(d_q, r0, _rows(d_q, r0, c) + dq)
+        ds = (p * (dp - _rows(delta, r)[..., None])).astype(q_g.dtype)
+        d_q = _put(d_q, r, dot("bchqk,bckhd->bchqd", ds, k) * scale, add=True)
         flat = lambda x: x.reshape(batch, c * width, b, *x.shape[3:])  # noqa: E731
         dk = flat(dot("bchqk,bcqhd->bckhd", ds, q))
         dv = flat(dot("bchqk,bcqhd->bckhd", p.astype(v_g.dtype), do))
         return (d_q, d_k.at[:, kr.ravel()].add(dk), d_v.at[:, kr.ravel()].add(dv)), None
 
-    starts = jnp.arange(0, rows, c)
-    return jax.lax.scan(step, grads, (starts, jnp.asarray(key_rows), jnp.asarray(mask_ids)))[0]
+    return _scan(step, grads, groups)
 
 
 # ---------------------------------------------------------------------------------------------
