@@ -284,3 +284,23 @@ def test_load_with_parameters_and_fingerprint():
     other = my_patterns.longformer(40, 3, 16)
     assert got.groups == same.groups and hash(got.groups) == hash(same.groups)
     assert got.fingerprint(100) == same.fingerprint(100) != other.fingerprint(100)
+
+
+def test_model_config_takes_a_named_pattern_and_checks_it():
+    from sparse_jax.model.config import ModelConfig, named_fingerprint
+
+    base = dict(seq_len=64, num_layers=2, d_model=16, num_heads=4)
+    name = "my_patterns:axial(width=8, split=True)"
+    cfg = ModelConfig(pattern=name, **base)
+    assert cfg.layer_specs(1) == my_patterns.axial(8, split=True).groups
+    assert str(cfg.base_spec) == "axial-row"
+    recorded = named_fingerprint(name, 64)
+    assert ModelConfig(pattern=name, pattern_fingerprint=recorded, **base).seq_len == 64
+    for fields, match in [({"pattern_fingerprint": "0" * 16}, "its definition changed"),
+                          ({"mode": "interleaved"}, "leave mode='merged'"),
+                          ({"pattern": "my_patterns:axial(widht=8)"}, "does not take"),
+                          ({"pattern": "my_patterns:axial(width=8, split=True)",
+                            "num_heads": 3, "d_model": 18}, "cannot be split into 2")]:
+        with pytest.raises(ValueError, match=match) as e:
+            ModelConfig(**{"pattern": name, **base, **fields})
+        assert "\n" not in str(e.value)

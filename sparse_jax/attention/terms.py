@@ -12,6 +12,10 @@ static shapes (the sequence viewed as a grid of rows of ``block`` positions, ``b
   (the fixed summary part). The summary keys are a strided slice of K/V, taken once and shared by
   all queries.
 
+A user's pattern (``attention.custom``) adds ``TileTerm`` (``attention.tileterm``): the tiles
+a rule keeps beyond such terms, each with its exact mask. ``window``, ``own_block``, ``columns``
+and ``summaries`` make the terms, for the built-in patterns and a user's alike.
+
 ``terms_to_indices`` rebuilds the index array from the terms; the tests check it equals the
 pattern (``patterns``), so the fast path and the index arrays cannot drift apart.
 """

@@ -182,7 +182,7 @@ def pallas_term(term: TileTerm, rows: int, block_q: int, block_k: int):
     if not term.traceable:
         raise ValueError(f"{term.name}: the Pallas kernels need a rule allowed(q, k) of array "
                          "operations (it runs in the kernel); run implementation='xla'")
-    layout = blocks._Layout("rows", rows, term.block, (0, None), (0, None))
+    layout = blocks._Layout("tiles", rows, term.block, (0, None), (0, None))  # as "rows"
     n = rows * term.block
     counts = tile_counts(term, n, block_q, block_k)
     nqb, nkb = counts.shape
