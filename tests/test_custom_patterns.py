@@ -3,6 +3,7 @@ the rule (forward and gradients), at lengths that are and are not multiples of i
 built-in strided and fixed patterns through the public definition; the examples against
 independent set builders; bad definitions refused in one line."""
 
+import os
 import pathlib
 import sys
 
@@ -304,3 +305,26 @@ def test_model_config_takes_a_named_pattern_and_checks_it():
         with pytest.raises(ValueError, match=match) as e:
             ModelConfig(**{"pattern": name, **base, **fields})
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # compiles in a child process
+def test_tile_term_compiles_for_an_h100_without_spills(monkeypatch):
+    """The generic tiles (a rule no built-in term covers, about 1/8 of the causal blocks) at
+    16k, forward and backward, bf16: every Triton kernel compiles for sm_90a on this CPU, and
+    none spills a register."""
+    from sparse_jax.bench import compiled
+
+    tools = os.environ.get(compiled.TOOLS_ENV) or os.path.join(
+        str(pathlib.Path(__file__).resolve().parents[1]), compiled.DEFAULT_TOOLS)
+    compiled.install_tools(tools, compiled.REQUIREMENTS)
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([examples, os.environ.get("PYTHONPATH",
+                                                                                "")]))
+    row = compiled.compile_program(
+        {"name": "tiles", "group": "test", "kind": "attention", "seq_len": 16384,
+         "pattern": "my_patterns:random_tiles(density=0.1112;block=128)@pallas",
+         **compiled.ATTENTION_SHAPE}, "h100", tools)
+    assert "error" not in row, row.get("error")
+    names = {k["name"] for k in row["kernels"]}
+    assert {"sparse_forward_tiles", "sparse_dq_tiles", "sparse_dkv_tiles"} <= names
+    assert all(k["spill_bytes"] == 0 and k["registers"] > 0 for k in row["kernels"])

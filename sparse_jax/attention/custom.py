@@ -263,17 +263,13 @@ def _traceable(rule: Callable, expected: np.ndarray) -> bool:
 
 
 def _run_length(mask: np.ndarray) -> int:
-    """The widest window w such that every query keeps its w nearest keys (fewer at the start)."""
-    n = len(mask)
-    i = np.arange(n)
-    best = n
-    for d in range(n):
-        rows = i[d:]
-        if not mask[rows, rows - d].all():
+    """The widest window w such that every query keeps its w nearest keys (fewer at the start);
+    ``len(mask)`` if every query keeps all its keys."""
+    i = np.arange(len(mask))
+    for d in range(len(mask)):
+        if not mask[i[d:], i[d:] - d].all():
             return d
-        if d > best:
-            break
-    return best
+    return len(mask)
 
 
 def _find_terms(mask: np.ndarray, block: int) -> tuple[Term, ...]:

@@ -22,7 +22,9 @@ batched matmuls on cache-sized tiles with static shapes:
 * ``ColumnTerm``: each grid column against itself, the strided part ("strided transpose"):
   scores ``[c, B, H, R, R]`` for a chunk of c columns;
 * ``SummaryTerm``: one query row against one block of the summary keys, which are sliced out of
-  K/V once: scores ``[B, H, block, K]``, only for the blocks that hold a key of an earlier row.
+  K/V once: scores ``[B, H, block, K]``, only for the blocks that hold a key of an earlier row;
+* ``TileTerm`` (a user rule's keys beyond such terms, ``attention.custom``): its listed tiles
+  with their masks, ``attention.tilepath``, merged last into the same running softmax.
 
 The terms are disjoint (a key two parts share is scored once) and are combined in one joint
 softmax. Each term goes through its chunks in a ``lax.scan``, forward and backward; a step
