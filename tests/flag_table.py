@@ -335,6 +335,9 @@ SCRIPTS = {
     }),
     "plot_pattern": Script(["--output={tmp}/pattern.png"], {
         "kind": Choice(),
+        "pattern": Text(given={"empty": "", "missing": "no_such_module_xyz:longformer",
+                               "unnamed": "longformer"},
+                        ok={"empty": "no pattern of one's own: --kind's, the default"}),
         "seq_len": Count(),
         "stride": Count(),
         "c": Count(),
@@ -448,6 +451,8 @@ CONFIG = {
     "model.qk_ratio": Number(),
     "model.dropout": Number(ok={"0": "no dropout, the default"}),
     "model.pattern": Text(given=FIELD_TEXT),
+    "model.pattern_fingerprint": Text(given=FIELD_TEXT,
+                                      ok={"empty": "nothing recorded, the default"}),
     "model.stride": Count(),
     "model.c": Count(),
     "model.local_width": Count(),

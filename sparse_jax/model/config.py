@@ -123,6 +123,9 @@ class ModelConfig:
             if self.mode != "merged" or self.schedule:
                 fail("pattern", "a named pattern gives its own head groups: leave mode='merged' "
                                 "and schedule=''")
+        elif self.pattern_fingerprint:
+            fail("pattern_fingerprint", f"records a named pattern (module:name), not "
+                                        f"{self.pattern!r}; leave it empty")
         choices = [("pattern", PATTERNS), ("summary", patterns.SUMMARY_CONVENTIONS),
                    ("mode", MODES), ("pos_emb", POS_EMBS), ("remat", tuple(REMAT_POLICIES)),
                    ("dtype", tuple(DTYPES)), ("param_dtype", tuple(DTYPES)),
