@@ -112,7 +112,12 @@ def base() -> ml_collections.ConfigDict:
     c.model.ff_mult = 4.0  # feed-forward width / d (2.0: the paper's half-size)
     c.model.qk_ratio = 1.0  # query/key width / d (0.5: the paper's half-size)
     c.model.dropout = 0.0  # at the end of each residual branch
-    c.model.pattern = "strided"  # dense | local | strided | fixed
+    # dense | local | strided | fixed, or one of your own: "module:name" or
+    # "module:name(k=v, ...)", a module on the path (docs/custom_patterns.md)
+    c.model.pattern = "strided"
+    # a named pattern's index arrays at seq_len, filled in and recorded when a run starts: a
+    # resume, evaluation or sample with a changed definition is refused
+    c.model.pattern_fingerprint = ""
     c.model.stride = 32  # l, the pattern's stride / block (also the text position grid width)
     c.model.c = 8  # summary width of "fixed"
     c.model.local_width = config_dict.placeholder(int)  # local window (None: stride + 1, paper)

@@ -2,17 +2,26 @@
 
   python scripts/plot_pattern.py --kind=strided --seq_len=64 --stride=8 --output=strided.png
   python scripts/plot_pattern.py --kind=fixed --seq_len=64 --stride=8 --c=2 --output=fixed.png
+  PYTHONPATH=examples python scripts/plot_pattern.py --seq_len=256 \
+      --pattern='my_patterns:bigbird(window=32, globals=8, block=16)' --output=bigbird.png
+
+A pattern of one's own (``--pattern=module:name(k=v, ...)``, docs/custom_patterns.md) is drawn
+with its block terms in one colour and its tiles (what no block term covers) in another; a
+pattern of two head groups, one colour per group.
 """
 
 import numpy as np
 from absl import app, flags
 
 from sparse_jax import cli
-from sparse_jax.attention import patterns
+from sparse_jax.attention import custom, patterns
 from sparse_jax.attention.spec import PatternSpec, pattern_parts
+from sparse_jax.attention.terms import TileTerm, terms_to_indices
 from sparse_jax.run import workdir
 
 _KIND = flags.DEFINE_enum("kind", "strided", list(patterns.KINDS), "Pattern.")
+_PATTERN = flags.DEFINE_string("pattern", None, "A pattern of one's own, module:name(k=v, ...) "
+                               "(a module on the path); replaces --kind and its fields.")
 MAX_SEQ_LEN = 4096  # the picture has seq_len x seq_len cells
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Sequence length (the picture has n x n cells: "
                                 "at most 4,096).", lower_bound=1, upper_bound=MAX_SEQ_LEN)
@@ -71,6 +80,12 @@ def check(argv):
     if _QUERY.value is not None and not 0 <= _QUERY.value < _SEQ_LEN.value:
         raise ValueError(f"--query={_QUERY.value} is outside the sequence [0, {_SEQ_LEN.value})")
     cli.output_file("output", _OUTPUT.value, _OVERWRITE.value)
+    if _PATTERN.value:
+        try:
+            custom.load(_PATTERN.value)
+        except ValueError as e:
+            raise app.UsageError(f"--pattern: {e}") from None
+        return
     given = " ".join(f"--{k}={v}" for k, v in _spec().items() if v is not None)
     try:
         PatternSpec(_KIND.value, **_spec())
@@ -78,8 +93,31 @@ def check(argv):
         raise app.UsageError(f"--kind={_KIND.value} {given}: {e}") from None
 
 
+def custom_parts(pattern: custom.Pattern, seq_len: int) -> dict[str, np.ndarray]:
+    """A named pattern's index arrays to draw: two head groups each its own; one group its
+    block terms and its tiles (either left out where it keeps nothing); else all groups as one."""
+    if len(pattern.groups) == 2:
+        return {g.name: g.indices(seq_len) for g in pattern.groups}
+    if len(pattern.groups) > 2:
+        union = np.concatenate([g.indices(seq_len) for g in pattern.groups], axis=1)
+        return {pattern.name: patterns.compact(union, seq_len)}
+    terms = pattern.groups[0].terms()
+    split = {"block terms": [t for t in terms if not isinstance(t, TileTerm)],
+             "tiles": [t for t in terms if isinstance(t, TileTerm)]}
+    parts = {name: terms_to_indices(ts, seq_len) for name, ts in split.items() if ts}
+    return {name: x for name, x in parts.items() if (x >= 0).any()}
+
+
 def main(argv):
     workdir.check_output(_OUTPUT.value, _OVERWRITE.value)
+    if _PATTERN.value:
+        pattern = custom.load(_PATTERN.value)
+        parts = custom_parts(pattern, _SEQ_LEN.value)
+        keys = sum(g.mean_keys(_SEQ_LEN.value) for g in pattern.groups) / len(pattern.groups)
+        title = f"{pattern.name}, n={_SEQ_LEN.value}: {keys:.1f} keys/query"
+        draw(parts, _OUTPUT.value, title, _QUERY.value)
+        print(f"wrote {_OUTPUT.value}: {title}")
+        return
     spec = _spec()
     parts = pattern_parts(_KIND.value, _SEQ_LEN.value, **spec)
     keys = patterns.mean_keys_per_query(patterns.pattern_indices(_KIND.value, _SEQ_LEN.value,

@@ -370,6 +370,9 @@ SCRIPTS = {
     }),
     "plot_pattern": Script(["--output={tmp}/pattern.png"], work=["--seq_len=256"], flags={
         "kind": Choice(),
+        "pattern": Text(given={"empty": "", "missing": "no_such_module_xyz:longformer",
+                               "unnamed": "longformer"},
+                        ok={"empty": "no pattern of one's own: --kind's, the default"}),
         "seq_len": Count(),
         "stride": Count(ok={"max": "a stride beyond --seq_len: its n x n picture shows the "
                                        "local part that is left"}),
@@ -493,6 +496,8 @@ CONFIG = {
     "model.qk_ratio": Number(),
     "model.dropout": Number(ok={"0": "no dropout, the default"}),
     "model.pattern": Text(given=FIELD_TEXT),
+    "model.pattern_fingerprint": Text(given=FIELD_TEXT,
+                                      ok={"empty": "nothing recorded, the default"}),
     "model.stride": Count(),
     "model.c": Count(ok={"max": "read by the fixed pattern only: quickstart is strided"}),
     "model.local_width": Count(),

@@ -214,7 +214,7 @@ def test_onepass_lowers_to_two_kernels_a_term_and_nothing_between(spec, terms):
     hlo = [line for line in text.splitlines() if "triton" not in line]
     for op in ("transpose", "exponential", "reduce", "multiply", "select"):
         assert not any(f"stablehlo.{op}" in line for line in hlo), op
-    with pytest.raises(ValueError, match="onepass serves band and column terms .* summary"):
+    with pytest.raises(ValueError, match="onepass serves band and column terms .* SummaryTerm"):
         A.sparse_attention(*qkv(64, 16, jnp.float32)[:3], PatternSpec("fixed", stride=16, c=4),
                            "pallas", ONEPASS)
 
@@ -712,7 +712,7 @@ def test_heads_per_program_are_checked_against_each_head_group():
         ModelConfig(**base, mode="multihead", kernel="h4")
     with pytest.raises(ValueError, match=re.escape(  # the onepass variant serves no summary
             "ModelConfig.kernel='onepass': kernel variant onepass serves band and column terms "
-            "(strided, local), not fixed(stride=8, c=2)'s summary term: give chained or terms")):
+            "(strided, local), not fixed(stride=8, c=2)'s SummaryTerm: give chained or terms")):
         ModelConfig(**{**base, "pattern": "fixed", "c": 2}, kernel="onepass")
     ModelConfig(**{**base, "pattern": "fixed", "c": 2, "num_layers": 1}, mode="interleaved",
                 kernel="onepass")  # its one layer attends fixed's block part alone

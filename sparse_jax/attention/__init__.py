@@ -2,13 +2,15 @@
 
 Lower modules are imported by higher ones only, in this order:
 
-* ``patterns`` (the index sets), ``terms`` (their block-level view), ``spec`` (``PatternSpec``,
-  ``layer_specs``): pure NumPy;
+* ``patterns`` (the index sets), ``tileterm`` (the generic term of a user's rule), ``terms``
+  (their block-level view), ``spec`` (``PatternSpec``, ``layer_specs``): pure NumPy;
+* ``custom``: a pattern of one's own, as terms or as a rule (it borrows ``blocks``' mask rule);
 * ``tiles`` (what every Pallas kernel shares), ``pallas_gpu`` and ``pallas_tpu`` (the programs),
   ``pallas`` (the passes: forward, backward, band passes); they know nothing of patterns;
 * ``native`` (with ``cpu_kernels.cc``): the fused CPU kernels, C++ through XLA's FFI;
 * ``blocks`` (``BlockSizes``, each term's layout, mask rule and block lists) and ``fused`` (a
   pattern through the Pallas kernels, merged or chained, with its custom VJP);
+* ``tilepath``: a user rule's ``TileTerm`` on the XLA path and in the Pallas kernels;
 * ``reference`` (the dense references the fast paths are held to), ``xla`` (the block terms in
   plain ``jnp``, custom backward), ``causal`` (dense causal attention without an n x n array),
   ``api`` (``sparse_attention`` and friends: which implementation runs);

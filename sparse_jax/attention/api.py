@@ -7,13 +7,15 @@ the code is traced). The implementations themselves: ``xla`` (the block terms in
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from sparse_jax.attention import fused, patterns, tiles
+from sparse_jax.attention import fused, patterns, tilepath, tiles
 from sparse_jax.attention import native as _native
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.causal import causal_attention, native_causal_attention
@@ -105,6 +107,9 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
         return x.reshape(batch, rows, block, heads, x.shape[-1])
 
+    if implementation == "pallas" and not tilepath.pallas_ready(spec):
+        _note_xla(str(spec))  # a keys(i) rule, or one of NumPy-only calls: the XLA path
+        implementation = "xla"
     if implementation == "pallas":  # [B, n', H, d]: the chained variant reads it as it is
         flat = lambda x: to_grid(x).reshape(batch, rows * block, heads, -1)  # noqa: E731
         out = fused.sequence_attention(spec, flat(q), flat(k), flat(v), sizes=block_sizes,
@@ -114,6 +119,13 @@ def sparse_attention(q, k, v, spec: PatternSpec, implementation: str = "xla",
                               to_grid(v))
     out = out.reshape(batch, rows * block, heads, -1)[:, :seq_len]
     return out.astype(q.dtype)
+
+
+@functools.cache
+def _note_xla(name: str) -> None:
+    logging.warning("sparse_jax: pattern %s runs on the XLA path, not the Pallas kernels: its "
+                    "rule is not allowed(q, k) of array operations, which a kernel could run",
+                    name)
 
 
 def multi_spec_attention(q, k, v, specs: Sequence[PatternSpec], implementation: str = "xla",

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from sparse_jax.attention import api, fused, patterns, reference, shards
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
+from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, TileTerm
 
 IMPLEMENTATIONS = ("xla", "native", "pallas", "auto")
 
@@ -101,6 +101,10 @@ def check_split(spec: PatternSpec, n: int, devices: int) -> None:
     devices = patterns.check_int("devices", devices)
     if n % devices:
         raise ValueError(f"context parallelism over {devices} devices needs P | n; got n={n}")
+    if spec.kind != "dense" and any(isinstance(t, TileTerm) for t in spec.terms()):
+        raise ValueError(f"context parallelism does not split the tiles of pattern {spec} (a "
+                         "rule's keys beyond its block terms) over devices; train it with "
+                         "mesh.seq=1")
     if spec.kind != "dense":
         split_plan(spec, n, devices)
 

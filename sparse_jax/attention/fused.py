@@ -24,11 +24,12 @@ from sparse_jax.attention import (
     pallas_gathered,
     pallas_onepass,
     patterns,
+    tilepath,
     tiles,
 )
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
+from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, TileTerm
 from sparse_jax.attention.tiles import NEG as _NEG
 
 # The name of the custom VJP's residuals (q, k, v, the output and its log-sum-exp) for
@@ -60,6 +61,12 @@ def _terms(spec, rows, compiler):
     key-side ``pallas.Band``) where the band kernels run it (``blocks.band_plan``), else None)
     and compiler (``_for_term``)."""
     for term in spec.terms():
+        if isinstance(term, TileTerm):  # a user rule's tiles (``tilepath``), if it has any
+            layout, keep, lists = tilepath.pallas_term(term, rows, compiler.block_q,
+                                                       compiler.block_k)
+            if lists.forward[:, :2].any():
+                yield layout, keep, lists, None, compiler
+            continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)
         lists = blocks.block_lists(layout, comp.block_q, comp.block_k)[0]
@@ -106,13 +113,20 @@ def _chain(spec, rows, compiler):
     tile = max(compiler.block_q, compiler.block_k, compiler.summary_q, compiler.summary_k)
     step = max(1, tile // (block & -block))  # rows * block a multiple of every tile
     col = min(tile, max(16, rows & -rows))
-    terms = sorted(spec.terms(), key=lambda t: [SummaryTerm, ColumnTerm,
+    terms = sorted(spec.terms(), key=lambda t: [SummaryTerm, ColumnTerm, TileTerm,
                                                 BandTerm].index(type(t)))
     if any(isinstance(t, ColumnTerm) for t in terms):
         step = max(step, col)
     rows = -(-rows // step) * step
     plan = []
     for term in terms:
+        if isinstance(term, TileTerm):  # sequence order, the kernels' tiles
+            at = (pallas.Rows(compiler.block_q), pallas.Rows(compiler.block_k))
+            layout, keep, lists = tilepath.pallas_term(term, rows, compiler.block_q,
+                                                       compiler.block_k)
+            if lists.forward[:, :2].any():
+                plan.append((layout, keep, lists, compiler, at))
+            continue
         layout = blocks.term_layout(term, rows)
         comp = _for_term(compiler, layout)
         if layout.kind == "columns":
@@ -183,9 +197,11 @@ def _chained_backward(spec, compiler, seq_major, q, k, v, do, lse, delta):
 def check_onepass(spec: PatternSpec, heads_per_program: int) -> None:
     """ValueError (one line) where the one-pass variant cannot run: a summary term (the fixed
     pattern's), or heads per program (its items are one head each)."""
-    if any(isinstance(term, SummaryTerm) for term in spec.terms()):
-        raise ValueError(f"kernel variant onepass serves band and column terms (strided, "
-                         f"local), not {spec}'s summary term: give chained or terms")
+    for term in spec.terms():
+        if isinstance(term, SummaryTerm | TileTerm):
+            raise ValueError(f"kernel variant onepass serves band and column terms (strided, "
+                             f"local), not {spec}'s {type(term).__name__}: give chained or "
+                             "terms")
     if heads_per_program != 1:
         raise ValueError(f"kernel variant onepass walks one head a work item: leave out "
                          f"h{heads_per_program}")
@@ -401,6 +417,11 @@ def sparsity(spec: PatternSpec, seq_len: int, sizes: BlockSizes | None = None) -
     rows = -(-seq_len // spec.block)
     kept = scored = 0
     for term in spec.terms():
+        if isinstance(term, TileTerm):
+            counts = tilepath.tile_counts(term, rows * spec.block, sizes.block_q, sizes.block_k)
+            kept, scored = kept + int(counts.sum()), scored + int(
+                (counts > 0).sum()) * sizes.block_q * sizes.block_k
+            continue
         layout = blocks.term_layout(term, rows)
         bq, bk = ((sizes.summary_q, sizes.summary_k) if layout.kind == "summary"
                   and sizes.summary_q else (sizes.block_q, sizes.block_k))

@@ -12,6 +12,10 @@ static shapes (the sequence viewed as a grid of rows of ``block`` positions, ``b
   (the fixed summary part). The summary keys are a strided slice of K/V, taken once and shared by
   all queries.
 
+A user's pattern (``attention.custom``) adds ``TileTerm`` (``attention.tileterm``): the tiles
+a rule keeps beyond such terms, each with its exact mask. ``window``, ``own_block``, ``columns``
+and ``summaries`` make the terms, for the built-in patterns and a user's alike.
+
 ``terms_to_indices`` rebuilds the index array from the terms; the tests check it equals the
 pattern (``patterns``), so the fast path and the index arrays cannot drift apart.
 """
@@ -31,6 +35,7 @@ from sparse_jax.attention.patterns import (
     compact,
     summary_residues,
 )
+from sparse_jax.attention.tileterm import TileTerm, tile_key_count, tile_rows
 
 # --------------------------------------------------------------------------------------------
 # Block-level view for the fast path.
@@ -81,7 +86,39 @@ class SummaryTerm:
     residues: tuple[int, ...]
 
 
-Term = BandTerm | ColumnTerm | SummaryTerm
+Term = BandTerm | ColumnTerm | SummaryTerm | TileTerm  # TileTerm: a user rule's remainder
+
+
+# The terms as a pattern's author writes them (``attention.custom``); the built-in patterns below
+# are made of these, so a user's pattern and a built-in one are the same objects.
+
+
+def window(width: int, block: int) -> BandTerm:
+    """A sliding window of ``width`` keys ending at the query (``j in [i - width + 1, i]``) on a
+    grid of ``block`` positions per row."""
+    width, block = check_int("width", width), check_int("block", block)
+    return BandTerm(block, prev=-(-(width - 1) // block), max_distance=width - 1)
+
+
+def own_block(block: int, residues: Sequence[int] | None = None) -> BandTerm:
+    """The keys ``j <= i`` in the query's own row of ``block`` (only those at ``residues``
+    ``j mod block`` if given)."""
+    block = check_int("block", block)
+    return BandTerm(block, prev=0, same_row=True,
+                    residues=None if residues is None else tuple(residues))
+
+
+def columns(stride: int, beyond: int = 0) -> ColumnTerm:
+    """Every ``stride``-th key back, ``i - m * stride``, leaving out those of a window of
+    ``beyond`` keys (0: none) that a ``window`` term gives already."""
+    stride = check_int("stride", stride)
+    beyond = check_int("beyond", beyond, 0)
+    return ColumnTerm(stride, min_rows=(beyond - 1) // stride + 1 if beyond else 0)
+
+
+def summaries(block: int, residues: Sequence[int]) -> SummaryTerm:
+    """The keys at ``residues`` (``j mod block``) of every row before the query's."""
+    return SummaryTerm(check_int("block", block), tuple(residues))
 
 
 def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
@@ -99,28 +136,25 @@ def pattern_terms(kind: str, *, stride: int | None = None, c: int | None = None,
     stride = check_int("stride", stride)
     if kind == "local":
         width = stride + 1 if local_width is None else check_int("local_width", local_width)
-        block = max(1, width - 1)
-        return (BandTerm(block, prev=-(-(width - 1) // block), max_distance=width - 1),)
+        return (window(width, max(1, width - 1)),)
     if kind == "strided":
         check_choice("part", part, PARTS["strided"])
         width = stride + 1 if local_width is None else check_int("local_width", local_width)
         terms = []
         if part in ("both", "local"):
-            prev = -(-(width - 1) // stride)
-            terms.append(BandTerm(stride, prev=prev, max_distance=width - 1))
+            terms.append(window(width, stride))
         if part == "strided":
-            terms.append(ColumnTerm(stride, min_rows=0))
+            terms.append(columns(stride))
         if part == "both":  # keys i - m*l with m*l <= w - 1 are in the local window already
-            terms.append(ColumnTerm(stride, min_rows=(width - 1) // stride + 1))
+            terms.append(columns(stride, beyond=width))
         return tuple(terms)
     residues = summary_residues(stride, c, summary_block, summary)
     check_choice("part", part, PARTS["fixed"])
     if part == "block":
-        return (BandTerm(stride, prev=0, same_row=True),)
+        return (own_block(stride),)
     if part == "summary":
-        return (BandTerm(stride, prev=0, same_row=True, residues=residues),
-                SummaryTerm(stride, residues))
-    return (BandTerm(stride, prev=0, same_row=True), SummaryTerm(stride, residues))
+        return (own_block(stride, residues), summaries(stride, residues))
+    return (own_block(stride), summaries(stride, residues))
 
 
 def term_rows(term: Term, i, seq_len: int, xp=np):
@@ -128,6 +162,8 @@ def term_rows(term: Term, i, seq_len: int, xp=np):
     traced position: a step of the cached decoder), ``[..., C]``, -1 where absent. ``C`` depends
     only on the term and ``seq_len`` (not on ``i``), so a decoder gets static shapes and builds
     no ``[seq_len, K]`` table; a sliding window lists just its ``max_distance + 1`` keys."""
+    if isinstance(term, TileTerm):
+        return tile_rows(term, i, seq_len, xp)
     i = xp.asarray(i)[..., None]
     if isinstance(term, BandTerm):
         if (term.max_distance is not None and term.max_distance <= term.prev * term.block
@@ -157,6 +193,8 @@ def term_key_count(term: Term, seq_len: int) -> int:
     """Keys one term gives the queries ``0 .. seq_len - 1``, all together, in O(seq_len) time and
     memory: the count ``term_candidates`` lists, without its ``[seq_len, C]`` array (for fixed at
     65,536 that array is 4 GB)."""
+    if isinstance(term, TileTerm):
+        return tile_key_count(term, seq_len)
     i = np.arange(seq_len)
     if isinstance(term, BandTerm):  # a key before position 0 is absent: only rows < prev lose
         rows_before = np.maximum(term.prev - i // term.block, 0) * term.block  # keys cut off

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.attention.reference import FLOOR, NEG, dot
-from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, term_rows
+from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, TileTerm, term_rows
 
 BLOCK_BYTES = 1 << 26  # the largest array of one block of queries, about
 
@@ -39,7 +39,7 @@ def term_names(spec) -> tuple[str, ...]:
     """A name for each term of ``spec`` (``spec.terms()`` order; dense: one, "all")."""
     if spec.kind == "dense":
         return ("all",)
-    names = {ColumnTerm: "column", SummaryTerm: "summary"}
+    names = {ColumnTerm: "column", SummaryTerm: "summary", TileTerm: "tiles"}
     return tuple(names.get(type(t)) or ("summary, own block" if t.residues is not None else
                                         "block" if t.same_row else "local")
                  for t in spec.terms())

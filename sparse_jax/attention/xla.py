@@ -22,7 +22,9 @@ batched matmuls on cache-sized tiles with static shapes:
 * ``ColumnTerm``: each grid column against itself, the strided part ("strided transpose"):
   scores ``[c, B, H, R, R]`` for a chunk of c columns;
 * ``SummaryTerm``: one query row against one block of the summary keys, which are sliced out of
-  K/V once: scores ``[B, H, block, K]``, only for the blocks that hold a key of an earlier row.
+  K/V once: scores ``[B, H, block, K]``, only for the blocks that hold a key of an earlier row;
+* ``TileTerm`` (a user rule's keys beyond such terms, ``attention.custom``): its listed tiles
+  with their masks, ``attention.tilepath``, merged last into the same running softmax.
 
 The terms are disjoint (a key two parts share is scored once) and are combined in one joint
 softmax. Each term goes through its chunks in a ``lax.scan``, forward and backward; a step
@@ -50,11 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.attention import native as _native
+from sparse_jax.attention import tilepath
 from sparse_jax.attention.reference import FLOOR as _FLOOR
 from sparse_jax.attention.reference import NEG as _NEG
 from sparse_jax.attention.reference import dot
 from sparse_jax.attention.spec import PatternSpec
-from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm
+from sparse_jax.attention.terms import BandTerm, ColumnTerm, SummaryTerm, TileTerm
 
 # ---------------------------------------------------------------------------------------------
 # The fast path. Every array stays in the layout of the inputs, the grid ``[B, R, block, H, ...]``
@@ -323,7 +326,8 @@ def _terms(spec: PatternSpec, rows: int, lanes: int) -> list[_Term]:
     every query and key once, so it writes the accumulators (forward: maximum, sum, values;
     backward: dq, dk, dv) instead of reading them back to add; a sliding window's key tiles
     overlap from step to step and are added whatever its place."""
-    terms = [_TERMS[type(term)](term, rows, lanes) for term in spec.terms()]
+    terms = [_TERMS[type(term)](term, rows, lanes) for term in spec.terms()
+             if not isinstance(term, TileTerm)]  # a user rule's tiles: ``tilepath``, last
     return sorted(terms, key=lambda term: term.window > 0 or term.residues is not None)
 
 
@@ -392,6 +396,8 @@ def grid_forward(spec, scale, q_g, k_g, v_g, native=False):
                     term.put(acc, t, new_acc))
 
         row_max, total, acc = _for_chunks(step, (row_max, total, acc), term)
+    for term in tilepath.tile_terms(spec):
+        row_max, total, acc = tilepath.forward(term, scale, q_g, k_g, v_g, (row_max, total, acc))
     out = acc / jnp.maximum(total, 1e-30)[..., None]
     lse = jnp.where(total > 0, row_max + jnp.log(jnp.maximum(total, 1e-30)), -_NEG)
     return out, lse
@@ -466,6 +472,9 @@ def grid_backward(spec, scale, native, residuals, d_out):
             d_k, d_v = (term.summary_back(g, d) for g, d in zip((d_k, d_v), d_src))
         else:
             d_k, d_v = d_src
+    for term in tilepath.tile_terms(spec):
+        d_q, d_k, d_v = tilepath.backward(term, scale, q_g, k_g, v_g, d_out, lse, delta,
+                                          (d_q, d_k, d_v))
     return tuple(g.astype(x.dtype) for g, x in zip((d_q, d_k, d_v), (q_g, k_g, v_g)))
 
 

@@ -27,7 +27,8 @@ DENSE_IMPLEMENTATIONS = ("xla", "cudnn", "chunked", "torch")
 
 
 def parse_pattern(name: str, seq_len: int, backend: str | None = None):
-    """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W`` or ``strided:sqrt`` (stride round(√n)),
+    """``dense``, ``strided:L``, ``fixed:L:C``, ``local:W``, ``strided:sqrt`` (stride round(√n))
+    or a pattern of one's own, ``module:name(k=v, ...)`` (``attention.custom.load``),
     optionally followed by ``@IMPL``, as (PatternSpec, implementation, kernel tiles or None):
     for dense ``@xla`` or ``@cudnn`` (``jax.nn.dot_product_attention``'s; none: its default
     choice), ``@chunked`` (this project's dense path) or ``@torch`` (PyTorch's SDPA), for the
@@ -65,6 +66,15 @@ def parse_pattern(name: str, seq_len: int, backend: str | None = None):
                              "(e.g. @pallas:128x64 or @pallas:64x64:chained:h2)") from e
     if args == ["sqrt"]:
         args = [str(round(math.sqrt(seq_len)))]
+    from sparse_jax.attention import custom
+    from sparse_jax.attention.patterns import KINDS
+
+    if kind not in KINDS and custom.is_named(name):  # a pattern of one's own, module:name(...)
+        groups = custom.load(name).groups
+        if len(groups) != 1:
+            raise ValueError(f"pattern {name!r} has {len(groups)} head groups; the benchmark "
+                             "times one pattern: name a one-group pattern")
+        return groups[0], implementation, sizes
     try:
         ints = [int(a) for a in args]
         if kind == "fixed":

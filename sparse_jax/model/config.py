@@ -7,13 +7,21 @@ options where they apply, the remat policies and dtypes by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from sparse_jax.attention import IMPLEMENTATIONS, fused, patterns, resolve_implementation, tiles
+from sparse_jax.attention import (
+    IMPLEMENTATIONS,
+    custom,
+    fused,
+    patterns,
+    resolve_implementation,
+    tiles,
+)
 from sparse_jax.attention.blocks import BlockSizes
 from sparse_jax.attention.fused import RESIDUALS
 from sparse_jax.attention.patterns import MODES
@@ -44,7 +52,7 @@ class ModelConfig:
     ff_mult: float = 4.0  #: feed-forward width / d (2.0 = the paper's half-size)
     qk_ratio: float = 1.0  #: query/key width / d (0.5 = half-size)
     dropout: float = 0.0  #: at the end of each residual branch
-    pattern: str = "strided"  #: dense | local | strided | fixed
+    pattern: str = "strided"  #: dense | local | strided | fixed | module:name(k=v, ...) (yours)
     stride: int = 128  #: l (also the column count of the "text" position grid)
     c: int = 32  #: summary width of "fixed"
     local_width: int | None = None  #: window of strided/local (None: l + 1, the paper)
@@ -63,6 +71,7 @@ class ModelConfig:
     attention: str = "xla"  #: sparse attention: xla | native (CPU kernels) | pallas (fused) | auto
     kernel: str = ""  #: Pallas kernel options, e.g. "chained:h2" (BlockSizes.parse); "": default
     param_dtype: str = "float32"  #: storage
+    pattern_fingerprint: str = ""  #: a named pattern's index arrays at seq_len, as recorded
 
     def __post_init__(self):
         def fail(field, why):
@@ -116,11 +125,29 @@ class ModelConfig:
                                   f"byte), not {self.pattern!r}")
         if not 0.0 <= self.dropout < 1.0:
             fail("dropout", "must be in [0, 1)")
+        if custom.is_named(self.pattern):  # a pattern of the user's (attention.custom)
+            try:
+                fingerprint = named_fingerprint(self.pattern, self.seq_len)
+            except ValueError as e:
+                fail("pattern", str(e))
+            if self.pattern_fingerprint and self.pattern_fingerprint != fingerprint:
+                fail("pattern", f"its definition changed since this config was recorded: its "
+                                f"index arrays at seq_len={self.seq_len} have fingerprint "
+                                f"{fingerprint}, the record {self.pattern_fingerprint}; restore "
+                                "the definition, or train a new run")
+            if self.mode != "merged" or self.schedule:
+                fail("pattern", "a named pattern gives its own head groups: leave mode='merged' "
+                                "and schedule=''")
+        elif self.pattern_fingerprint:
+            fail("pattern_fingerprint", f"records a named pattern (module:name), not "
+                                        f"{self.pattern!r}; leave it empty")
         choices = [("pattern", PATTERNS), ("summary", patterns.SUMMARY_CONVENTIONS),
                    ("mode", MODES), ("pos_emb", POS_EMBS), ("remat", tuple(REMAT_POLICIES)),
                    ("dtype", tuple(DTYPES)), ("param_dtype", tuple(DTYPES)),
                    ("attention", IMPLEMENTATIONS)]
         for name, allowed in choices:
+            if name == "pattern" and custom.is_named(self.pattern):
+                continue
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {list(allowed)}")
         if self.attention == "native":  # on this machine: a CPU, kernels that build
@@ -260,6 +287,8 @@ class ModelConfig:
     @property
     def base_spec(self) -> PatternSpec:
         """The whole pattern (part="both"), with only the fields its kind uses."""
+        if custom.is_named(self.pattern):  # the first head group's
+            return named_pattern(self.pattern).groups[0]
         if self.pattern == "dense":
             return PatternSpec("dense")
         if self.pattern == "fixed":
@@ -275,6 +304,8 @@ class ModelConfig:
 
     def layer_specs(self, layer: int) -> tuple[PatternSpec, ...]:
         """Pattern of each head group of layer ``layer``."""
+        if custom.is_named(self.pattern):
+            return named_pattern(self.pattern).groups
         entries = self.schedule_entries
         if entries:
             part = entries[layer % len(entries)]
@@ -302,6 +333,18 @@ class ModelConfig:
 def _has_column(spec: PatternSpec) -> bool:
     """Whether a head group with this pattern attends the strided column (every l-th byte)."""
     return spec.kind == "strided" and spec.part in ("both", "strided")
+
+
+@functools.lru_cache(maxsize=16)
+def named_pattern(pattern: str) -> custom.Pattern:
+    """The user's pattern a config names (``custom.load``), loaded once per process."""
+    return custom.load(pattern)
+
+
+@functools.lru_cache(maxsize=16)
+def named_fingerprint(pattern: str, seq_len: int) -> str:
+    """``Pattern.fingerprint`` of a named pattern at ``seq_len`` (what a run records)."""
+    return named_pattern(pattern).fingerprint(seq_len)
 
 
 def kernel_backend() -> str:

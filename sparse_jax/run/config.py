@@ -27,12 +27,12 @@ import jax
 import ml_collections
 
 from sparse_jax import logs
-from sparse_jax.attention import IMPLEMENTATIONS, resolve_implementation
+from sparse_jax.attention import IMPLEMENTATIONS, custom, resolve_implementation
 from sparse_jax.data import datasets as data_lib
 from sparse_jax.data import sources
 from sparse_jax.data.batches import Stage
 from sparse_jax.files import append_line, atomic_write, writing
-from sparse_jax.model.config import ModelConfig, model_config
+from sparse_jax.model.config import ModelConfig, model_config, named_fingerprint
 
 RECORD = "config.json"  # in the workdir: the config the run trains with
 HISTORY = "config_history.jsonl"  # in the workdir: changes of config.json on resume
@@ -46,7 +46,8 @@ SECTIONS = ("optimizer", "mesh", "data", "model")  # a config.json without them 
 # Fields added after runs were recorded, with the value a record without them trained with.
 ADDED = {"context_stages": [], "data.embedded_row_width": 32, "data.embedded_copy_distance": 4,
          "model.rotary": False, "model.shifted_heads": False,
-         "model.rotary_fraction": 1.0, "model.kernel": "", "mesh.seq": 1}
+         "model.rotary_fraction": 1.0, "model.kernel": "", "mesh.seq": 1,
+         "model.pattern_fingerprint": ""}
 
 
 MAX_INTEGER = 2**31 - 1  # what a config's integer may be: steps, sizes, seeds are int32s
@@ -109,6 +110,15 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     logs.check_profile_steps(config.profile_steps, config.total_steps)
     context_stages(config, cfg)
     return cfg
+
+
+def fill_fingerprint(config: ml_collections.ConfigDict, cfg: ModelConfig) -> None:
+    """Records a named pattern's fingerprint (``model.pattern_fingerprint``, its index arrays
+    at seq_len) in ``config``, so that resuming, evaluating or sampling the run with a changed
+    definition is refused (``ModelConfig``) instead of running another pattern."""
+    if custom.is_named(cfg.pattern) and not config.model.get("pattern_fingerprint"):
+        with config.unlocked():
+            config.model.pattern_fingerprint = named_fingerprint(cfg.pattern, cfg.seq_len)
 
 
 def scaled_warmup(warmup_steps: int, total_steps: int, steps: int) -> int:

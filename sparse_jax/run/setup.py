@@ -73,6 +73,7 @@ def complete(config: ml_collections.ConfigDict, workdir: str | None = None,
             cli.memory_fits(f"data.embedded_bytes={config.data.embedded_bytes:,}: the "
                             "generated stream", 3 * config.data.embedded_bytes,
                             "data.embedded_bytes")
+    config_lib.fill_fingerprint(config, cfg)  # a named pattern's, as the record keeps it
     shape = mesh_shape(config, cfg, jax.device_count() if devices is None else devices)
     mesh = None if devices is not None else sharding_lib.make_mesh(
         config.mesh.data, config.mesh.fsdp, config.mesh.get("seq", 1))
