@@ -312,11 +312,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _onepass_attention(spec, compiler, scale, seq_major, q, k, v):
     """The one-pass variant, q scaled inside its kernels (no XLA kernel scales q or dq)."""
-    return _onepass_forward(spec, compiler, scale, q, k, v, seq_major)[0]
+    return _onepass_fwd(spec, compiler, scale, seq_major, q, k, v)[0]
 
 
 def _onepass_fwd(spec, compiler, scale, seq_major, q, k, v):
     out, lse = _onepass_forward(spec, compiler, scale, q, k, v, seq_major)
+    q, k, v, out, lse = (checkpoint_name(x, RESIDUALS) for x in (q, k, v, out, lse))  # remat
     return out, (q, k, v, out, lse)
 
 
