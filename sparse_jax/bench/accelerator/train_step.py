@@ -33,7 +33,8 @@ from sparse_jax.model.config import ModelConfig
 # The H100 report: the five cases took 108 s at 5 timed steps each (the dense 16k step 3.06 s a
 # step, compiled in 10 s); 85 s left that one out. Now 4 timed steps each, and a sixth case (the
 # paper's 16k step on the terms variant beside the measured default, ~0.2 s a step, ~15 s; now
-# the measured default with remat "full" beside remat "attention", docs/gpu_compile.md).
+# the fixed pattern's gathered kernels beside the measured default, both with remat
+# "attention", docs/gpu_compile.md; the remat "full" step of 2026-11-28 is the one before).
 # Pallas rows without a kernel option run the GPU's defaults chosen by measurement
 # (attention.measured: chained up to 16,384); ":terms" is the kernel they replaced. The preset's
 # terms step is no longer timed (2026-11-28: 0.0455 s against chained's 0.0416; ~15 s with its
@@ -42,6 +43,7 @@ from sparse_jax.model.config import ModelConfig
 # compilations of an 8-layer scanned model at 4,096, ~4 s each by the 16k steps' compile times
 # of 3-9 s, and their steps): 130 s.
 CAP, DRY_CAP = 130, 60
+GATHERED = "chained:gathered:dkv128x128w8"  # a kernel option of ModelConfig.kernel
 PROFILE_S = 40  # added to the cap by --profile: two more compilations and a few steps traced
 
 
@@ -66,8 +68,10 @@ def plan(dry_run: bool) -> dict:
          "model": {**preset_model, "attention": "xla"}},
         {"name": "paper 16k fixed@pallas", "batch_size": 2,
          "model": {**paper, "attention": "pallas"}},
-        {"name": "paper 16k fixed@pallas remat=full", "batch_size": 2,
-         "model": {**paper, "attention": "pallas", "remat": "full"}},
+        # the fixed pattern's gathered kernels (attention.pallas_gathered), predicted 2.26x the
+        # dense step (docs/benchmarks/cost_model/predictions.json); the default's step above
+        {"name": f"paper 16k fixed@pallas:{GATHERED}", "batch_size": 2,
+         "model": {**paper, "attention": "pallas", "kernel": GATHERED}},
         {"name": "paper 16k fixed@xla", "batch_size": 2,
          "model": {**paper, "attention": "xla"}},
         {"name": "paper 16k dense (cuDNN)", "batch_size": 2,
