@@ -344,7 +344,9 @@ def run(main, huge_pages: bool = False, check=None) -> None:
     except SystemExit as e:  # after a stop: no finalisation (`stopping.exit_now`)
         status = stopping.forced(e.code)
         if stopping.received() is None and status not in (130, 143):
-            raise
+            if not _main_is_a_script():
+                raise
+            stopping.finish(status)  # a signal during Python's teardown: still the one line
         if stopping.received() is not None:
             stopping.report(stopping.received())
         stopping.exit_now(status)

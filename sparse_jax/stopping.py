@@ -34,6 +34,7 @@ apply: SIGTERM ends the process with nothing done, SIGINT prints a KeyboardInter
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -141,6 +142,19 @@ def exit_now(status: int) -> None:
     for flush in (sys.stdout.flush, sys.stderr.flush, logging.shutdown):
         _flush(flush)
     os._exit(status)
+
+
+def finish(status: int) -> None:
+    """Ends a script that ran to its end (or failed) with `status` as Python's own exit would,
+    other threads joined and the atexit functions run, but with the stop handler still in
+    place, then `exit_now`. Python's finalisation puts SIGTERM and SIGINT back to their
+    defaults before it tears the modules down, and a signal in that window (a JAX process's
+    teardown takes a while) killed the process without its line (status -15)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    exit_now(status)
 
 
 def _flush(flush) -> None:

@@ -339,8 +339,9 @@ def test_the_script_writes_predictions_for_a_new_kernel_in_one_command(tmp_path)
     assert ("train_step", "paper 16k fixed@pallas:chained:64x32", None, "NVIDIA H200") in rows
     assert "| attention | fixed:128:32@pallas:chained:64x32 | 16384 | NVIDIA H100 |" in proc.stdout
     proc = subprocess.run([sys.executable, "scripts/cost_model.py", "--patterns=dense@cudnn",
-                           f"--predictions={out}"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr.startswith("error: --patterns: dense@cudnn")
+                           f"--predictions={out}", "--overwrite"], cwd=ROOT, capture_output=True,
+                          text=True)  # a bad value: refused before any work (status 2)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --patterns: dense@cudnn")
 
 
 # ---------------------------------------------------------------------------------------------
