@@ -21,9 +21,9 @@ from sparse_jax.model.transformer import SparseTransformer
 def test_the_timed_step_with_update_is_loss_gradients_and_adamw():
     cfg = ModelConfig(seq_len=64, num_layers=1, d_model=16, num_heads=2, stride=8)
     tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 256, dtype=jnp.int32)
-    grad_step, _, _ = model_bench._grad_fn(cfg)
+    grad_step, _, _ = model_bench.step_function(cfg)
     loss, grads = grad_step(nnx.state(SparseTransformer(cfg, rngs=nnx.Rngs(0))), None, tokens)
-    update_step, _, tx = model_bench._grad_fn(cfg, update=True)
+    update_step, _, tx = model_bench.step_function(cfg, update=True)
     state = nnx.state(SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     before = jax.tree.map(np.asarray, state)
     same_loss, after, opt_state = update_step(state, tx.init(state), tokens)

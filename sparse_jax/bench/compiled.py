@@ -192,7 +192,7 @@ def build_program(program: dict, mesh):
         return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x), work
     from flax import nnx
 
-    from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.bench.model import step_function
     from sparse_jax.model.config import ModelConfig
 
     if program["kind"] == "config":
@@ -204,7 +204,7 @@ def build_program(program: dict, mesh):
         batch = config.batch_size
     else:
         cfg, batch = ModelConfig(**program["model"]), program["batch_size"]
-    step, abstract, tx = _grad_fn(cfg, update=True)
+    step, abstract, tx = step_function(cfg, update=True)
     state = nnx.state(abstract)
     opt_state = jax.eval_shape(tx.init, state)
     place = lambda tree: jax.tree.map(  # noqa: E731

@@ -26,7 +26,7 @@ from sparse_jax.model.config import ModelConfig
 
 GIB = 2**30
 
-def _grad_fn(cfg, update: bool = False, activation_sharding=None):
+def step_function(cfg, update: bool = False, activation_sharding=None):
     """(step, abstract model, optimizer): step(state, opt_state, tokens) is jitted and returns
     (loss, grads), or with `update` (loss, new state, new opt_state) after an AdamW update with
     gradient clipping, as training does (state and optimizer state donated).
@@ -89,7 +89,7 @@ def run_model_case(case: dict) -> dict:
     cfg = ModelConfig(**case["model"])
     update = case.get("update", False)
     mesh = sharding.make_mesh(1, 1, seq) if seq > 1 else None
-    step, abstract, tx = _grad_fn(cfg, update, mesh and sharding.batch_sharding(mesh))
+    step, abstract, tx = step_function(cfg, update, mesh and sharding.batch_sharding(mesh))
     if case["kind"] == "compile":
         tokens = jax.ShapeDtypeStruct((1, cfg.seq_len + 1), jnp.int32)
         start = time.perf_counter()

@@ -212,9 +212,9 @@ def costs(hlo: str, hbm_gbps: float = HBM_GBPS["h100"]) -> dict:
 
 def compile_step(model: dict, batch_size: int, tools: str, target: str = "h100"
                  ) -> tuple[str, float]:
-    """(the optimized HLO text, XLA's planned GB) of the training step (``bench.model._grad_fn``:
-    loss, gradients, clipping, AdamW) of ``model`` at ``batch_size``, compiled for `target` with
-    no GPU."""
+    """(the optimized HLO text, XLA's planned GB) of the training step
+    (``bench.model.step_function``: loss, gradients, clipping, AdamW) of ``model`` at
+    ``batch_size``, compiled for `target` with no GPU."""
     from sparse_jax.bench import compiled
 
     program = {"name": "step", "group": "steps", "kind": "step", "model": model,

@@ -68,12 +68,12 @@ def _leg(name: str, p: dict):
     import numpy as np
     from flax import nnx
 
-    from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.bench.model import step_function
     from sparse_jax.model import transformer as model_lib
     from sparse_jax.model.config import ModelConfig
 
     cfg = ModelConfig(**p["model"], attention="pallas" if name == "cudnn" else "xla")
-    step, _, _ = _grad_fn(cfg)
+    step, _, _ = step_function(cfg)
     state = nnx.state(model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (p["batch_size"], cfg.seq_len + 1), 0, 256,
                                 dtype=jnp.int32)

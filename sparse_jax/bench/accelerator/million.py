@@ -4,7 +4,7 @@ time, XLA's plan, the device's peak memory, the step time and the loss of each s
 
 The window is the first 1,048,577 bytes of the shipped code corpus (enwik8 is not on a lent
 machine), the same window every step: the loss falling from ~8 bits says the step learns, not
-what the model would reach. The step is the benchmarks' (``bench.model._grad_fn``: the loss,
+what the model would reach. The step is the benchmarks' (``bench.model.step_function``: the loss,
 its gradients, AdamW with clipping), as in ``train_step``. JAX may take 95% of the GPU's memory
 here (``XLA_PYTHON_CLIENT_MEM_FRACTION``; the driver's default 75% leaves an 80 GB H100 short of
 the 75.6 GB plan)."""
@@ -42,7 +42,7 @@ def run(plan: dict) -> dict:
 
     import configs
     from sparse_jax.bench import tools
-    from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.bench.model import step_function
     from sparse_jax.data import sources
     from sparse_jax.model import transformer as model_lib
     from sparse_jax.model.config import model_config
@@ -59,7 +59,7 @@ def run(plan: dict) -> dict:
     if len(data) < cfg.seq_len + 1:
         raise SystemExit(f"{CODE_CORPUS} holds {len(data):,} bytes, fewer than a window")
     tokens = jnp.asarray(np.asarray(data[:cfg.seq_len + 1], np.int32)[None])
-    step, _, tx = _grad_fn(cfg, update=True)
+    step, _, tx = step_function(cfg, update=True)
     state = nnx.state(model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     opt_state = tx.init(state)
     start = time.perf_counter()

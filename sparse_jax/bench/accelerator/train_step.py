@@ -160,11 +160,11 @@ def _profile(case: dict, folder: str, steps: int) -> str:
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparse_jax.bench.model import _grad_fn
+    from sparse_jax.bench.model import step_function
     from sparse_jax.model import transformer as model_lib
 
     cfg = ModelConfig(**case["model"])
-    step, _, tx = _grad_fn(cfg, update=True)
+    step, _, tx = step_function(cfg, update=True)
     state = nnx.state(model_lib.SparseTransformer(cfg, rngs=nnx.Rngs(0)))
     opt_state = tx.init(state)
     tokens = jax.random.randint(jax.random.key(0), (case["batch_size"], cfg.seq_len + 1), 0,
