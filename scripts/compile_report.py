@@ -10,24 +10,27 @@ VMEM); per program XLA's planned memory against the device's and the compile tim
   python scripts/compile_report.py --programs=ci --check     # the test suite's GPU check
   pip install --no-deps --target .tpu_tools -r requirements-tpu-compile.txt
   python scripts/compile_report.py --target=v5e --programs=ci --check   # its TPU check
+  PYTHONPATH=examples python scripts/compile_report.py --seq_lens=16384 \
+      --patterns='my_patterns:longformer(window=256;globals=64;block=128)@pallas'
 
 --programs takes groups (GPU: attention16k, attention64k, attention8k, attention32k, onepass,
-reference16k, gathered, steps, study, million, ci, all;
-TPU: ci, attention16k, attention64k, tiles8k, tiles16k, bands16k, splash8k, splash16k, splash64k,
-forward16k, steps, all) or program names
-(--list prints them). On a v5p or v6e each TPU program also gets libtpu's static cycle estimate
-per Mosaic kernel (--nocycles: not; a v5e's profiler aborts, so it has none), and the table
-sets our kernels beside splash attention's on the same mask. The dense rows need cuDNN in the
-tools folder too (`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1
-GB); without it they compile XLA's unfused attention and their row says it fell back (a
-dense@cudnn program named alone in --programs is refused instead: it asks for cuDNN itself).
---check exits 1 when a program does not compile or a Triton kernel spills registers (on a TPU:
-has no Mosaic kernel or does not fit), naming each. Each program compiles in its own process
-with the tools folder (--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU
-$SPARSE_JAX_TPU_TOOLS or .tpu_tools) on its path. Writes results.md and results.json to
---output_dir (a folder that holds results is refused without --overwrite). These are the
-compiler's figures; no time is measured (sparse_jax/bench/compiled.py and compiled_tpu.py say
-how they are read).
+reference16k, gathered, steps, study, million, ci, all; TPU: ci, attention16k, attention64k,
+tiles8k, tiles16k, bands16k, splash8k, splash16k, splash64k, forward16k, steps, all) or program
+names (--list prints them). --patterns names attention programs of one's own instead, as
+benchmark_attention.py names them (built in or ``module:name(k=v;...)``, a pattern of one's own;
+``@pallas`` for the kernels, options after it), fwd+bwd at each of --seq_lens (bf16, the report's
+batch, heads and head size). On a v5p or v6e each TPU program also gets libtpu's static cycle
+estimate per Mosaic kernel (--nocycles: not; a v5e's profiler aborts, so it has none), and the table
+sets our kernels beside splash attention's on the same mask. The dense rows need cuDNN in the tools
+folder too (`pip install --no-deps --target .gpu_tools nvidia-cudnn-cu12==9.28.0.42`, 1.1 GB);
+without it they compile XLA's unfused attention and their row says it fell back (a dense@cudnn
+program named alone in --programs is refused instead: it asks for cuDNN itself). --check exits 1
+when a program does not compile or a Triton kernel spills registers (on a TPU: has no Mosaic kernel
+or does not fit), naming each. Each program compiles in its own process with the tools folder
+(--tools, default $SPARSE_JAX_GPU_TOOLS or .gpu_tools; for a TPU $SPARSE_JAX_TPU_TOOLS or
+.tpu_tools) on its path. Writes results.md and results.json to --output_dir (a folder that holds
+results is refused without --overwrite). These are the compiler's figures; no time is measured
+(sparse_jax/bench/compiled.py and compiled_tpu.py say how they are read).
 """
 
 import datetime
@@ -42,7 +45,13 @@ from sparse_jax.bench import compiled, compiled_tpu
 
 _TARGET = flags.DEFINE_enum("target", "h100", [*compiled.TARGETS, *compiled_tpu.TARGETS],
                             "The GPU or TPU (one chip) compiled for.")
-_PROGRAMS = flags.DEFINE_list("programs", ["all"], "Groups or program names (--list).")
+_PROGRAMS = flags.DEFINE_list("programs", None, "Groups or program names (--list; default: "
+                               "all, or none with --patterns).")
+_PATTERNS = flags.DEFINE_list("patterns", [], "Attention patterns to compile instead of (or "
+                              "besides, with --programs) the report's programs, named as "
+                              "benchmark_attention.py names them, e.g. strided:128@pallas:"
+                              "onepass:s1 or my_patterns:longformer(window=256)@pallas.")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["16384"], "Lengths at which --patterns compile.")
 _TOOLS = flags.DEFINE_string("tools", None, "Folder of requirements-gpu-compile.txt's packages, "
                              "or requirements-tpu-compile.txt's for a TPU (default: "
                              "$SPARSE_JAX_GPU_TOOLS or .gpu_tools; $SPARSE_JAX_TPU_TOOLS or "
@@ -58,6 +67,31 @@ _CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mos
                             "(default: on for v5p and v6e; v5e's profiler aborts).")
 
 
+def _chosen(compiled_for) -> list[dict]:
+    """The programs of --programs (default all, or none beside --patterns), then one attention
+    program per --patterns and --seq_lens (each checked to parse at its length, a pattern of
+    one's own imported and checked too); ValueError naming what is wrong."""
+    from sparse_jax.bench.attention import parse_pattern
+
+    names = _PROGRAMS.value if _PROGRAMS.value is not None else (
+        [] if _PATTERNS.value else ["all"])
+    chosen = compiled_for.select(names) if names else []
+    lengths = cli.integers("seq_lens", _SEQ_LENS.value, high=1 << 20)
+    for pattern in _PATTERNS.value:
+        for n in lengths:
+            try:
+                parse_pattern(pattern, n)
+            except ValueError as e:
+                raise ValueError(f"--patterns: {e}") from None
+            length = f"{n // 1024}k" if n % 1024 == 0 else str(n)  # as the report's names
+            chosen.append({"name": f"attention {length} {pattern}", "group": "patterns",
+                           "kind": "attention", "pattern": pattern, "seq_len": n,
+                           **compiled_for.ATTENTION_SHAPE})
+    if not chosen:
+        raise ValueError("--programs and --patterns name nothing to compile")
+    return chosen
+
+
 def check(argv):
     """Every flag, before any program compiles or anything is written."""
     cli.no_arguments(argv)
@@ -69,14 +103,14 @@ def check(argv):
     if _LIST.value:
         return
     try:
-        chosen = compiled_for.select(_PROGRAMS.value)
+        chosen = _chosen(compiled_for)
         tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
                  or compiled_for.DEFAULT_TOOLS)
         cli.input_dir("tools", tools, "the folder of the compilers' packages")
         compiled_for.check_tools(tools)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    named = [p["name"] for p in chosen if p["name"] in _PROGRAMS.value
+    named = [p["name"] for p in chosen if p["name"] in (_PROGRAMS.value or ())
              and str(p.get("pattern", "")).endswith("@cudnn")]
     if named and not os.path.isdir(os.path.join(tools, "nvidia", "cudnn")):
         raise app.UsageError(f"--programs: {named[0]} needs cuDNN in --tools={tools}: pip "
@@ -99,7 +133,7 @@ def main(argv):
             print(f"{p['group']:13} {p['name']}")
         return
     try:
-        chosen = compiled_for.select(_PROGRAMS.value)
+        chosen = _chosen(compiled_for)
         tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
                  or compiled_for.DEFAULT_TOOLS)
         compiled_for.check_tools(tools)

@@ -297,6 +297,8 @@ SCRIPTS = {
         "target": Choice(),
         "programs": Items(item="ci", extra={"dense@cudnn without cuDNN":
                                             "attention 16k dense@cudnn"}),
+        "patterns": Items(item="strided:128@pallas"),
+        "seq_lens": Items(item="4096", numbers=True),
         "tools": Path(role="in_dir"),
         "output_dir": Path(role="out_dir", holds=("results.md", "results.json"),
                            ok={"missing": NEW, "folder": EMPTY_FOLDER}),

@@ -309,23 +309,29 @@ def test_model_config_takes_a_named_pattern_and_checks_it():
 
 
 @pytest.mark.slow  # compiles in a child process
-def test_tile_term_compiles_for_an_h100_without_spills(monkeypatch):
+def test_tile_term_compiles_for_an_h100_without_spills(tmp_path):
     """The generic tiles (a rule no built-in term covers, about 1/8 of the causal blocks) at
-    16k, forward and backward, bf16: every Triton kernel compiles for sm_90a on this CPU, and
-    none spills a register."""
+    16k, forward and backward, bf16, named to the compile report like a built-in pattern: every
+    Triton kernel compiles for sm_90a on this CPU, and none spills a register (--check)."""
+    import json
+    import subprocess
+
     from sparse_jax.bench import compiled
 
-    tools = os.environ.get(compiled.TOOLS_ENV) or os.path.join(
-        str(pathlib.Path(__file__).resolve().parents[1]), compiled.DEFAULT_TOOLS)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tools = os.environ.get(compiled.TOOLS_ENV) or str(root / compiled.DEFAULT_TOOLS)
     compiled.install_tools(tools, compiled.REQUIREMENTS)
-    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([examples, os.environ.get("PYTHONPATH",
-                                                                                "")]))
-    row = compiled.compile_program(
-        {"name": "tiles", "group": "test", "kind": "attention", "seq_len": 16384,
-         "pattern": "my_patterns:random_tiles(density=0.1112;block=128)@pallas",
-         **compiled.ATTENTION_SHAPE}, "h100", tools)
-    assert "error" not in row, row.get("error")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "examples"), str(root)])}
+    pattern = "my_patterns:random_tiles(density=0.1112;block=128)@pallas"
+    proc = subprocess.run([sys.executable, "scripts/compile_report.py", f"--tools={tools}",
+                           f"--patterns={pattern}", "--seq_lens=16384", "--check",
+                           f"--output_dir={tmp_path}"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [row] = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["name"] == f"attention 16k {pattern}" and "error" not in row
     names = {k["name"] for k in row["kernels"]}
     assert {"sparse_forward_tiles", "sparse_dq_tiles", "sparse_dkv_tiles"} <= names
     assert all(k["spill_bytes"] == 0 and k["registers"] > 0 for k in row["kernels"])
+    assert "16k my_patterns:random_tiles(density=0.1112;block=128)" in (
+        tmp_path / "results.md").read_text()  # ranked as its own family

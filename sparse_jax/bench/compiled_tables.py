@@ -28,9 +28,12 @@ def _per_warp(row: dict) -> float:
 
 
 def _family(row: dict) -> str:
-    """"16k strided" of "attention 16k strided:128@pallas:chained"."""
+    """"16k strided" of "attention 16k strided:128@pallas:chained"; a pattern of one's own is
+    its whole definition ("16k my_patterns:longformer(window=256)")."""
     _, length, pattern = row["name"].split(" ", 2)
-    return f"{length} {pattern.split(':')[0]}"
+    kind = pattern.split(":")[0].partition("@")[0]
+    built_in = kind in ("dense", "local", "strided", "fixed")
+    return f"{length} {kind if built_in else pattern.partition('@')[0]}"
 
 
 def markdown(rows: list[dict], target: str, header: list[str]) -> str:

@@ -121,7 +121,8 @@ def static_rows(root: str = REPO, paths=STATIC) -> dict[tuple[str, int], dict]:
         for row in json.loads(_read(root, path))["rows"]:
             if row["name"].startswith("attention ") and row.get("kernels"):
                 _, length, pattern = row["name"].split(" ", 2)
-                out[(pattern, int(length[:-1]) * 1024)] = row
+                n = int(length[:-1]) * 1024 if length.endswith("k") else int(length)
+                out[(pattern, n)] = row
     return out
 
 
