@@ -56,3 +56,25 @@ def test_the_onepass_kernels_are_predicted_and_the_committed_predictions_repeat(
     by_n = {r["n"]: r for r in rows}
     assert set(by_n) == {8192, 16384, 32768, 65536}
     assert by_n[16384]["ratio"] >= 10 and all(r["per_item_ms"] > r["predicted_ms"] for r in rows)
+
+
+def test_the_tile_term_is_predicted_beside_a_dense_kernels_rate():
+    """A pattern of one's own (the generic tile term at 16k, block densities 1/32 to 1/2, both
+    variants): the committed predictions are what the model gives on the committed compile rows,
+    time grows with the kept pairs, and no row beats every kept pair at cuDNN's rate."""
+    fresh = kernel_predictions.tiles(REPO)["rows"]
+    with open(os.path.join(REPO, "docs/benchmarks/cost_model/kernels_tiles.json")) as f:
+        committed = json.load(f)["rows"]
+    assert [(r["pattern"], r["predicted_ms"]) for r in committed] == [
+        (r["pattern"], pytest.approx(r["predicted_ms"], rel=1e-9)) for r in fresh]
+    assert len(fresh) == 10
+    for variant in (False, True):
+        rows = [r for r in fresh if r["pattern"].endswith(":chained") == variant]
+        assert [r["pair_density"] for r in rows] == sorted(r["pair_density"] for r in rows)
+        assert [r["predicted_ms"] for r in rows] == sorted(r["predicted_ms"] for r in rows)
+        assert all(0 < r["of_dense_rate"] < 1 and r["dense_rate_ms"] < r["predicted_ms"]
+                   for r in rows)
+    with open(os.path.join(REPO, "docs/custom_patterns.md")) as f:
+        page = f.read()
+    for line in kernel_predictions.tiles_markdown({"rows": fresh}).splitlines()[2:]:
+        assert line in page, line

@@ -168,15 +168,75 @@ def fixed_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLES = {"strided": lambda root: {"rows": strided(_read(root, FIT)[
-    "params"], root)}, "fixed": fixed}
+# ---------------------------------------------------------------------------------------------
+# A pattern of one's own: the generic tile term.
 
-if __name__ == "__main__":  # python -m sparse_jax.bench.kernel_predictions strided|fixed [JSON]
+TILES = "docs/benchmarks/custom_tiles/compiled_h100/results.json"
+
+
+def tiles(root: str = cost_model.REPO) -> dict:
+    """The tile term (``examples/my_patterns.py``'s ``random_tiles``, a rule no built-in term
+    covers beyond the own block) at 16k and block densities 1/32 to 1/2: the model's time on
+    its compile rows, beside what FlexAttention is known to approach, every kept pair at a
+    dense kernel's rate (here cuDNN's measured TFLOP/s on the kept pairs, an upper bound of
+    FlexAttention's speed, not a measurement of it) and cuDNN's dense causal time."""
+    from sparse_jax.bench.accelerator.common import attention_flops
+    from sparse_jax.bench.attention import parse_pattern
+
+    examples = os.path.join(root, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)  # the rule's module
+    params = _read(root, FIT)["params"]
+    cudnn = {r["seq_len"]: r for r in _read(root, CUDNN)["stages"]["attention"]["rows"]
+             if r["pattern"] == "dense@cudnn"}
+    out = []
+    for (pattern, n), row in sorted(cost_model.static_rows(root, (TILES,)).items(),
+                                    key=lambda item: item[0][0]):
+        spec = parse_pattern(pattern, n)[0]
+        kept = spec.mean_keys(n)
+        flops = attention_flops(1, 8, n, kept, 64)
+        f = cost_model.features(row, pattern)
+        p = cost_model.parts(params, f, DEVICE)
+        ms, reference = p["total"] * 1e3, cudnn[n]
+        ideal = flops / (reference["tflops"] * 1e12) * 1e3
+        out.append({"pattern": pattern, "n": n, "pair_density": kept / ((n + 1) / 2),
+                    "kernels": len(f["kernels"]), "xla_kernels": f["xla_kernels"],
+                    "predicted_ms": ms, "shares": {key: p[key] / p["total"] for key in (
+                        "launch", "programs", "tiles", "products", "xla_bytes")},
+                    "dense_rate_ms": ideal, "of_dense_rate": ideal / ms,
+                    "cudnn_ms": reference["median_ms"], "vs_cudnn": reference["median_ms"] / ms,
+                    "prediction": True})
+    return {"device": DEVICE, "sources": {"static": TILES, "cudnn": CUDNN, "params": FIT},
+            "rows": out}
+
+
+def tiles_markdown(result: dict) -> str:
+    """The table of docs/custom_patterns.md's section on the tile term's speed on a GPU."""
+    lines = ["| pair density | variant | kernels (Triton + XLA) | predicted ms | × cuDNN dense | "
+             "every kept pair at cuDNN's rate: ms | predicted of that rate | launches, programs, "
+             "tiles, products, XLA bytes |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        shares = ", ".join(f"{v:.0%}" for v in r["shares"].values())
+        variant = "chained" if r["pattern"].endswith(":chained") else "terms (the default)"
+        lines.append(f"| {r['pair_density']:.3f} | {variant} | {r['kernels']} + "
+                     f"{r['xla_kernels']} | "
+                     f"{r['predicted_ms']:#.3g} | {r['vs_cudnn']:.1f}× | "
+                     f"{r['dense_rate_ms']:#.3g} | {r['of_dense_rate']:.0%} | {shares} |")
+    return "\n".join(lines) + "\n"
+
+
+TABLES = {"strided": lambda root: {"rows": strided(_read(root, FIT)[
+    "params"], root)}, "fixed": fixed, "tiles": tiles}
+
+if __name__ == "__main__":  # python -m sparse_jax.bench.kernel_predictions KIND [JSON]
     if len(sys.argv) < 2 or sys.argv[1] not in TABLES:
-        sys.exit("usage: python -m sparse_jax.bench.kernel_predictions strided|fixed [OUTPUT_JSON]")
+        sys.exit("usage: python -m sparse_jax.bench.kernel_predictions strided|fixed|tiles "
+                 "[OUTPUT_JSON]")
     result = TABLES[sys.argv[1]](cost_model.REPO)
     if sys.argv[1] == "fixed":
         print(fixed_markdown(result))
+    elif sys.argv[1] == "tiles":
+        print(tiles_markdown(result))
     else:
         for r in result["rows"]:
             print(f"{r['pattern']} {r['n']}: {r['predicted_ms']:.3f} ms, "
