@@ -105,7 +105,7 @@ def programs() -> list[dict]:
                             ("attention8k", 8192, attention.BASELINES),
                             ("attention32k", 32768, attention.BASELINES)):
         for pattern in names:
-            if pattern == ONEPASS:  # the onepass group's, at every length
+            if pattern in (ONEPASS, ONEPASS_ATOMIC):  # the onepass group's, at every length
                 continue
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
