@@ -697,13 +697,15 @@ def test_model_attention_option_and_mesh():
 def test_model_attention_kernel_variant_matches_dense():
     """``ModelConfig.kernel`` reaches the layers' kernel: the chained variant with two heads
     per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
-    default kernel's test above, the same shard_map), and so does the gathered fixed pattern with
+    default kernel's test above, the same shard_map), so do the one-pass kernels (also with dq
+    added atomically), and so does the gathered fixed pattern with
     a distinct summary for each head group; a bad option is refused in one line when the
     config is built."""
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
     assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1", on_mesh=False)
+    assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1:atomic", on_mesh=False)
     fixed = dict(base, pattern="fixed", c=8, rotary=False, stride=16, mode="multihead",
                  distinct_summaries=True)  # two summary blocks, a head each
     assert_model_matches_xla(fixed, "pallas", kernel="16x16:chained:gathered", on_mesh=False)
