@@ -219,6 +219,33 @@ def test_onepass_lowers_to_two_kernels_a_term_and_nothing_between(spec, terms):
                            "pallas", ONEPASS)
 
 
+def test_onepass_atomic_backward_lowers_to_atomic_adds_and_dqs_zeros_and_cast():
+    """Option atomic: still a forward and a backward kernel a term, the backward's dq added
+    with Triton atomics to float32 zeros of XLA's and cast once at the end: XLA's operations
+    are the plain one-pass variant's and those two (no transpose, merge, delta or scaling)."""
+    x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
+
+    def lowered(options):
+        def loss(q, k, v):
+            return A.sparse_attention(q, k, v, PatternSpec("strided", stride=128), "pallas",
+                                      K.BlockSizes.parse(options))
+
+        with tiles.compiling_for("gpu"):
+            text = jax.jit(jax.grad(lambda *a: loss(*a).astype(jnp.float32).sum(),
+                                    argnums=(0, 1, 2))).trace(x, x, x).lower(
+                lowering_platforms=("cuda",)).as_text()
+        ops = [re.search(r"stablehlo\.(\w+)", line) for line in text.splitlines()
+               if "triton" not in line]
+        return text, sorted(op.group(1) for op in ops if op)
+
+    text, ops = lowered("onepass:s1:atomic")
+    plain_text, plain = lowered("onepass:s1")
+    assert text.count("custom_call @__gpu$xla.gpu.triton(") == 4
+    assert text.count("\\00atomic_rmw\\00") == 2 and "atomic_rmw" not in plain_text  # dq's
+    assert sorted(plain + ["constant", "broadcast_in_dim", "convert"]) == ops  # zeros, cast
+
+
+
 TPU_CASES = [  # spec, seq_len (a multiple of the block), head dim, dtype
     (PatternSpec("strided", stride=128), 1024, 128, "bfloat16"),
     (PatternSpec("fixed", stride=128, c=32, summary="lra", summary_block=1), 768, 64, "float32"),
@@ -454,21 +481,34 @@ VARIANT_CASES += [  # the one-pass variant: every band and column pattern it ser
     (PatternSpec("strided", stride=32), 200, 64, "bfloat16",
      K.BlockSizes(32, 16, variant="onepass", one_loop=True)),
 ]
+ATOMIC = K.BlockSizes(16, 16, variant="onepass", atomic_dq=True)
+VARIANT_CASES += [  # the one-pass backward with dq added atomically (option atomic)
+    (PatternSpec("strided", stride=16), 117, 64, "float32", ATOMIC),  # off the blocks
+    (PatternSpec("strided", stride=16, local_width=16), 128, 64, "bfloat16", ATOMIC),  # on
+    (PatternSpec("strided", stride=12, local_width=30), 96, 48, "float32", ATOMIC),  # scaled
+    (PatternSpec("strided", stride=16, part="strided"), 75, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass", atomic_dq=True)),
+    (PatternSpec("local", stride=24, local_width=24), 100, 64, "float32", ATOMIC),
+    (PatternSpec("strided", stride=32), 200, 64, "bfloat16",
+     K.BlockSizes(32, 16, variant="onepass", one_loop=True, atomic_dq=True)),
+]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_CASES, ids=[
     f"{c[0]}-n{c[1]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
     + ("-one_loop" if c[4].one_loop else "")
     + (f"-sum{c[4].summary_q}x{c[4].summary_k}" if c[4].summary_q else "")
-    + ("-gathered" if c[4].gathered else "") for c in VARIANT_CASES])
+    + ("-gathered" if c[4].gathered else "") + ("-atomic" if c[4].atomic_dq else "")
+    for c in VARIANT_CASES])
 def test_kernel_variant_matches_dense(spec, seq_len, d, dtype, sizes):
     """Each kernel variant (``BlockSizes.variant``: the chained terms, reading the column term
     strided from sequence-order arrays; the one-pass kernels, whose programs walk several
     items each in interpret mode (``pallas_onepass.INTERPRET_PROGRAMS``), with q scaled and
     head dims padded inside (d = 48); ``heads_per_program``: one list walk for two heads;
     ``one_loop``: partial and full blocks in one loop; ``gathered``: the fixed pattern over its
-    gathered summary keys) gives the dense reference's output and gradients, at lengths that
-    need padding (the chained column term pads rows to its tile), tolerances as
+    gathered summary keys; ``atomic_dq``: the one-pass backward adding dq atomically, at
+    lengths on and off the blocks) gives the dense reference's output and gradients, at
+    lengths that need padding (the chained column term pads rows to its tile), tolerances as
     ``test_kernel_matches_dense``."""
     q, k, v, cot = qkv(seq_len, d, jnp.dtype(dtype))
     kernel = lambda q, k, v: A.sparse_attention(q, k, v, spec, "pallas", sizes)  # noqa: E731
@@ -577,6 +617,8 @@ def test_implementation_choice():
         parse_pattern("strided:128@pallas:fused", 1024)
     assert parse_pattern("strided:128@pallas:onepass:s1", 1024)[2] == K.BlockSizes(
         variant="onepass", num_stages=1)
+    assert parse_pattern("strided:128@pallas:onepass:s1:atomic", 1024)[2] == K.BlockSizes(
+        variant="onepass", num_stages=1, atomic_dq=True)
     assert parse_pattern("strided:128@pallas:512x512:band128x4", 1024)[2] == K.BlockSizes(
         512, 512, band=128, band_group=4)
     assert K.BlockSizes.parse("band0", K.BlockSizes.for_backend("mosaic")).band == 0
@@ -655,13 +697,15 @@ def test_model_attention_option_and_mesh():
 def test_model_attention_kernel_variant_matches_dense():
     """``ModelConfig.kernel`` reaches the layers' kernel: the chained variant with two heads
     per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
-    default kernel's test above, the same shard_map), and so does the gathered fixed pattern with
+    default kernel's test above, the same shard_map), so do the one-pass kernels (also with dq
+    added atomically), and so does the gathered fixed pattern with
     a distinct summary for each head group; a bad option is refused in one line when the
     config is built."""
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
     assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1", on_mesh=False)
+    assert_model_matches_xla(base, "pallas", kernel="16x16:onepass:s1:atomic", on_mesh=False)
     fixed = dict(base, pattern="fixed", c=8, rotary=False, stride=16, mode="multihead",
                  distinct_summaries=True)  # two summary blocks, a head each
     assert_model_matches_xla(fixed, "pallas", kernel="16x16:chained:gathered", on_mesh=False)
@@ -680,6 +724,7 @@ BAD_KERNEL_OPTIONS = [  # (model.kernel, the one line's tail); the model has 4 h
     ("64x64:32x32", "'64x64' and '32x32' both set the tiles; give each option once"),
     ("chained:chained", "'chained' is given twice; give each option once"),
     ("onepass:h2", "kernel variant onepass walks one head a work item: leave out h2"),
+    ("chained:atomic", "atomic_dq=True (option atomic) needs the onepass variant, not 'chained'"),
 ]
 
 

@@ -44,7 +44,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.attention import pallas, pallas_gathered, patterns
+from sparse_jax.attention import pallas, pallas_gathered, pallas_onepass, patterns
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import ColumnTerm, SummaryTerm, Term
 from sparse_jax.attention.tiles import BACKENDS
@@ -55,10 +55,9 @@ _MASK_TILES = 1 << 24  # tile-mask elements the host evaluates at once when list
 VARIANTS = ("terms", "chained", "onepass")  # BlockSizes.variant: how the terms' kernels combine
 WARPS = (1, 2, 4, 8, 16, 32)  # BlockSizes.num_warps that Triton takes (32 warps: 1,024 threads)
 _BAND_LIMIT = (1024, 8)  # a band kernel's most window keys per own block, and distinct masks
-_OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "one_loop": "one_loop",
-                 "band": "the band tile", "summary_q": "the summary tiles", "dkv": "dkv",
-                 "heads_per_program": "the heads per program", "num_warps": "the warps",
-                 "num_stages": "the stages"}  # what each kind of option in `parse` sets
+_OPTION_NAMES = {"block_q": "the tiles", "variant": "the variant", "band": "the band tile",
+                 "summary_q": "the summary tiles", "dkv": "dkv", "num_warps": "the warps",
+                 "heads_per_program": "the heads per program", "num_stages": "the stages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +98,7 @@ class BlockSizes:
     summary_k: int = 0
     gathered: bool = False  # the fixed pattern's gathered kernels (pallas_gathered.option)
     dkv: tuple[int, int, int] = (0, 0, 0)  # gathered: its dk/dv program's tiles and warps
+    atomic_dq: bool = False  # onepass: dq added atomically (option atomic; pallas_onepass)
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -114,12 +114,12 @@ class BlockSizes:
     def parse(options: str, default: BlockSizes | None = None) -> BlockSizes:
         """From ``:``-separated options, the others ``default``'s (None: ``BlockSizes()``, the
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
-        program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on
-        blocks of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's
-        tiles, ``gathered`` and ``dkvQxK[wN]`` (``pallas_gathered.option``); e.g.
-        "64x64:chained:h2", "512x512:band128x4", "chained:gathered:dkv128x128w8". An option
-        given twice, or two that set the same thing ("terms:chained", "h2:h4"), is refused
-        (ValueError), not resolved by order."""
+        program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on blocks
+        of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's tiles,
+        ``gathered``, ``dkvQxK[wN]`` (``pallas_gathered.option``), ``atomic``
+        (``pallas_onepass.option``); e.g. "64x64:chained:h2", "512x512:band128x4",
+        "chained:gathered:dkv128x128w8". An option given twice, or two that set the same thing
+        ("terms:chained", "h2:h4"), is refused (ValueError), not resolved by order."""
         fields, given = {}, {}  # given: which option set each field
         for option in options.split(":"):
             if re.fullmatch(r"\d+x\d+", option):
@@ -132,14 +132,14 @@ class BlockSizes:
                 names = ("band", "band_group")
                 values = (0, 16) if option == "band0" else tuple(map(int, option[4:].split("x")))
             elif re.fullmatch(r"sum\d+x\d+", option):
-                names = ("summary_q", "summary_k")
-                values = tuple(map(int, option[3:].split("x")))
+                names, values = ("summary_q", "summary_k"), tuple(map(int, option[3:].split("x")))
             elif re.fullmatch(r"[hws]\d+", option):
                 names = ({"h": "heads_per_program", "w": "num_warps", "s": "num_stages"}[
                     option[0]],)
                 values = (int(option[1:]),)
-            else:  # the gathered kernels' options, or an unknown one (ValueError)
-                names, values = pallas_gathered.option(option, options)
+            else:  # the onepass or gathered kernels' options, or an unknown one (ValueError)
+                names, values = pallas_onepass.option(option) or pallas_gathered.option(
+                    option, options)
             if names[0] in given:
                 first = given[names[0]]
                 what = f"{option!r} is given twice" if first == option else \
@@ -168,6 +168,7 @@ class BlockSizes:
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
         pallas_gathered.check_options(self)
+        pallas_onepass.check_options(self)
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
@@ -382,9 +383,8 @@ def _padded_attributes(layout: _Layout, nq: int, nk: int):
     no key and padding keys no query (segments ``_FAR`` apart, keys unflagged)."""
     (q_pos, q_seg), (k_pos, k_seg, k_flag) = layout.attributes()
 
-    def padded(x, size, fill):
-        return np.concatenate([x, np.full(size - len(x), fill, x.dtype)])
-
+    padded = lambda x, size, fill: np.concatenate(  # noqa: E731
+        [x, np.full(size - len(x), fill, x.dtype)])
     return ((padded(q_pos, nq, 0), padded(q_seg, nq, -_FAR)),
             (padded(k_pos, nk, 0), padded(k_seg, nk, _FAR), padded(k_flag, nk, False)))
 

@@ -359,7 +359,7 @@ def compiler_for(sizes: BlockSizes | None = None, backend: str | None = None,
                                    sizes.num_warps, sizes.num_stages, sizes.heads_per_program,
                                    sizes.one_loop, sizes.band if backend == "mosaic" else 0,
                                    sizes.band_group, sizes.summary_q, sizes.summary_k,
-                                   sizes.gathered, sizes.dkv)
+                                   sizes.gathered, sizes.dkv, sizes.atomic_dq)
 
 
 def sequence_attention(spec: PatternSpec, q, k, v, *, sizes: BlockSizes | None = None,

@@ -95,7 +95,7 @@ def option(option: str, options: str) -> tuple[tuple[str, ...], tuple]:
     if found:
         return ("dkv",), (tuple(int(x or 0) for x in found.groups()),)
     raise ValueError(f"unknown kernel option {option!r} in {options!r}: give QxK, terms, chained, "
-                     "onepass, hG, wN, sN, one_loop, bandTxG, sumQxK, gathered or dkvQxK[wN]")
+                     "onepass, hG, wN, sN, one_loop, bandTxG, sumQxK, gathered, dkvQxK, atomic")
 
 
 def check_options(sizes) -> None:

@@ -15,6 +15,11 @@ with the backward's two passes in one kernel and nothing left to XLA between the
   term's kernel writes float32 partial gradients; the band term's resumes from them and writes
   the inputs' dtype (the chained variant's order), so a column key's dk and dv need no
   separate sweep and no merge.
+* **Or each backward tile visited once** (option ``atomic``, ``BlockSizes.atomic_dq``): the
+  dk/dv items alone, each visit adding its share of dq atomically to a float32 dq (XLA's
+  zeros, then the earlier term's dq; cast to the inputs' dtype by XLA after the last term).
+  The dq items' second walk over the same tiles is gone, for two XLA kernels and an atomic
+  add a tile; dq's sum then depends on the order the adds land (not bit-reproducible).
 * **No XLA between the kernels.** ``delta = rowsum(dO · O)`` is computed where a tile of dO
   is read (own query tiles in the dq items, listed ones in the dk/dv items), a row with no
   key (log-sum-exp ``tiles.NEG``) is handled where the log-sum-exp is read, q is scaled by
@@ -42,11 +47,27 @@ from sparse_jax.attention.pallas_gpu import Rows
 
 SMS = 132  # an H100's or H200's SMs: the grid of a deviceless compile (no device to ask)
 # Programs an SM holds of each kernel (64 x 64 tiles, 4 warps, one stage: option s1): the
-# forward's 3 (165 registers), the backward's 2 (243-248), as the deviceless compile for sm_90a
-# reports them (docs/benchmarks/compiled_h100/onepass; tests/test_compiled.py checks the grid
-# against them). With two stages the forward holds 2 and the backward spills.
+# forward's 3 (165 registers), the backward's 2 (243-248; 255 with option atomic), as the
+# deviceless compile for sm_90a reports them (docs/benchmarks/compiled_h100/onepass;
+# tests/test_compiled.py checks the grid against them). With two stages the forward holds 2
+# and the backward spills.
 BLOCKS_PER_SM = {"forward": 3, "backward": 2}
 INTERPRET_PROGRAMS = 3  # interpret mode: a few programs, each walking several items
+
+
+def option(option: str) -> tuple[tuple[str, ...], tuple] | None:
+    """``BlockSizes.parse``'s option of these kernels: ``atomic`` (``BlockSizes.atomic_dq``:
+    the backward's dk/dv items add dq atomically, its dq items gone), or None for another."""
+    return (("atomic_dq",), (True,)) if option == "atomic" else None
+
+
+def check_options(sizes) -> None:
+    """ValueError (one line) for ``BlockSizes.atomic_dq`` not a bool, or without the onepass
+    variant (no other variant reads it)."""
+    if sizes.atomic_dq is not False and (sizes.atomic_dq is not True
+                                         or sizes.variant != "onepass"):
+        raise ValueError(f"BlockSizes.atomic_dq={sizes.atomic_dq!r} (option atomic) needs the "
+                         f"onepass variant, not {sizes.variant!r}: give onepass:atomic")
 
 
 def sm_count() -> int:
@@ -97,10 +118,17 @@ def _access(seq_major, interpret):
         x = ref[index(b, h, rows)]
         return x.reshape(x.shape[-3 if seq_major else -2], x.shape[-1]) if interpret else x
 
-    def put(ref, b, h, rows, x):
+    def put(ref, b, h, rows, x, add=False):
         if interpret:
             x = x.reshape((1, x.shape[0], 1, x.shape[1]) if seq_major else (1, 1, *x.shape))
-        ref[index(b, h, rows)] = x
+        if add and not interpret:  # added atomically: the programs run side by side
+            from jax.experimental.pallas import triton as pl_triton
+
+            pl_triton.atomic_add(ref, index(b, h, rows), x)
+        elif add:  # interpret mode runs them one by one (and its atomic ignores a stride)
+            ref[index(b, h, rows)] += x
+        else:
+            ref[index(b, h, rows)] = x
 
     return get, put
 
@@ -191,24 +219,31 @@ def _forward_kernel(table_ref, *refs, term, scale, resume, one_loop, seq_major, 
 
 
 def _backward_kernel(fwd_ref, bwd_ref, *refs, term, scale, resume, one_loop, seq_major,
-                     interpret, batch, heads):
+                     interpret, batch, heads, atomic):
     """The dq items (query tiles over ``fwd_ref``'s rows) first, then the dk/dv items (key
     tiles over ``bwd_ref``'s); ``resume``: refs dq, dk, dv so far come first. With ``scale``
-    the scores are of the scaled q, and dq is scaled back (dq of the unscaled q)."""
+    the scores are of the scaled q, and dq is scaled back (dq of the unscaled q).
+
+    ``atomic`` (``BlockSizes.atomic_dq``): the dk/dv items alone, each adding its tiles'
+    shares of dq atomically to the float32 dq that comes first (the earlier terms' dq, or
+    zeros; aliased to the output), so that each tile is visited once. There the item's k is
+    scaled, not q (``ds k`` is then dq of the unscaled q, and no query tile is scaled on each
+    visit: with it the column term's kernel spills), and dk is scaled once at the end."""
     get, put = _access(seq_major, interpret)
     (qp_ref, qs_ref), key_attrs, refs = _attr_refs(refs, term)
     q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *refs = refs
-    dq_ref, dk_ref, dv_ref = refs[-3:]
+    ins, (dq_ref, dk_ref, dv_ref) = refs[:-3], refs[-3:]
     bq, bk = term.own_q.block, term.own_k.block
-    n_dq = fwd_ref.shape[0] * batch * heads
+    n_dq = 0 if atomic else fwd_ref.shape[0] * batch * heads
 
     def query_side(b, h, t):  # q, do, lse, delta of a query tile, and its position attributes
         rows, a = term.own_q(t), Rows(bq)(t)
         do = get(do_ref, b, h, rows)
         delta = (do.astype(jnp.float32) * get(o_ref, b, h, rows).astype(jnp.float32)).sum(
             -1, keepdims=True)
-        return (_scaled(get(q_ref, b, h, rows), scale), do,
-                _safe_lse(get(lse_ref, b, h, rows)), delta, (qp_ref[a, :], qs_ref[a, :]))
+        q = get(q_ref, b, h, rows)
+        return (q if atomic else _scaled(q, scale), do, _safe_lse(get(lse_ref, b, h, rows)),
+                delta, (qp_ref[a, :], qs_ref[a, :]))
 
     def dq_item(i):
         t, b, h = _split(i, batch, heads)
@@ -225,7 +260,7 @@ def _backward_kernel(fwd_ref, bwd_ref, *refs, term, scale, resume, one_loop, seq
         dq = _over_list(fwd_ref, t, step, jnp.zeros(q.shape, jnp.float32), one_loop)
         dq = dq if scale is None else dq * scale
         if resume:
-            dq = dq + get(refs[0], b, h, rows)
+            dq = dq + get(ins[0], b, h, rows)
         put(dq_ref, b, h, rows, dq.astype(dq_ref.dtype))
 
     def dkv_item(i):
@@ -233,28 +268,46 @@ def _backward_kernel(fwd_ref, bwd_ref, *refs, term, scale, resume, one_loop, seq
         rows = term.own_k(t)
         k_attrs = key_attrs(Rows(bk)(t))
         k, v = get(k_ref, b, h, rows), get(v_ref, b, h, rows)
+        k = _scaled(k, scale) if atomic else k
 
         def step(masked, qb, acc):
             q, do, lse, delta, q_attrs = query_side(b, h, qb)
             s = tiles.scores(term.keep, q, k, q_attrs, k_attrs, masked)
-            p, ds = tiles.grads(s, lse, delta, do, v)
-            return (acc[0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
-                    acc[1] + tiles.dot(p.astype(do.dtype), do, trans_a=True))
+            if not atomic:
+                p, ds = tiles.grads(s, lse, delta, do, v)
+                return (acc[0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
+                        acc[1] + tiles.dot(p.astype(do.dtype), do, trans_a=True))
+            p = jnp.exp(s - lse)  # tiles.grads, with dv taken first: fewer live registers
+            dv = acc[1] + tiles.dot(p.astype(do.dtype), do, trans_a=True)
+            ds = (p * (tiles.dot(do, v, trans_b=True) - delta)).astype(q.dtype)
+            dk = acc[0] + tiles.dot(ds, q, trans_a=True)
+            put(dq_ref, b, h, term.own_q(qb), tiles.dot(ds, k), add=True)
+            return dk, dv
 
-        start = ((get(refs[1], b, h, rows), get(refs[2], b, h, rows)) if resume else
-                 (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
+        zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        start = (get(ins[1], b, h, rows), get(ins[2], b, h, rows)) if resume and not atomic \
+            else zeros
         dk, dv = _over_list(bwd_ref, t, step, start, one_loop)
+        if atomic:
+            dk = dk if scale is None else dk * scale
+            if resume:
+                dk, dv = dk + get(ins[1], b, h, rows), dv + get(ins[2], b, h, rows)
         put(dk_ref, b, h, rows, dk.astype(dk_ref.dtype))
         put(dv_ref, b, h, rows, dv.astype(dv_ref.dtype))
+
+    n_dkv = bwd_ref.shape[0] * batch * heads
+    if atomic:
+        return _items(n_dkv, dkv_item)
 
     def item(i):
         jax.lax.cond(i < n_dq, dq_item, dkv_item, i)
 
-    _items(n_dq + bwd_ref.shape[0] * batch * heads, item)
+    _items(n_dq + n_dkv, item)
 
 
-def _call(compiler, kernel, grid, inputs, out, name, cost):
-    """pallas_call of a persistent kernel: every ref whole (the program finds its tiles)."""
+def _call(compiler, kernel, grid, inputs, out, name, cost, aliases=None):
+    """pallas_call of a persistent kernel: every ref whole (the program finds its tiles);
+    ``aliases``: input index to output index, as ``pallas_call``'s."""
     params = {}
     if not compiler.interpret:
         from jax.experimental.pallas import triton as pl_triton
@@ -267,6 +320,7 @@ def _call(compiler, kernel, grid, inputs, out, name, cost):
 
     return pl.pallas_call(
         kernel, grid=(grid,), interpret=compiler.interpret, name=name, cost_estimate=cost,
+        input_output_aliases=aliases or {},
         in_specs=[whole(x.shape) for x in inputs],
         out_specs=[whole(shape) for shape, _ in out],
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in out], **params,
@@ -303,20 +357,36 @@ def backward(compiler, term: Term, q, k, v, out, do, lse, *, init=(), scale=None
     """dq, dk, dv (``dtype``) of one term's share of the output for the joint log-sum-exp
     ``lse`` ([..., 1]), ``out`` the final output (for delta), adding to ``init`` = (dq, dk, dv)
     of the earlier terms (float32) where given, ``scale`` as ``forward``'s: one kernel, the dq
-    and dk/dv items on one persistent grid."""
+    and dk/dv items on one persistent grid, or with ``compiler.atomic_dq`` the dk/dv items
+    alone, adding dq atomically to a float32 array (zeros, or the earlier terms' dq) that
+    XLA then casts to ``dtype``."""
     batch, heads, like = _dims(q, seq_major)
     lists = term.lists
-    items = (lists.forward.shape[0] + lists.backward.shape[0]) * batch * heads
+    atomic = compiler.atomic_dq
     kernel = functools.partial(_backward_kernel, term=term, scale=scale, resume=bool(init),
                                one_loop=compiler.one_loop, seq_major=seq_major,
-                               interpret=compiler.interpret, batch=batch, heads=heads)
+                               interpret=compiler.interpret, batch=batch, heads=heads,
+                               atomic=atomic)
     sizes = (batch * heads, q.shape[-1], v.shape[-1], q.dtype.itemsize, jnp.dtype(dtype).itemsize)
     dq_cost = tiles.cost("dq", lists.forward, term.own_q.block, term.own_k.block, *sizes)
     dkv_cost = tiles.cost("dkv", lists.backward, term.own_q.block, term.own_k.block, *sizes)
+    if atomic:  # dk/dv's work and ds k a tile, whose float32 sum is read and written there
+        pairs = int(lists.backward[:, :2].sum()) * term.own_q.block * term.own_k.block
+        dq_cost = pl.CostEstimate(flops=2 * pairs * q.shape[-1] * batch * heads,
+                                  transcendentals=0,
+                                  bytes_accessed=8 * pairs // term.own_k.block * q.shape[-1]
+                                  * batch * heads)
     cost = pl.CostEstimate(flops=dq_cost.flops + dkv_cost.flops,
                            transcendentals=dq_cost.transcendentals + dkv_cost.transcendentals,
                            bytes_accessed=dq_cost.bytes_accessed + dkv_cost.bytes_accessed)
-    return _call(compiler, kernel, programs(compiler, "backward", items),
-                 [lists.forward, lists.backward, *term.attrs(), q, k, v, out, do, lse, *init],
-                 [(like(q.shape[-1]), dtype), (like(k.shape[-1]), dtype),
-                  (like(v.shape[-1]), dtype)], f"sparse_backward_onepass_{tag}", cost)
+    inputs = [lists.forward, lists.backward, *term.attrs(), q, k, v, out, do, lse]
+    items = ((0 if atomic else lists.forward.shape[0]) + lists.backward.shape[0]) * batch * heads
+    out_dq = (like(q.shape[-1]), jnp.float32 if atomic else dtype)
+    if atomic:
+        init = (init[0] if init else jnp.zeros(out_dq[0], jnp.float32), *init[1:])
+    dq, dk, dv = _call(compiler, kernel, programs(compiler, "backward", items),
+                       [*inputs, *init], [out_dq, (like(k.shape[-1]), dtype),
+                                          (like(v.shape[-1]), dtype)],
+                       f"sparse_backward_onepass_{tag}", cost,
+                       aliases={len(inputs): 0} if atomic else None)
+    return dq.astype(dtype), dk, dv

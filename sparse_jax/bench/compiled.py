@@ -76,23 +76,25 @@ REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
 # The one-pass variant (attention.pallas_onepass), one stage: the forward's 3 blocks an SM,
 # the backward's 2 without spills (two stages: 2 and spills), as its persistent grid assumes.
 ONEPASS = "strided:128@pallas:onepass:s1"
+ONEPASS_ATOMIC = ONEPASS + ":atomic"  # its backward adding dq atomically, each tile once
 # The fixed pattern's gathered kernels (attention.pallas_gathered) at every length the cost
 # model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles.
 GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles) for n in (
     8192, 16384, 32768, 65536) for tiles in ("", ":dkv128x128w8"))
-# The defaults (attention.measured: chained at 16k), the other variant, terms, onepass and the
-# fixed pattern's gathered kernels.
+# The defaults (attention.measured: chained at 16k), the other variant, terms, onepass (both
+# backwards) and the fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
                "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8",
-               "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}")
+               "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}",
+               f"attention 16k {ONEPASS_ATOMIC}")
 
 
 def programs() -> list[dict]:
     """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
     16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), strided's
-    onepass kernels at 8k-64k (group "onepass", the report's 16k and 64k rows too), the training
-    steps (train_step's cases) and the long-context study's runs. Each: name, group, kind and
-    what to build."""
+    onepass kernels at 8k-64k, also with option atomic (group "onepass", the report's 16k and
+    64k rows too), the training steps (train_step's cases) and the long-context study's runs.
+    Each: name, group, kind and what to build."""
     from sparse_jax.bench.accelerator import attention, train_step
     from sparse_jax.bench.long_study import plan as study_plan
 
@@ -103,14 +105,16 @@ def programs() -> list[dict]:
                             ("attention8k", 8192, attention.BASELINES),
                             ("attention32k", 32768, attention.BASELINES)):
         for pattern in names:
-            if pattern == ONEPASS:  # the onepass group's, at every length
+            if pattern in (ONEPASS, ONEPASS_ATOMIC):  # the onepass group's, at every length
                 continue
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": group,
                         "kind": "attention", "pattern": pattern, "seq_len": n,
                         **ATTENTION_SHAPE})
     for n in (8192, 16384, 32768, 65536):
-        out.append({"name": f"attention {n // 1024}k {ONEPASS}", "group": "onepass",
-                    "kind": "attention", "pattern": ONEPASS, "seq_len": n, **ATTENTION_SHAPE})
+        for pattern in (ONEPASS, ONEPASS_ATOMIC):
+            out.append({"name": f"attention {n // 1024}k {pattern}", "group": "onepass",
+                        "kind": "attention", "pattern": pattern, "seq_len": n,
+                        **ATTENTION_SHAPE})
     for pattern in REFERENCE_16K:
         out.append({"name": f"attention 16k {pattern}", "group": "reference16k",
                     "kind": "attention",

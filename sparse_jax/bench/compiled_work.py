@@ -73,7 +73,8 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
     """``tile_work`` of the one-pass kernels (``pallas_onepass``): per kernel its programs (a
     grid of resident slots), the key tiles each walks over its items (an item: a tile of one
     head; program p takes items p, p + P, ...), the backward's dq and dk/dv items together
-    (``products``: matrix products a tile, their mean); bytes as ``tile_work``'s."""
+    (``products``: matrix products a tile, their mean), or with ``atomic_dq`` its dk/dv items
+    alone (5 products a tile, dq read and written at each); bytes as ``tile_work``'s."""
     import numpy as np
 
     from sparse_jax.attention import fused, pallas_onepass
@@ -91,6 +92,9 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
             "forward": [(fwd, 2, bq * (d * b + (d * o + 4) * (1 + r)), 2 * bk * d * b)],
             "backward": [(fwd, 3, bq * (3 * d * b + 4 + d * o * (1 + r)), 2 * bk * d * b),
                          (bwd, 4, bk * 2 * d * (b + o * (1 + r)), bq * (3 * d * b + 4))]}
+        if comp.atomic_dq:  # dk/dv items alone, each visit adding ds k to dq (float32)
+            passes["backward"] = [(bwd, 5, bk * 2 * d * (b + o * (1 + r)),
+                                   bq * (3 * d * b + 4 + 2 * d * 4))]
         for name, kinds in passes.items():
             items = np.concatenate([np.repeat(v, heads) for v, *_ in kinds])  # batch 1
             grid = pallas_onepass.programs(comp, name, len(items))

@@ -3,14 +3,18 @@ calibrated cost model (``cost_model.predict`` with the fitted parameters,
 docs/benchmarks/cost_model/results.json) on each kernel's compile-report rows (static figures
 for an H100, compiled on a CPU), beside cuDNN's dense causal attention measured on an H200
 (docs/benchmarks/h200_2026-11-28): forward + backward, bf16, B = 1, H = 8, d = 64, at 8k, 16k,
-32k and 64k. Predictions, not measurements. Two tables:
+32k and 64k. Predictions, not measurements. Three tables:
 
   python -m sparse_jax.bench.kernel_predictions strided \
       docs/benchmarks/cost_model/kernels_strided.json
   python -m sparse_jax.bench.kernel_predictions fixed docs/benchmarks/cost_model/kernels_fixed.json
+  python -m sparse_jax.bench.kernel_predictions residency
 
-* ``strided``: the one-pass kernels (``attention.pallas_onepass``; compiled_h100/onepass), each
-  row also with ``per_item``'s bound (a persistent program's fixed cost paid per work item).
+* ``strided``: the one-pass kernels (``attention.pallas_onepass``; compiled_h100/onepass), with
+  and without option atomic, each row also with ``per_item``'s bound (a persistent program's
+  fixed cost paid per work item); the atomic rows with the room left for the atomic adds.
+* ``residency``: the one-pass backward at more blocks an SM (``RESIDENCY``: split in a dq and
+  a dk/dv kernel as compiled, or at residencies no variant reached), from onepass:s1's rows.
 * ``fixed``: the gathered kernels (``attention.pallas_gathered``; compiled_h100/gathered) beside
   today's (compiled_h100 and its lengths folder). The model's per-tile latency is one fitted
   constant for every kernel; what a contiguous, list-free walk with a deeper pipeline does to
@@ -50,6 +54,8 @@ def _read(root, path):
 # Strided: the one-pass kernels.
 
 ONEPASS = "docs/benchmarks/compiled_h100/onepass/results.json"
+STRIDED_TARGET = {16384: 10, 65536: 35}  # issue 69: strided at these multiples of cuDNN
+LATENCY_TOP = 10.0  # the largest latency factor searched
 
 
 def per_item(f: dict) -> dict:
@@ -68,7 +74,9 @@ def strided(params: dict, root: str = cost_model.REPO, static: str = ONEPASS) ->
     """The model's time for every program of a compile report (``static``) beside cuDNN's
     dense causal attention measured at the same length: pattern, n, predicted ms, the shares
     of where they go, predicted ms if each work item paid a program's fixed cost
-    (``per_item``), cuDNN's ms and the predicted ratio."""
+    (``per_item``), cuDNN's ms and the predicted ratio; for option atomic also the largest
+    factor on its backward kernels' per-tile latency (the atomic adds' cost, which the compile
+    output cannot say) at which it still meets onepass:s1's time and the issue's ratio."""
     cudnn = {r["seq_len"]: r["median_ms"] for r in _read(root, CUDNN)["stages"]["attention"][
         "rows"] if r["pattern"] == "dense@cudnn" and "median_ms" in r}
     out = []
@@ -85,29 +93,103 @@ def strided(params: dict, root: str = cost_model.REPO, static: str = ONEPASS) ->
                     "per_item_ratio": cudnn[n] / bound if n in cudnn else None,
                     "params": FIT, "measured": CUDNN, "static": static,
                     "prediction": True})
+    plain = {(r["pattern"], r["n"]): r["predicted_ms"] for r in out}
+    for r, f in ((r, cost_model.features(cost_model.static_rows(root, (static,))[(
+            r["pattern"], r["n"])], r["pattern"])) for r in out
+            if r["pattern"].endswith(":atomic")):
+        same = plain.get((r["pattern"][:-len(":atomic")], r["n"]))
+        target = STRIDED_TARGET.get(r["n"])
+        r["backward_latency_for"] = {
+            "onepass_s1": None if same is None else _latency_for(
+                params, f, same, "backward", LATENCY_TOP),
+            "target": None if target is None else _latency_for(
+                params, f, cudnn[r["n"]] / target, "backward", LATENCY_TOP)}
+    return out
+
+
+def _backward_at(f: dict, blocks: int) -> dict:
+    """The one-pass kernels' features ``f`` with each backward kernel at ``blocks`` an SM (its
+    persistent grid resized, its items' tiles shared among the slots)."""
+    out = {**f, "kernels": []}
+    for k in f["kernels"]:
+        if "backward" in k["name"]:
+            programs = min(k["items"], cost_model.SMS * blocks)
+            k = {**k, "programs": programs, "tiles": k["tiles"] * k["programs"] / programs,
+                 "blocks_per_sm": blocks}
+        out["kernels"].append(k)
+    return out
+
+
+def _split_backward(f: dict, dq_blocks: int, dkv_blocks: int) -> dict:
+    """The one-pass kernels' features ``f`` with each backward kernel split in two persistent
+    kernels, a dq kernel (3 products a tile) and a dk/dv kernel (4), each with half the items
+    and half the tiles (both passes visit the same tile pairs) on its own grid."""
+    out = {**f, "kernels": []}
+    for k in f["kernels"]:
+        if "backward" not in k["name"]:
+            out["kernels"].append(k)
+            continue
+        tiles, items = k["tiles"] * k["programs"] / 2, k["items"] // 2
+        for name, blocks, products in (("dq", dq_blocks, 3), ("dkv", dkv_blocks, 4)):
+            programs = min(items, cost_model.SMS * blocks)
+            out["kernels"].append({
+                **k, "name": k["name"].replace("backward", name), "programs": programs,
+                "items": items, "tiles": tiles / programs, "blocks_per_sm": blocks,
+                "flops": 2.0 * k["pairs"] * cost_model.HEAD_DIM * products})
+    return out
+
+
+# Residency for the one-pass backward, as changes to the compiled onepass:s1 rows: the split
+# as the deviceless compile for sm_90a gave it (64 x 64 tiles, 4 warps, one stage: the dq
+# kernel 180-183 registers, the dk/dv kernel 240-241, 2 blocks an SM each; not kept), and
+# residencies no variant reached (3 blocks: <= 168 registers).
+RESIDENCY = (("split: dq and dk/dv kernels at 2 and 2 blocks (as compiled)",
+              lambda f: _split_backward(f, 2, 2)),
+             ("split at 3 and 3 blocks", lambda f: _split_backward(f, 3, 3)),
+             ("one backward kernel at 3 blocks", lambda f: _backward_at(f, 3)))
+
+
+def residency(params: dict, root: str = cost_model.REPO, static: str = ONEPASS) -> list[dict]:
+    """The model's time for each of ``RESIDENCY`` on the onepass:s1 rows of ``static``, beside
+    the row's own prediction and cuDNN's measured time: pattern, n, design, ms, ratios."""
+    cudnn = {r["seq_len"]: r["median_ms"] for r in _read(root, CUDNN)["stages"]["attention"][
+        "rows"] if r["pattern"] == "dense@cudnn" and "median_ms" in r}
+    out = []
+    for (pattern, n), row in sorted(cost_model.static_rows(root, (static,)).items(),
+                                    key=lambda item: item[0][1]):
+        if not pattern.endswith("onepass:s1"):
+            continue
+        f = cost_model.features(row, pattern)
+        base = cost_model.predict(params, f, DEVICE)
+        for design, change in RESIDENCY:
+            ms = cost_model.predict(params, change(f), DEVICE)
+            out.append({"pattern": pattern, "n": n, "design": design, "ms": ms,
+                        "base_ms": base, "ratio": cudnn[n] / ms, "base_ratio": cudnn[n] / base,
+                        "prediction": True})
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Fixed: the gathered kernels.
 
-def _at_latency(params, f, factor):
-    """Predicted ms with the gathered kernels' per-tile latency ``factor`` × the fitted one."""
-    changed = cost_model._changed(f, lambda name: "gathered" in name, latency=factor)
+def _at_latency(params, f, factor, match="gathered"):
+    """Predicted ms with the per-tile latency of the kernels named with ``match`` (the
+    gathered ones) ``factor`` × the fitted one."""
+    changed = cost_model._changed(f, lambda name: match in name, latency=factor)
     return cost_model.predict(params, changed, DEVICE)
 
 
-def _latency_for(params, f, target_ms):
-    """The largest latency factor (of the fitted one) at which the prediction meets
-    ``target_ms`` (bisection; 0 if even no latency misses it, 1 if the fitted one meets it)."""
-    if _at_latency(params, f, 1.0) <= target_ms:
-        return 1.0
-    if _at_latency(params, f, 0.0) > target_ms:
+def _latency_for(params, f, target_ms, match="gathered", top=1.0):
+    """The largest latency factor (of the fitted one; at most ``top``) of ``match``'s kernels
+    at which the prediction meets ``target_ms`` (bisection; 0 if even no latency misses it)."""
+    if _at_latency(params, f, top, match) <= target_ms:
+        return top
+    if _at_latency(params, f, 0.0, match) > target_ms:
         return 0.0
-    lo, hi = 0.0, 1.0
+    lo, hi = 0.0, top
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _at_latency(params, f, mid) <= target_ms else (lo, mid)
+        lo, hi = (mid, hi) if _at_latency(params, f, mid, match) <= target_ms else (lo, mid)
     return lo
 
 
@@ -226,21 +308,30 @@ def tiles_markdown(result: dict) -> str:
 
 
 TABLES = {"strided": lambda root: {"rows": strided(_read(root, FIT)[
-    "params"], root)}, "fixed": fixed, "tiles": tiles}
+    "params"], root)}, "fixed": fixed, "tiles": tiles,
+    "residency": lambda root: {"rows": residency(_read(root, FIT)["params"], root)}}
 
 if __name__ == "__main__":  # python -m sparse_jax.bench.kernel_predictions KIND [JSON]
     if len(sys.argv) < 2 or sys.argv[1] not in TABLES:
-        sys.exit("usage: python -m sparse_jax.bench.kernel_predictions strided|fixed|tiles "
+        sys.exit("usage: python -m sparse_jax.bench.kernel_predictions strided|fixed|tiles|"
+                 "residency "
                  "[OUTPUT_JSON]")
     result = TABLES[sys.argv[1]](cost_model.REPO)
     if sys.argv[1] == "fixed":
         print(fixed_markdown(result))
     elif sys.argv[1] == "tiles":
         print(tiles_markdown(result))
+    elif sys.argv[1] == "residency":
+        for r in result["rows"]:
+            print(f"{r['n']} {r['design']}: {r['ms']:.3f} ms, {r['ratio']:.1f}x cuDNN "
+                  f"(onepass:s1 {r['base_ms']:.3f} ms, {r['base_ratio']:.1f}x)")
     else:
         for r in result["rows"]:
+            latency = r.get("backward_latency_for") or {}
             print(f"{r['pattern']} {r['n']}: {r['predicted_ms']:.3f} ms, "
-                  f"{r['ratio']:.1f}x cuDNN (per item: {r['per_item_ratio']:.1f}x)")
+                  f"{r['ratio']:.1f}x cuDNN (per item: {r['per_item_ratio']:.1f}x)"
+                  + "".join(f"; backward latency for {k}: up to {v:.2f}x"
+                            for k, v in latency.items() if v is not None))
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump({"command": f"python -m sparse_jax.bench.kernel_predictions {sys.argv[1]} "
