@@ -335,3 +335,28 @@ def test_tile_term_compiles_for_an_h100_without_spills(tmp_path):
     assert all(k["spill_bytes"] == 0 and k["registers"] > 0 for k in row["kernels"])
     assert "16k my_patterns:random_tiles(density=0.1112;block=128)" in (
         tmp_path / "results.md").read_text()  # ranked as its own family
+
+
+@pytest.mark.slow  # compiles in a child process
+def test_a_rule_compiles_for_a_tpu_named_from_a_relative_path(tmp_path):
+    """A rule with integer division (Mosaic lowers it per chip) compiles for a TPU v5e with no
+    TPU, its module found through a relative PYTHONPATH although the child runs elsewhere."""
+    import json
+    import subprocess
+
+    from sparse_jax.bench import compiled_tpu
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tools = os.environ.get(compiled_tpu.TOOLS_ENV) or str(root / compiled_tpu.DEFAULT_TOOLS)
+    compiled_tpu.install_tools(tools, compiled_tpu.REQUIREMENTS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["examples", str(root)])}
+    pattern = "my_patterns:longformer(window=256;globals=64;block=128)@pallas"
+    proc = subprocess.run([sys.executable, "scripts/compile_report.py", "--target=v5e",
+                           f"--tools={tools}", f"--patterns={pattern}", "--seq_lens=4096",
+                           "--check", f"--output_dir={tmp_path}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [row] = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert "error" not in row and row["fits"]
+    assert {"sparse_forward_tiles", "sparse_dq_tiles", "sparse_dkv_tiles"} <= {
+        k["name"] for k in row["kernels"]}

@@ -251,10 +251,11 @@ def _child(program: dict, target: str) -> None:
 def child_env(tools: str) -> dict:
     """A compiling child's environment, for any target: the tools folder first on the path, no
     platform forced (the accelerator's plugin must load; it finds no device), no compilation
-    cache (a cached program would not be compiled, so the compiler would report nothing)."""
+    cache (a cached program would not be compiled, so the compiler would report nothing). The
+    caller's PYTHONPATH (a pattern's own module) is made absolute: a child may run elsewhere."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tools), _repo(),
-                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    given = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tools), _repo(), *given])
     env.pop("JAX_PLATFORMS", None)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env

@@ -274,6 +274,11 @@ def _forward_of(program: dict):
 # The child: one deviceless compile.
 
 
+def _own_pattern(pattern: str) -> bool:
+    """Whether ``pattern`` names a pattern of one's own (``module:name``), not a built-in."""
+    return pattern.split(":")[0].partition("@")[0] not in ("dense", "local", "strided", "fixed")
+
+
 def _child(program: dict, target: str) -> None:
     """Compiles ``program`` for ``target`` with no device and prints one ``RESULT {json}``
     line. ``program["unchecked_tiles"]``: skip the project's own tile rule
@@ -301,8 +306,10 @@ def _child(program: dict, target: str) -> None:
     with tiles.compiling_for("tpu"):
         fn, args = build(program, mesh)
         start = time.perf_counter()
-        # splash's kernels may ask which chip they are for (a mask it computes): the mesh's
-        chip = jax.set_mesh(mesh) if program["kind"] == "splash" else contextlib.nullcontext()
+        # splash's kernels may ask which chip they are for (a mask it computes), and so may a
+        # pattern of one's own (Mosaic lowers its rule's integer division per chip): the mesh's
+        asks = program["kind"] == "splash" or _own_pattern(program.get("pattern", ""))
+        chip = jax.set_mesh(mesh) if asks else contextlib.nullcontext()
         with chip:
             lowered = jax.jit(fn).lower(*args)
         executable = lowered.compile()
