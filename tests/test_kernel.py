@@ -533,7 +533,7 @@ def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
     """Every tile the gathered kernels load or store lies inside its array, from the host's copy
     of their index arithmetic: interpret mode clamps a slice that overruns (the tests above
     would not see it), a GPU reads out of bounds."""
-    from sparse_jax.attention import pallas_gathered as G
+    from sparse_jax.attention import gathered_plan as G
 
     for n in (spec.stride * 3, 4096 + spec.stride):
         p = G.plan(spec, n, compiler_for(sizes, "triton", interpret=True))
@@ -546,12 +546,12 @@ def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
         assert len(tables["sparse_dkv_gathered"]) * dkv.bk + 2 * p.front == p.gathered
         assert len(tables["sparse_dkv_gathered"]) * dkv.bk >= entries
         i = np.arange(p.length // p.bq)  # forward and dq: gathered then band key tiles
-        assert (G._summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
-        assert (G._band_q(i, p)[1] * p.band_k <= p.length).all()
+        assert (G.summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
+        assert (G.band_q(i, p)[1] * p.band_k <= p.length).all()
         k = np.arange(len(tables["sparse_dkv_gathered"]))  # dk/dv: the query tiles walked
-        _, whole, end = G._summary_k(k, dkv)
+        _, whole, end = G.summary_k(k, dkv)
         assert end == p.length // dkv.bq and np.all(whole <= end)
-        assert (G._band_k(j, p)[1] * p.band_q <= p.length).all()
+        assert (G.band_k(j, p)[1] * p.band_q <= p.length).all()
 
 
 def test_chained_log_sum_exp_matches_dense():
