@@ -98,7 +98,7 @@ class BlockSizes:
     summary_k: int = 0
     gathered: bool = False  # the fixed pattern's gathered kernels (gathered_plan.option)
     dkv: tuple[int, int, int] = (0, 0, 0)  # gathered: its dk/dv program's tiles and warps
-    atomic_dq: bool = False  # onepass: dq added atomically (option atomic; pallas_onepass)
+    atomic_dq: bool = False  # onepass, gathered: dq added atomically (option atomic)
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:

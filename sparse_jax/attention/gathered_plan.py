@@ -41,6 +41,7 @@ class Plan:
     dkv_q: int = 0  # the gathered keys' dk/dv program: the query tiles it walks,
     dkv_k: int = 0  # its own gathered keys
     dkv_warps: int = 0  # and its warps (0: the compiler's)
+    atomic: bool = False  # no dq program: the dk/dv programs add dq atomically (option atomic)
 
     @property
     def per_row(self) -> int:
@@ -117,7 +118,7 @@ def plan(spec, n: int, compiler) -> Plan | None:
     front = -(-(3 * summary.block + compiler.block_k) // step) * step
     return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
                 compiler.block_q, compiler.block_k, -(-n // step) * step, front, dkv_q, dkv_k,
-                compiler.dkv[2])
+                compiler.dkv[2], compiler.atomic_dq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +165,8 @@ def band_k(j, p: Plan):
 
 def tables(p: Plan) -> dict[str, np.ndarray]:
     """Per kernel (``sparse_{forward,dq,dkv}_gathered``, ``sparse_dkv_gathered_band``) and
-    program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq)."""
+    program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq;
+    with ``atomic``, dq's are listed and walked by the dk/dv kernels)."""
     dkv = p.for_dkv()
     i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // dkv.bk)
     whole, end = summary_q(i, p)

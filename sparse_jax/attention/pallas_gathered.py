@@ -12,7 +12,10 @@ pattern run here, on arrays in sequence order ([B, H, n, d], or [B, n, H, d] ``s
 * dk/dv, two programs: one per gathered key tile walks the contiguous query tiles of the rows
   after its own (float32, gathered order); one per key tile in sequence order walks its row's
   queries from the diagonal and adds the summary gradient of its summary keys, read back from
-  the gathered array with a shifted load per run of residues, before writing once.
+  the gathered array with a shifted load per run of residues, before writing once;
+* or, with option ``atomic`` (``BlockSizes.atomic_dq``), no dq program: both dk/dv programs add
+  each visit's share of dq atomically to a float32 dq (XLA's zeros before, its cast after, and
+  delta XLA's), so each backward tile is visited once.
 
 The loop bounds are arithmetic on the program's index, the loads contiguous tiles that Triton
 pipelines (``num_stages``), and the programs that walk most tiles start first. Tiles: ``sumQxK``
@@ -52,9 +55,9 @@ from sparse_jax.attention.gathered_plan import (
 
 
 def _access(seq_major, interpret):
-    """``get(ref, g, rows, cols)`` and ``put(ref, g, rows, x)`` for head ``g`` of a [heads,
-    length, d] ref ([length, heads, d] if ``seq_major``), as ``pallas_gpu._heads``; ``cols``
-    a slice of the last axis."""
+    """``get(ref, g, rows, cols)`` and ``put(ref, g, rows, x, add=False)`` for head ``g`` of a
+    [heads, length, d] ref ([length, heads, d] if ``seq_major``), as ``pallas_gpu._heads``;
+    ``cols`` a slice of the last axis; ``add``: x added atomically (as ``pallas_onepass``'s)."""
     def index(g, rows, cols):
         head = pl.ds(g, 1) if interpret else g
         return (rows, head, cols) if seq_major else (head, rows, cols)
@@ -64,10 +67,18 @@ def _access(seq_major, interpret):
         return x.reshape(x.shape[:1] + x.shape[2:] if seq_major else x.shape[1:]) \
             if interpret else x
 
-    def put(ref, g, rows, x):
+    def put(ref, g, rows, x, add=False):
         if interpret:
             x = x.reshape((x.shape[0], 1, *x.shape[1:]) if seq_major else (1, *x.shape))
-        ref[index(g, rows, slice(None))] = x
+        at = index(g, rows, slice(None))
+        if add and not interpret:  # the programs run side by side
+            from jax.experimental.pallas import triton as pl_triton
+
+            pl_triton.atomic_add(ref, at, x)
+        elif add:  # interpret mode runs them one by one (and its atomic ignores a stride)
+            ref[at] += x
+        else:
+            ref[at] = x
 
     return get, put
 
@@ -172,8 +183,13 @@ def _queries(q_ref, k_ref, v_ref, kv_ref, *refs, p, seq_major, interpret):
             put(refs[1], g, rows, lse)
 
 
-def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
-    """``step(masked, i, carry)`` of a key tile's walk over query tiles of ``bq``."""
+def _key_grads(get, put, heads, ks, vs, refs, bq, mask, dq_ref=None):
+    """``step(masked, i, carry)`` of a key tile's walk over query tiles of ``bq`` (``refs``: q,
+    dO, lse, delta); with ``dq_ref`` (option atomic) each visit adds its share of dq there,
+    atomically, dv's product taken before dp's (the probabilities die sooner: fewer live
+    registers)."""
+    q_ref, do_ref, lse_ref, delta_ref = refs
+
     def step(masked, i, carry):
         rows = _tile(i, bq)
         keep = mask(i * bq, bq) if masked else None
@@ -182,17 +198,26 @@ def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
             q, do = get(q_ref, g, rows), get(do_ref, g, rows)
             s = tiles.dot(q, ks[g], trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            prob, ds = tiles.grads(s, _lse(get(lse_ref, g, rows)), get(delta_ref, g, rows), do,
-                                   vs[g])
-            out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
-                        carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
+            lse, delta = _lse(get(lse_ref, g, rows)), get(delta_ref, g, rows)
+            if dq_ref is None:
+                prob, ds = tiles.grads(s, lse, delta, do, vs[g])
+                out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
+                            carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
+                continue
+            prob = jnp.exp(s - lse)
+            dv = carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)
+            ds = (prob * (tiles.dot(do, vs[g], trans_b=True) - delta)).astype(q.dtype)
+            out.append((carry[g][0] + tiles.dot(ds, q, trans_a=True), dv))
+            put(dq_ref, g, rows, tiles.dot(ds, ks[g]), add=True)
         return tuple(out)
     return step
 
 
-def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_major,
-         interpret):
-    """The gathered keys' dk, dv (float32, gathered order, ``front`` rows ahead)."""
+def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, p, seq_major, interpret):
+    """The gathered keys' dk, dv (float32, gathered order, ``front`` rows ahead); refs: (dq,)
+    dk, dv (, dq): with dq (option atomic) it adds the summary term's dq there, in one loop
+    over its query tiles, each masked (the program runs one stage: ``backward``)."""
+    dk_ref, dv_ref, *dq_ref = refs[-3:] if len(refs) == 4 else refs
     get, put = _access(seq_major, interpret)
     j = pl.program_id(1)  # the first gathered keys are attended by the most query tiles
     own = pl.ds(pl.multiple_of(p.front + j * p.bk, p.bk), p.bk)
@@ -200,13 +225,16 @@ def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_ma
     d, dv = q_ref.shape[-1], do_ref.shape[-1]
     ks = [get(kv_ref, g, own, pl.ds(0, d)) for g in heads]
     vs = [get(kv_ref, g, own, pl.ds(d, dv)) for g in heads]
-    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.bq,
-                      lambda q0, bq: _summary_mask(q0, bq, j * p.bk, p.bk, p))
+    step = _key_grads(get, put, heads, ks, vs, (q_ref, do_ref, lse_ref, delta_ref), p.bq,
+                      lambda q0, bq: _summary_mask(q0, bq, j * p.bk, p.bk, p), *dq_ref)
     start, whole, end = summary_k(j, p)
     carry = tuple((jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
                   for g in heads)
-    carry = jax.lax.fori_loop(start, whole, functools.partial(step, True), carry)
-    carry = jax.lax.fori_loop(whole, end, functools.partial(step, False), carry)
+    if dq_ref:  # one loop, every tile masked: with two loops the program spills (sm_90a)
+        carry = jax.lax.fori_loop(start, end, functools.partial(step, True), carry)
+    else:
+        carry = jax.lax.fori_loop(start, whole, functools.partial(step, True), carry)
+        carry = jax.lax.fori_loop(whole, end, functools.partial(step, False), carry)
     for g, (dk, dv_) in enumerate(carry):
         put(dk_ref, g, own, dk.astype(dk_ref.dtype))
         put(dv_ref, g, own, dv_.astype(dv_ref.dtype))
@@ -225,17 +253,19 @@ def _read_back(get, ref, g, j, p: Plan, width):
     return out
 
 
-def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, dk_ref, dv_ref,
-              *, p, seq_major, interpret):
+def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, *refs, p,
+              seq_major, interpret):
     """dk, dv of key tile ``j`` in sequence order: its row's band queries, plus its summary
-    keys' gathered dk, dv (``_dkv``'s), written once in the output dtype."""
+    keys' gathered dk, dv (``_dkv``'s), written once in the output dtype; refs as ``_dkv``'s
+    (with dq: the band term's dq added there)."""
+    dk_ref, dv_ref, *dq_ref = refs[-3:] if len(refs) == 4 else refs
     get, put = _access(seq_major, interpret)
     j = pl.program_id(1)
     own = _tile(j, p.band_k)
     heads = range(k_ref.shape[1 if seq_major else 0])
     ks, vs = ([get(ref, g, own) for g in heads] for ref in (k_ref, v_ref))
-    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.band_q,
-                      lambda q0, bq: _band_mask(q0, bq, j * p.band_k, p.band_k, p))
+    step = _key_grads(get, put, heads, ks, vs, (q_ref, do_ref, lse_ref, delta_ref), p.band_q,
+                      lambda q0, bq: _band_mask(q0, bq, j * p.band_k, p.band_k, p), *dq_ref)
     start = tuple((_read_back(get, gk_ref, g, j, p, ks[g].shape[-1]),
                    _read_back(get, gv_ref, g, j, p, vs[g].shape[-1])) for g in heads)
     carry = jax.lax.fori_loop(*band_k(j, p), functools.partial(step, True), start)
@@ -248,10 +278,10 @@ def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, d
 # The calls.
 
 
-def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
+def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost, aliases=None):
     """pallas_call over (head group, tile, batch), heads fastest (a tile's heads run together,
     the longest tiles first); every array whole along its length, the program's heads;
-    ``out``: (shape, dtype) pairs."""
+    ``out``: (shape, dtype) pairs; ``aliases``: input index to output index."""
     heads = compiler.heads_per_program
     shape = out[0][0]
     grid = (shape[2 if seq_major else 1] // heads, programs, shape[0])
@@ -269,6 +299,7 @@ def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
             num_warps=compiler.num_warps, num_stages=compiler.num_stages)
     return pl.pallas_call(
         kernel, grid=grid, interpret=compiler.interpret, name=name, cost_estimate=cost,
+        input_output_aliases=aliases or {},
         in_specs=[spec(x.shape) for x in inputs], out_specs=[spec(s) for s, _ in out],
         out_shape=[jax.ShapeDtypeStruct(s, dtype) for s, dtype in out], **params,
     )(*inputs)
@@ -310,31 +341,54 @@ def forward(compiler, p: Plan, q, k, v, seq_major=False):
                  name, seq_major, cost)
 
 
+def _with_dq(cost, table, bq, bk, heads, d):
+    """A dk/dv pass's ``cost`` plus its atomic dq: ``ds k`` a visited tile, and the float32 dq
+    rows read and written there."""
+    visits = int(table[:, 0].sum() + table[:, 1].sum())
+    return pl.CostEstimate(flops=cost.flops + 2 * visits * bq * bk * d * heads,
+                           transcendentals=cost.transcendentals,
+                           bytes_accessed=cost.bytes_accessed + 8 * visits * bq * d * heads)
+
+
 def backward(compiler, p: Plan, q, k, v, o, do, lse, seq_major=False):
     """(dq, dk, dv) in q's dtype for the output ``o``'s gradient ``do`` (v's dtype) and the
-    forward's log-sum-exp ([B, H, length, 1], float32); arrays as ``forward``'s."""
+    forward's log-sum-exp ([B, H, length, 1], float32); arrays as ``forward``'s. With
+    ``p.atomic`` (option atomic) no dq program: delta is XLA's, and both dk/dv programs add dq
+    atomically to float32 zeros (XLA's), which XLA casts to q's dtype; dq's sum then depends on
+    the order the adds land (not bit-reproducible)."""
     like, statics, sizes, table = _setup(p, q, v, seq_major)
     statics["interpret"] = compiler.interpret
     kv = gather(p, k, v, seq_major)
-    dq, delta = _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
-                      [q, k, v, kv, do, o, lse], [(like(p.length, q.shape[-1]), q.dtype),
-                                                  (like(p.length, 1), jnp.float32)],
-                      "sparse_dq_gathered", seq_major,
-                      tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
-                                 q.dtype.itemsize))
+    if p.atomic:
+        delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1, keepdims=True)
+        init = [jnp.zeros(like(p.length, q.shape[-1]), jnp.float32)]
+    else:
+        init = []
+        dq, delta = _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
+                          [q, k, v, kv, do, o, lse], [(like(p.length, q.shape[-1]), q.dtype),
+                                                      (like(p.length, 1), jnp.float32)],
+                          "sparse_dq_gathered", seq_major,
+                          tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
+                                     q.dtype.itemsize))
+    out_dq = [(x.shape, jnp.float32) for x in init]
     dkv = p.for_dkv()
-    gk, gv = _call(dataclasses.replace(compiler, num_warps=p.dkv_warps or compiler.num_warps),
-                   functools.partial(_dkv, **{**statics, "p": dkv}),
-                   (p.gathered - 2 * p.front) // dkv.bk, [kv, q, do, lse, delta],
-                   [(like(p.gathered, k.shape[-1]), jnp.float32),
-                    (like(p.gathered, v.shape[-1]), jnp.float32)], "sparse_dkv_gathered",
-                   seq_major, tiles.cost("dkv", table["sparse_dkv_gathered"], dkv.bq, dkv.bk,
-                                         *sizes))
-    dk, dv = _call(compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
-                   [k, v, q, do, lse, delta, gk, gv],
-                   [(like(p.length, k.shape[-1]), k.dtype), (like(p.length, v.shape[-1]),
-                                                             v.dtype)],
-                   "sparse_dkv_gathered_band", seq_major,
-                   tiles.cost("dkv", table["sparse_dkv_gathered_band"], p.band_q, p.band_k,
-                              *sizes, k.dtype.itemsize))
-    return dq, dk, dv
+    cost = tiles.cost("dkv", table["sparse_dkv_gathered"], dkv.bq, dkv.bk, *sizes)
+    gk, gv, *dq_ = _call(  # atomic: one stage (with two, 128 x 128 tiles at 8 warps spill)
+        dataclasses.replace(compiler, num_warps=p.dkv_warps or compiler.num_warps,
+                            num_stages=1 if p.atomic else compiler.num_stages),
+        functools.partial(_dkv, **{**statics, "p": dkv}), (p.gathered - 2 * p.front) // dkv.bk,
+        [kv, q, do, lse, delta, *init],
+        [(like(p.gathered, k.shape[-1]), jnp.float32),
+         (like(p.gathered, v.shape[-1]), jnp.float32), *out_dq], "sparse_dkv_gathered",
+        seq_major, _with_dq(cost, table["sparse_dkv_gathered"], dkv.bq, dkv.bk, sizes[0],
+                            sizes[1]) if p.atomic else cost, {5: 2} if p.atomic else None)
+    cost = tiles.cost("dkv", table["sparse_dkv_gathered_band"], p.band_q, p.band_k, *sizes,
+                      k.dtype.itemsize)
+    dk, dv, *dq_ = _call(
+        compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
+        [k, v, q, do, lse, delta, gk, gv, *dq_],
+        [(like(p.length, k.shape[-1]), k.dtype), (like(p.length, v.shape[-1]), v.dtype),
+         *out_dq], "sparse_dkv_gathered_band", seq_major,
+        _with_dq(cost, table["sparse_dkv_gathered_band"], p.band_q, p.band_k, sizes[0],
+                 sizes[1]) if p.atomic else cost, {8: 2} if p.atomic else None)
+    return (dq_[0].astype(q.dtype) if p.atomic else dq), dk, dv

@@ -112,8 +112,9 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
 def gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> dict:
     """``tile_work`` of the gathered kernels (``attention.pallas_gathered``): tiles from
     ``gathered_plan.tables``; bytes as there, the gathered k and v side by side (2d columns)
-    read per visit,
-    the gathered dk and dv written in float32 and read back by the band's dk/dv."""
+    read per visit, the gathered dk and dv written in float32 and read back by the band's
+    dk/dv. With ``plan.atomic`` no dq kernel, and each dk/dv visit adds ``ds k`` to dq (5
+    products a tile; its float32 rows read and written there)."""
     from sparse_jax.attention import gathered_plan
 
     dkv = plan.for_dkv()
@@ -132,10 +133,14 @@ def gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> di
     out = {}
     for name, table in gathered_plan.tables(plan).items():
         own_in, own_out, per_visit, bq, bk = shape[name]
+        atomic = plan.atomic and "dkv" in name
+        if plan.atomic and "dq" in name:
+            continue
         visits = table[:, 0] + table[:, 1]
+        per_visit += 2 * bq * d * 4 if atomic else 0
         out[name] = {"tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
                      "programs": int(len(visits) * groups),
                      "hbm_bytes": int((len(visits) * (own_in + own_out)
                                        + int(visits.sum()) * per_visit) * heads),
-                     "block_q": bq, "block_k": bk}
+                     "block_q": bq, "block_k": bk, **({"products": 5} if atomic else {})}
     return out
