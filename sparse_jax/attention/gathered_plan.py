@@ -166,7 +166,8 @@ def band_k(j, p: Plan):
 def tables(p: Plan) -> dict[str, np.ndarray]:
     """Per kernel (``sparse_{forward,dq,dkv}_gathered``, ``sparse_dkv_gathered_band``) and
     program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq;
-    with ``atomic``, dq's are listed and walked by the dk/dv kernels)."""
+    with ``atomic``, dq's are listed and walked by the dk/dv kernels, the gathered keys' every
+    tile masked)."""
     dkv = p.for_dkv()
     i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // dkv.bk)
     whole, end = summary_q(i, p)
@@ -175,7 +176,8 @@ def tables(p: Plan) -> dict[str, np.ndarray]:
     k_start, k_end = band_k(np.arange(p.length // p.band_k), p)
     both = np.stack([end - whole + band_end - band_start, whole], 1)
     return {"sparse_forward_gathered": both, "sparse_dq_gathered": both,
-            "sparse_dkv_gathered": np.stack([middle - start, last - middle], 1),
+            "sparse_dkv_gathered": np.stack([last - start, 0 * start], 1) if p.atomic else
+            np.stack([middle - start, last - middle], 1),
             "sparse_dkv_gathered_band": np.stack([k_end - k_start, 0 * k_end], 1)}
 
 
