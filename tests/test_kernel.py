@@ -714,8 +714,8 @@ def test_model_attention_kernel_variant_matches_dense():
     per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
     default kernel's test above, the same shard_map), so do the one-pass kernels (also with dq
     added atomically), and so does the gathered fixed pattern (also with
-    dq added atomically) with a distinct summary for each head group; a bad option is refused in one line when the
-    config is built."""
+    dq added atomically) with a distinct summary for each head group; a bad option is refused
+    in one line when the config is built."""
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
