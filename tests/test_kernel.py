@@ -161,18 +161,21 @@ VARIANT_TRITON_CASES = [  # spec, seq_len, head dim, dtype, tiles
      K.BlockSizes(variant="chained", heads_per_program=2, one_loop=True)),
     (PatternSpec("fixed", stride=128, c=32, summary="lra"), 1024, 64, "bfloat16",
      K.BlockSizes.parse("chained:gathered:dkv128x128w8")),
+    (PatternSpec("fixed", stride=128, c=32), 1024, 64, "bfloat16",
+     K.BlockSizes.parse("chained:gathered:dkv128x128w8:atomic")),
 ]
 
 
 @pytest.mark.parametrize("spec,seq_len,d,dtype,sizes", VARIANT_TRITON_CASES, ids=[
     f"{c[0]}-{c[3]}-{c[4].variant}-h{c[4].heads_per_program}"
     + ("-one_loop" if c[4].one_loop else "") + ("-gathered" if c[4].gathered else "")
-    for c in VARIANT_TRITON_CASES])
+    + ("-atomic" if c[4].atomic_dq else "") for c in VARIANT_TRITON_CASES])
 def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, sizes):
     """Without a GPU: the variants lower through Triton (strided loads and stores, the head
     group as a slice), three custom calls per term (gathered: four for both terms) and, for the
     chained variant on ``sparse_attention``'s [B, n, H, d] arrays, neither a transpose nor a
-    log-sum-exp merge (an exponential) left to XLA; gathered leaves it no scatter either."""
+    log-sum-exp merge (an exponential) left to XLA; gathered leaves it no scatter either, and
+    with option atomic it has no dq kernel: its two dk/dv kernels add dq atomically."""
     seq_major = sizes.variant == "chained"
     x = jax.ShapeDtypeStruct((1, seq_len, 4, d) if seq_major else (1, 4, seq_len, d),
                              jnp.dtype(dtype))
@@ -183,8 +186,9 @@ def test_kernel_variants_lower_to_triton_for_a_gpu(spec, seq_len, d, dtype, size
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=("cuda",)).as_text()
-    calls = 4 if sizes.gathered else 3 * len(spec.terms())
+    calls = (3 if sizes.atomic_dq else 4) if sizes.gathered else 3 * len(spec.terms())
     assert text.count("custom_call @__gpu$xla.gpu.triton(") == calls
+    assert text.count("\\00atomic_rmw\\00") == (2 if sizes.atomic_dq else 0)
     if sizes.gathered:
         assert "stablehlo.scatter" not in text
     if sizes.variant == "chained":
@@ -467,6 +471,15 @@ VARIANT_CASES = [  # spec, seq_len, head dim, dtype, kernel tiles and variant (b
                   dkv=(16, 32, 0))),
     (PatternSpec("fixed", stride=12, c=3, part="summary", summary="lra"), 75, 32, "float32",
      K.BlockSizes(16, 16, variant="chained", gathered=True)),
+    # and with dq added atomically by both dk/dv programs (option atomic), the same cases
+    (PatternSpec("fixed", stride=16, c=4), 90, 32, "float32",
+     K.BlockSizes(16, 16, variant="chained", gathered=True, heads_per_program=2,
+                  atomic_dq=True)),
+    (PatternSpec("fixed", stride=16, c=4, summary="lra", summary_block=1), 96, 32, "bfloat16",
+     K.BlockSizes(16, 16, variant="chained", gathered=True, summary_q=32, summary_k=16,
+                  dkv=(16, 32, 0), atomic_dq=True)),
+    (PatternSpec("fixed", stride=12, c=3, part="summary", summary="lra"), 75, 32, "float32",
+     K.BlockSizes(16, 16, variant="chained", gathered=True, atomic_dq=True)),
 ]
 
 
@@ -533,7 +546,7 @@ def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
     """Every tile the gathered kernels load or store lies inside its array, from the host's copy
     of their index arithmetic: interpret mode clamps a slice that overruns (the tests above
     would not see it), a GPU reads out of bounds."""
-    from sparse_jax.attention import pallas_gathered as G
+    from sparse_jax.attention import gathered_plan as G
 
     for n in (spec.stride * 3, 4096 + spec.stride):
         p = G.plan(spec, n, compiler_for(sizes, "triton", interpret=True))
@@ -546,12 +559,12 @@ def test_gathered_kernels_read_and_write_inside_their_arrays(spec, sizes):
         assert len(tables["sparse_dkv_gathered"]) * dkv.bk + 2 * p.front == p.gathered
         assert len(tables["sparse_dkv_gathered"]) * dkv.bk >= entries
         i = np.arange(p.length // p.bq)  # forward and dq: gathered then band key tiles
-        assert (G._summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
-        assert (G._band_q(i, p)[1] * p.band_k <= p.length).all()
+        assert (G.summary_q(i, p)[1] * p.bk + p.front <= p.gathered - p.front).all()
+        assert (G.band_q(i, p)[1] * p.band_k <= p.length).all()
         k = np.arange(len(tables["sparse_dkv_gathered"]))  # dk/dv: the query tiles walked
-        _, whole, end = G._summary_k(k, dkv)
+        _, whole, end = G.summary_k(k, dkv)
         assert end == p.length // dkv.bq and np.all(whole <= end)
-        assert (G._band_k(j, p)[1] * p.band_q <= p.length).all()
+        assert (G.band_k(j, p)[1] * p.band_q <= p.length).all()
 
 
 def test_chained_log_sum_exp_matches_dense():
@@ -635,6 +648,8 @@ def test_implementation_choice():
         compiler_for(K.BlockSizes(summary_q=8, summary_k=16), backend="triton", interpret=False)
     assert parse_pattern("fixed:128:32@pallas:chained:gathered:dkv128x128w8", 1024)[2] == (
         K.BlockSizes(variant="chained", gathered=True, dkv=(128, 128, 8)))
+    assert parse_pattern("fixed:128:32@pallas:chained:gathered:atomic", 1024)[2] == (
+        K.BlockSizes(variant="chained", gathered=True, atomic_dq=True))
     with pytest.raises(ValueError, match="gathered=True .* needs the chained variant"):
         K.BlockSizes.parse("gathered")
     with pytest.raises(ValueError, match="dkvQxKwN.*give it with gathered"):
@@ -698,9 +713,9 @@ def test_model_attention_kernel_variant_matches_dense():
     """``ModelConfig.kernel`` reaches the layers' kernel: the chained variant with two heads
     per program gives the XLA model's loss and gradients (strided, rotary; the mesh path is the
     default kernel's test above, the same shard_map), so do the one-pass kernels (also with dq
-    added atomically), and so does the gathered fixed pattern with
-    a distinct summary for each head group; a bad option is refused in one line when the
-    config is built."""
+    added atomically), and so does the gathered fixed pattern (also with
+    dq added atomically) with a distinct summary for each head group; a bad option is refused
+    in one line when the config is built."""
     base = dict(seq_len=64, num_layers=1, d_model=32, num_heads=2, pattern="strided", stride=8,
                 rotary=True)
     assert_model_matches_xla(base, "pallas", kernel="16x16:chained:h2", on_mesh=False)
@@ -709,6 +724,8 @@ def test_model_attention_kernel_variant_matches_dense():
     fixed = dict(base, pattern="fixed", c=8, rotary=False, stride=16, mode="multihead",
                  distinct_summaries=True)  # two summary blocks, a head each
     assert_model_matches_xla(fixed, "pallas", kernel="16x16:chained:gathered", on_mesh=False)
+    assert_model_matches_xla(fixed, "pallas", kernel="16x16:chained:gathered:atomic",
+                             on_mesh=False)
     with pytest.raises(ValueError, match="ModelConfig.kernel='h3'.*power of two"):
         ModelConfig(**base, kernel="h3")
 

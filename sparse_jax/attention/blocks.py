@@ -44,7 +44,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.attention import pallas, pallas_gathered, pallas_onepass, patterns
+from sparse_jax.attention import gathered_plan, pallas, pallas_onepass, patterns
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.attention.terms import ColumnTerm, SummaryTerm, Term
 from sparse_jax.attention.tiles import BACKENDS
@@ -96,9 +96,9 @@ class BlockSizes:
     band_group: int = 16
     summary_q: int = 0
     summary_k: int = 0
-    gathered: bool = False  # the fixed pattern's gathered kernels (pallas_gathered.option)
+    gathered: bool = False  # the fixed pattern's gathered kernels (gathered_plan.option)
     dkv: tuple[int, int, int] = (0, 0, 0)  # gathered: its dk/dv program's tiles and warps
-    atomic_dq: bool = False  # onepass: dq added atomically (option atomic; pallas_onepass)
+    atomic_dq: bool = False  # onepass, gathered: dq added atomically (option atomic)
 
     @staticmethod
     def for_backend(backend: str) -> BlockSizes:
@@ -116,7 +116,7 @@ class BlockSizes:
         GPU's) (a config or benchmark string): ``QxK`` tiles, a variant, ``hG`` heads per
         program, ``wN`` warps, ``sN`` stages, ``one_loop``, ``bandTxG`` band kernels on blocks
         of T rows, G a grid step (``band0``: none), ``sumQxK`` the summary term's tiles,
-        ``gathered``, ``dkvQxK[wN]`` (``pallas_gathered.option``), ``atomic``
+        ``gathered``, ``dkvQxK[wN]`` (``gathered_plan.option``), ``atomic``
         (``pallas_onepass.option``); e.g. "64x64:chained:h2", "512x512:band128x4",
         "chained:gathered:dkv128x128w8". An option given twice, or two that set the same thing
         ("terms:chained", "h2:h4"), is refused (ValueError), not resolved by order."""
@@ -138,7 +138,7 @@ class BlockSizes:
                     option[0]],)
                 values = (int(option[1:]),)
             else:  # the onepass or gathered kernels' options, or an unknown one (ValueError)
-                names, values = pallas_onepass.option(option) or pallas_gathered.option(
+                names, values = pallas_onepass.option(option) or gathered_plan.option(
                     option, options)
             if names[0] in given:
                 first = given[names[0]]
@@ -167,7 +167,7 @@ class BlockSizes:
                              f"s{self.num_stages}) must be at least 1: Triton's pipeline "
                              "stages (1: no pipelining)")
         patterns.check_choice("BlockSizes.variant", self.variant, VARIANTS)
-        pallas_gathered.check_options(self)
+        gathered_plan.check_options(self)
         pallas_onepass.check_options(self)
         for name in ("summary_q", "summary_k"):
             value = getattr(self, name)

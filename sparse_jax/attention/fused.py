@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 
 from sparse_jax.attention import (
     blocks,
+    gathered_plan,
     measured,
     pallas,
     pallas_gathered,
@@ -153,7 +154,7 @@ def _chained_forward(spec, compiler, q, k, v, seq_major=False):
     log-sum-exp [B, n, H] if ``seq_major``."""
     axis = 1 if seq_major else 2
     n = q.shape[axis]
-    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    gathered = compiler.gathered and gathered_plan.plan(spec, n, compiler)
     if gathered:  # both terms at once (attention.pallas_gathered)
         q, k, v = (_pad_to(x, gathered.length, axis) for x in (q, k, v))
         out, lse = (jax.lax.slice_in_dim(x, 0, n, axis=axis) for x in pallas_gathered.forward(
@@ -276,7 +277,7 @@ def _attention_fwd(spec, compiler, variant, seq_major, q, k, v):
 
 def _attention_bwd(spec, compiler, variant, seq_major, residuals, d_out):
     q, k, v, out, lse = residuals
-    gathered = variant == "chained" and compiler.gathered and pallas_gathered.plan(
+    gathered = variant == "chained" and compiler.gathered and gathered_plan.plan(
         spec, q.shape[1 if seq_major else 2], compiler)
     if gathered:  # delta and the log-sum-exp's fix in the dq program
         return _gathered_backward(gathered, compiler, seq_major, q, k, v, out,

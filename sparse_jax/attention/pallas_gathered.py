@@ -12,26 +12,26 @@ pattern run here, on arrays in sequence order ([B, H, n, d], or [B, n, H, d] ``s
 * dk/dv, two programs: one per gathered key tile walks the contiguous query tiles of the rows
   after its own (float32, gathered order); one per key tile in sequence order walks its row's
   queries from the diagonal and adds the summary gradient of its summary keys, read back from
-  the gathered array with a shifted load per run of residues, before writing once.
+  the gathered array with a shifted load per run of residues, before writing once;
+* or, with option ``atomic`` (``BlockSizes.atomic_dq``), no dq program: both dk/dv programs add
+  each visit's share of dq atomically to a float32 dq (XLA's zeros before, its cast after, and
+  delta XLA's), so each backward tile is visited once.
 
 The loop bounds are arithmetic on the program's index, the loads contiguous tiles that Triton
 pipelines (``num_stages``), and the programs that walk most tiles start first. Tiles: ``sumQxK``
 (else ``QxK``) for the gathered walks, ``dkvQxK[wN]`` for the gathered keys' dk/dv (else the
 same), ``QxK`` for the band's.
 
-  option, check_options   ``BlockSizes``' options ``gathered`` and ``dkvQxK[wN]``
-  Plan, plan(spec, ...)   what the kernels need of a pattern; None: not one they serve
   forward, backward       the passes (``fused`` calls them inside its custom VJP)
-  tables, read_windows    per program its masked and whole tiles, by kernel name (the cost
-                          estimates, the compile report); the read-back's loads
+  gather                  the summary keys and values gathered
+
+Their plan, options and index arithmetic: ``attention.gathered_plan``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -39,171 +39,25 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparse_jax.attention import tiles
-from sparse_jax.attention.terms import BandTerm, SummaryTerm
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A fixed pattern for these kernels: rows of ``block`` positions, summary ``residues``,
-    whether the band term keeps only residues (``part="summary"``); tiles ``bq`` × ``bk`` of
-    the gathered walks and ``band_q`` × ``band_k`` of the band's; ``length`` the padded
-    sequence and ``front`` the gathered array's leading zero rows (the read-back's reach)."""
-    block: int
-    residues: tuple[int, ...]
-    band_residues: bool
-    bq: int
-    bk: int
-    band_q: int
-    band_k: int
-    length: int
-    front: int
-    dkv_q: int = 0  # the gathered keys' dk/dv program: the query tiles it walks,
-    dkv_k: int = 0  # its own gathered keys
-    dkv_warps: int = 0  # and its warps (0: the compiler's)
-
-    @property
-    def per_row(self) -> int:
-        return len(self.residues)
-
-    @property
-    def gathered(self) -> int:
-        """Rows of the gathered arrays: ``front``, the entries (to both key tiles), ``front``."""
-        tile = max(self.bk, self.dkv_k)
-        return 2 * self.front + -(-(self.length // self.block * self.per_row) // tile) * tile
-
-    def for_dkv(self) -> Plan:
-        """The gathered keys' dk/dv program's plan: its own tiles as ``bq`` × ``bk``."""
-        return dataclasses.replace(self, bq=self.dkv_q, bk=self.dkv_k)
-
-    def runs(self) -> tuple[tuple[int, int, int], ...]:
-        """Runs of consecutive residues: (first residue, count, index of the first of them)."""
-        out = []
-        for index, r in enumerate(self.residues):
-            if out and out[-1][0] + out[-1][1] == r:
-                out[-1][1] += 1
-            else:
-                out.append([r, 1, index])
-        return tuple(map(tuple, out))
-
-
-def option(option: str, options: str) -> tuple[tuple[str, ...], tuple]:
-    """``BlockSizes.parse``'s last options: (fields, values) of ``gathered`` or ``dkvQxK[wN]``
-    (Q queries walked × K gathered keys, N warps); ValueError for any other."""
-    if option == "gathered":
-        return ("gathered",), (True,)
-    found = re.fullmatch(r"dkv(\d+)x(\d+)(?:w(\d+))?", option)
-    if found:
-        return ("dkv",), (tuple(int(x or 0) for x in found.groups()),)
-    raise ValueError(f"unknown kernel option {option!r} in {options!r}: give QxK, terms, chained, "
-                     "onepass, hG, wN, sN, one_loop, bandTxG, sumQxK, gathered, dkvQxK, atomic")
-
-
-def check_options(sizes) -> None:
-    """ValueError (one line) for ``BlockSizes``' gathered options that cannot be: ``gathered``
-    (a bool) needs the chained variant; ``dkv`` (queries × keys tiles, powers of two, and
-    warps, or 0s: the summary tiles and ``num_warps``) needs ``gathered``."""
-    if sizes.gathered is not False and (sizes.gathered is not True
-                                        or sizes.variant != "chained"):
-        raise ValueError(f"BlockSizes.gathered={sizes.gathered!r} (option gathered) needs the "
-                         f"chained variant, not {sizes.variant!r}: give chained:gathered")
-    dkv = sizes.dkv
-    if not (isinstance(dkv, tuple) and len(dkv) == 3
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in dkv)
-            and all(x & (x - 1) == 0 for x in dkv) and (dkv[0] == 0) == (dkv[1] == 0)
-            and dkv[2] <= 32):
-        raise ValueError(f"BlockSizes.dkv={dkv!r} (option dkvQxKwN) must be tiles Q x K, "
-                         "powers of two (or both 0: the summary tiles), and warps N, a power "
-                         "of two up to 32 (or 0: num_warps)")
-    if any(dkv) and not sizes.gathered:
-        raise ValueError(f"BlockSizes.dkv={dkv!r} (option dkvQxKwN) sets the gathered "
-                         "kernels' dk/dv program: give it with gathered")
-
-
-def plan(spec, n: int, compiler) -> Plan | None:
-    """The ``Plan`` of ``spec`` at ``n`` positions (padded to every tile and the block), or
-    None if the pattern is not a band of rows with a summary term (only "fixed" is)."""
-    terms = spec.terms()
-    if len(terms) != 2 or not isinstance(terms[1], SummaryTerm):
-        return None
-    band, summary = terms
-    if not (isinstance(band, BandTerm) and band.prev == 0 and band.same_row
-            and band.max_distance is None and band.block == summary.block):
-        return None
-    bq, bk = compiler.summary_q or compiler.block_q, compiler.summary_k or compiler.block_k
-    dkv_q, dkv_k = compiler.dkv[0] or bq, compiler.dkv[1] or bk
-    step = math.lcm(bq, bk, dkv_q, dkv_k, compiler.block_q, compiler.block_k, summary.block)
-    # a tile multiple, and at least the read-back's reach: a row and a band tile either side
-    front = -(-(3 * summary.block + compiler.block_k) // step) * step
-    return Plan(summary.block, summary.residues, band.residues is not None, bq, bk,
-                compiler.block_q, compiler.block_k, -(-n // step) * step, front, dkv_q, dkv_k,
-                compiler.dkv[2])
-
-
-# ---------------------------------------------------------------------------------------------
-# Which tiles each program walks: arithmetic on its index (the kernels' and the host's).
-
-
-def _div(x, y):
-    """``x // y`` for non-negative x (traced int32, NumPy or Python int), a Python int y."""
-    return jax.lax.div(x, jnp.int32(y)) if isinstance(x, jax.Array) else x // y
-
-
-def _min(x, y):
-    return jnp.minimum(x, y) if isinstance(x, jax.Array) else np.minimum(x, y)
-
-
-def _summary_q(i, p: Plan):
-    """(whole, end): query tile ``i`` walks gathered key tiles ``[0, whole)`` unmasked and
-    ``[whole, end)`` masked (the end of its rows' prefixes)."""
-    first, last = _div(i * p.bq, p.block), _div(i * p.bq + p.bq - 1, p.block)
-    return _div(first * p.per_row, p.bk), _div(last * p.per_row + p.bk - 1, p.bk)
-
-
-def _summary_k(j, p: Plan):
-    """(start, whole, end): gathered key tile ``j`` is attended by query tiles ``[start,
-    whole)`` masked (the rows after its first) and ``[whole, end)`` unmasked."""
-    first, last = _div(j * p.bk, p.per_row), _div(j * p.bk + p.bk - 1, p.per_row)
-    end = p.length // p.bq
-    return (_min(_div((first + 1) * p.block, p.bq), end),
-            _min(_div((last + 1) * p.block + p.bq - 1, p.bq), end), end)
-
-
-def _band_q(i, p: Plan):
-    """(start, end): query tile ``i`` (of ``bq``) walks key tiles ``[start, end)`` of its
-    rows, masked."""
-    first = _div(i * p.bq, p.block)
-    return _div(first * p.block, p.band_k), _div((i + 1) * p.bq + p.band_k - 1, p.band_k)
-
-
-def _band_k(j, p: Plan):
-    """(start, end): key tile ``j`` is attended by query tiles ``[start, end)``, masked."""
-    last = _div(j * p.band_k + p.band_k - 1, p.block)
-    return _div(j * p.band_k, p.band_q), _div((last + 1) * p.block + p.band_q - 1, p.band_q)
-
-
-def tables(p: Plan) -> dict[str, np.ndarray]:
-    """Per kernel (``sparse_{forward,dq,dkv}_gathered``, ``sparse_dkv_gathered_band``) and
-    program: its masked and whole tiles ``[programs, 2]`` (both terms' tiles in forward and dq)."""
-    dkv = p.for_dkv()
-    i, j = np.arange(p.length // p.bq), np.arange((p.gathered - 2 * p.front) // dkv.bk)
-    whole, end = _summary_q(i, p)
-    band_start, band_end = _band_q(i, p)
-    start, middle, last = _summary_k(j, dkv)
-    k_start, k_end = _band_k(np.arange(p.length // p.band_k), p)
-    both = np.stack([end - whole + band_end - band_start, whole], 1)
-    return {"sparse_forward_gathered": both, "sparse_dq_gathered": both,
-            "sparse_dkv_gathered": np.stack([middle - start, last - middle], 1),
-            "sparse_dkv_gathered_band": np.stack([k_end - k_start, 0 * k_end], 1)}
-
+from sparse_jax.attention.gathered_plan import (
+    Plan,
+    band_k,
+    band_q,
+    div,
+    read_windows,
+    summary_k,
+    summary_q,
+    tables,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The programs' pieces.
 
 
 def _access(seq_major, interpret):
-    """``get(ref, g, rows, cols)`` and ``put(ref, g, rows, x)`` for head ``g`` of a [heads,
-    length, d] ref ([length, heads, d] if ``seq_major``), as ``pallas_gpu._heads``; ``cols``
-    a slice of the last axis."""
+    """``get(ref, g, rows, cols)`` and ``put(ref, g, rows, x, add=False)`` for head ``g`` of a
+    [heads, length, d] ref ([length, heads, d] if ``seq_major``), as ``pallas_gpu._heads``;
+    ``cols`` a slice of the last axis; ``add``: x added atomically (as ``pallas_onepass``'s)."""
     def index(g, rows, cols):
         head = pl.ds(g, 1) if interpret else g
         return (rows, head, cols) if seq_major else (head, rows, cols)
@@ -213,10 +67,18 @@ def _access(seq_major, interpret):
         return x.reshape(x.shape[:1] + x.shape[2:] if seq_major else x.shape[1:]) \
             if interpret else x
 
-    def put(ref, g, rows, x):
+    def put(ref, g, rows, x, add=False):
         if interpret:
             x = x.reshape((x.shape[0], 1, *x.shape[1:]) if seq_major else (1, *x.shape))
-        ref[index(g, rows, slice(None))] = x
+        at = index(g, rows, slice(None))
+        if add and not interpret:  # the programs run side by side
+            from jax.experimental.pallas import triton as pl_triton
+
+            pl_triton.atomic_add(ref, at, x)
+        elif add:  # interpret mode runs them one by one (and its atomic ignores a stride)
+            ref[at] += x
+        else:
+            ref[at] = x
 
     return get, put
 
@@ -234,8 +96,8 @@ def _in_residues(offset, p: Plan):
 
 def _summary_mask(q0, bq, k0, bk, p: Plan):
     """[bq, bk]: the query's row is after the gathered key's."""
-    q_row = _div(q0 + jnp.arange(bq, dtype=jnp.int32), p.block)
-    k_row = _div(k0 + jnp.arange(bk, dtype=jnp.int32), p.per_row)
+    q_row = div(q0 + jnp.arange(bq, dtype=jnp.int32), p.block)
+    k_row = div(k0 + jnp.arange(bk, dtype=jnp.int32), p.per_row)
     return q_row[:, None] > k_row[None, :]
 
 
@@ -243,17 +105,17 @@ def _band_mask(q0, bq, k0, bk, p: Plan):
     """[bq, bk]: same row, key at or before the query (and a residue, ``band_residues``)."""
     q = (q0 + jnp.arange(bq, dtype=jnp.int32))[:, None]
     k = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
-    keep = (_div(q, p.block) == _div(k, p.block)) & (k <= q)
+    keep = (div(q, p.block) == div(k, p.block)) & (k <= q)
     if p.band_residues:
-        keep = keep & _in_residues(k - _div(k, p.block) * p.block, p)
+        keep = keep & _in_residues(k - div(k, p.block) * p.block, p)
     return keep
 
 
 def _walks(p: Plan, i, step, carry):
     """``step(kind, masked, j, carry)`` over query tile ``i``'s gathered key tiles, then its
     band key tiles (kind "summary" or "band")."""
-    whole, end = _summary_q(i, p)
-    start, stop = _band_q(i, p)
+    whole, end = summary_q(i, p)
+    start, stop = band_q(i, p)
     carry = jax.lax.fori_loop(0, whole, functools.partial(step, "summary", False), carry)
     carry = jax.lax.fori_loop(whole, end, functools.partial(step, "summary", True), carry)
     return jax.lax.fori_loop(start, stop, functools.partial(step, "band", True), carry)
@@ -321,8 +183,13 @@ def _queries(q_ref, k_ref, v_ref, kv_ref, *refs, p, seq_major, interpret):
             put(refs[1], g, rows, lse)
 
 
-def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
-    """``step(masked, i, carry)`` of a key tile's walk over query tiles of ``bq``."""
+def _key_grads(get, put, heads, ks, vs, refs, bq, mask, dq_ref=None):
+    """``step(masked, i, carry)`` of a key tile's walk over query tiles of ``bq`` (``refs``: q,
+    dO, lse, delta); with ``dq_ref`` (option atomic) each visit adds its share of dq there,
+    atomically, dv's product taken before dp's (the probabilities die sooner: fewer live
+    registers)."""
+    q_ref, do_ref, lse_ref, delta_ref = refs
+
     def step(masked, i, carry):
         rows = _tile(i, bq)
         keep = mask(i * bq, bq) if masked else None
@@ -331,17 +198,26 @@ def _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, bq, mask):
             q, do = get(q_ref, g, rows), get(do_ref, g, rows)
             s = tiles.dot(q, ks[g], trans_b=True)
             s = jnp.where(keep, s, tiles.NEG) if masked else s
-            prob, ds = tiles.grads(s, _lse(get(lse_ref, g, rows)), get(delta_ref, g, rows), do,
-                                   vs[g])
-            out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
-                        carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
+            lse, delta = _lse(get(lse_ref, g, rows)), get(delta_ref, g, rows)
+            if dq_ref is None:
+                prob, ds = tiles.grads(s, lse, delta, do, vs[g])
+                out.append((carry[g][0] + tiles.dot(ds.astype(q.dtype), q, trans_a=True),
+                            carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)))
+                continue
+            prob = jnp.exp(s - lse)
+            dv = carry[g][1] + tiles.dot(prob.astype(do.dtype), do, trans_a=True)
+            ds = (prob * (tiles.dot(do, vs[g], trans_b=True) - delta)).astype(q.dtype)
+            out.append((carry[g][0] + tiles.dot(ds, q, trans_a=True), dv))
+            put(dq_ref, g, rows, tiles.dot(ds, ks[g]), add=True)
         return tuple(out)
     return step
 
 
-def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_major,
-         interpret):
-    """The gathered keys' dk, dv (float32, gathered order, ``front`` rows ahead)."""
+def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, p, seq_major, interpret):
+    """The gathered keys' dk, dv (float32, gathered order, ``front`` rows ahead); refs: (dq,)
+    dk, dv (, dq): with dq (option atomic) it adds the summary term's dq there, in one loop
+    over its query tiles, each masked (the program runs one stage: ``backward``)."""
+    dk_ref, dv_ref, *dq_ref = refs[-3:] if len(refs) == 4 else refs
     get, put = _access(seq_major, interpret)
     j = pl.program_id(1)  # the first gathered keys are attended by the most query tiles
     own = pl.ds(pl.multiple_of(p.front + j * p.bk, p.bk), p.bk)
@@ -349,35 +225,27 @@ def _dkv(kv_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, p, seq_ma
     d, dv = q_ref.shape[-1], do_ref.shape[-1]
     ks = [get(kv_ref, g, own, pl.ds(0, d)) for g in heads]
     vs = [get(kv_ref, g, own, pl.ds(d, dv)) for g in heads]
-    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.bq,
-                      lambda q0, bq: _summary_mask(q0, bq, j * p.bk, p.bk, p))
-    start, whole, end = _summary_k(j, p)
+    step = _key_grads(get, put, heads, ks, vs, (q_ref, do_ref, lse_ref, delta_ref), p.bq,
+                      lambda q0, bq: _summary_mask(q0, bq, j * p.bk, p.bk, p), *dq_ref)
+    start, whole, end = summary_k(j, p)
     carry = tuple((jnp.zeros(ks[g].shape, jnp.float32), jnp.zeros(vs[g].shape, jnp.float32))
                   for g in heads)
-    carry = jax.lax.fori_loop(start, whole, functools.partial(step, True), carry)
-    carry = jax.lax.fori_loop(whole, end, functools.partial(step, False), carry)
+    if dq_ref:  # one loop, every tile masked: with two loops the program spills (sm_90a)
+        carry = jax.lax.fori_loop(start, end, functools.partial(step, True), carry)
+    else:
+        carry = jax.lax.fori_loop(start, whole, functools.partial(step, True), carry)
+        carry = jax.lax.fori_loop(whole, end, functools.partial(step, False), carry)
     for g, (dk, dv_) in enumerate(carry):
         put(dk_ref, g, own, dk.astype(dk_ref.dtype))
         put(dv_ref, g, own, dv_.astype(dv_ref.dtype))
 
-
-def read_windows(j, p: Plan):
-    """The read-back's loads of band key tile ``j`` (traced, or NumPy for every tile): (start,
-    row, first residue, count) per row the tile touches and run of residues; rows ``start ..
-    start + band_k`` of the gathered array, entry i kept where position ``j·band_k + i`` lies
-    in that row at one of those residues."""
-    first = _div(j * p.band_k, p.block)
-    spans = 1 if p.block % p.band_k == 0 else -(-p.band_k // p.block) + 1
-    return [(p.front + (first + s) * p.per_row + index + j * p.band_k - (first + s) * p.block
-             - residue, first + s, residue, count)
-            for s in range(spans) for residue, count, index in p.runs()]
 
 
 def _read_back(get, ref, g, j, p: Plan, width):
     """[band_k, width]: the gathered rows of key tile ``j``'s summary keys, zeros elsewhere: for
     each row the tile touches and each run of residues, one shifted load."""
     pos = j * p.band_k + jnp.arange(p.band_k, dtype=jnp.int32)
-    row, offset = _div(pos, p.block), pos - _div(pos, p.block) * p.block
+    row, offset = div(pos, p.block), pos - div(pos, p.block) * p.block
     out = jnp.zeros((p.band_k, width), jnp.float32)
     for start, r, residue, count in read_windows(j, p):
         keep = (row == r) & (offset >= residue) & (offset < residue + count)
@@ -385,20 +253,22 @@ def _read_back(get, ref, g, j, p: Plan, width):
     return out
 
 
-def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, dk_ref, dv_ref,
-              *, p, seq_major, interpret):
+def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, *refs, p,
+              seq_major, interpret):
     """dk, dv of key tile ``j`` in sequence order: its row's band queries, plus its summary
-    keys' gathered dk, dv (``_dkv``'s), written once in the output dtype."""
+    keys' gathered dk, dv (``_dkv``'s), written once in the output dtype; refs as ``_dkv``'s
+    (with dq: the band term's dq added there)."""
+    dk_ref, dv_ref, *dq_ref = refs[-3:] if len(refs) == 4 else refs
     get, put = _access(seq_major, interpret)
     j = pl.program_id(1)
     own = _tile(j, p.band_k)
     heads = range(k_ref.shape[1 if seq_major else 0])
     ks, vs = ([get(ref, g, own) for g in heads] for ref in (k_ref, v_ref))
-    step = _key_grads(get, heads, ks, vs, q_ref, do_ref, lse_ref, delta_ref, p.band_q,
-                      lambda q0, bq: _band_mask(q0, bq, j * p.band_k, p.band_k, p))
+    step = _key_grads(get, put, heads, ks, vs, (q_ref, do_ref, lse_ref, delta_ref), p.band_q,
+                      lambda q0, bq: _band_mask(q0, bq, j * p.band_k, p.band_k, p), *dq_ref)
     start = tuple((_read_back(get, gk_ref, g, j, p, ks[g].shape[-1]),
                    _read_back(get, gv_ref, g, j, p, vs[g].shape[-1])) for g in heads)
-    carry = jax.lax.fori_loop(*_band_k(j, p), functools.partial(step, True), start)
+    carry = jax.lax.fori_loop(*band_k(j, p), functools.partial(step, True), start)
     for g, (dk, dv) in enumerate(carry):
         put(dk_ref, g, own, dk.astype(dk_ref.dtype))
         put(dv_ref, g, own, dv.astype(dv_ref.dtype))
@@ -408,10 +278,10 @@ def _dkv_band(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, gk_ref, gv_ref, d
 # The calls.
 
 
-def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
+def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost, aliases=None):
     """pallas_call over (head group, tile, batch), heads fastest (a tile's heads run together,
     the longest tiles first); every array whole along its length, the program's heads;
-    ``out``: (shape, dtype) pairs."""
+    ``out``: (shape, dtype) pairs; ``aliases``: input index to output index."""
     heads = compiler.heads_per_program
     shape = out[0][0]
     grid = (shape[2 if seq_major else 1] // heads, programs, shape[0])
@@ -429,6 +299,7 @@ def _call(compiler, kernel, programs, inputs, out, name, seq_major, cost):
             num_warps=compiler.num_warps, num_stages=compiler.num_stages)
     return pl.pallas_call(
         kernel, grid=grid, interpret=compiler.interpret, name=name, cost_estimate=cost,
+        input_output_aliases=aliases or {},
         in_specs=[spec(x.shape) for x in inputs], out_specs=[spec(s) for s, _ in out],
         out_shape=[jax.ShapeDtypeStruct(s, dtype) for s, dtype in out], **params,
     )(*inputs)
@@ -470,31 +341,54 @@ def forward(compiler, p: Plan, q, k, v, seq_major=False):
                  name, seq_major, cost)
 
 
+def _with_dq(cost, table, bq, bk, heads, d):
+    """A dk/dv pass's ``cost`` plus its atomic dq: ``ds k`` a visited tile, and the float32 dq
+    rows read and written there."""
+    visits = int(table[:, 0].sum() + table[:, 1].sum())
+    return pl.CostEstimate(flops=cost.flops + 2 * visits * bq * bk * d * heads,
+                           transcendentals=cost.transcendentals,
+                           bytes_accessed=cost.bytes_accessed + 8 * visits * bq * d * heads)
+
+
 def backward(compiler, p: Plan, q, k, v, o, do, lse, seq_major=False):
     """(dq, dk, dv) in q's dtype for the output ``o``'s gradient ``do`` (v's dtype) and the
-    forward's log-sum-exp ([B, H, length, 1], float32); arrays as ``forward``'s."""
+    forward's log-sum-exp ([B, H, length, 1], float32); arrays as ``forward``'s. With
+    ``p.atomic`` (option atomic) no dq program: delta is XLA's, and both dk/dv programs add dq
+    atomically to float32 zeros (XLA's), which XLA casts to q's dtype; dq's sum then depends on
+    the order the adds land (not bit-reproducible)."""
     like, statics, sizes, table = _setup(p, q, v, seq_major)
     statics["interpret"] = compiler.interpret
     kv = gather(p, k, v, seq_major)
-    dq, delta = _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
-                      [q, k, v, kv, do, o, lse], [(like(p.length, q.shape[-1]), q.dtype),
-                                                  (like(p.length, 1), jnp.float32)],
-                      "sparse_dq_gathered", seq_major,
-                      tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
-                                 q.dtype.itemsize))
+    if p.atomic:
+        delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1, keepdims=True)
+        init = [jnp.zeros(like(p.length, q.shape[-1]), jnp.float32)]
+    else:
+        init = []
+        dq, delta = _call(compiler, functools.partial(_queries, **statics), p.length // p.bq,
+                          [q, k, v, kv, do, o, lse], [(like(p.length, q.shape[-1]), q.dtype),
+                                                      (like(p.length, 1), jnp.float32)],
+                          "sparse_dq_gathered", seq_major,
+                          tiles.cost("dq", table["sparse_dq_gathered"], p.bq, p.bk, *sizes,
+                                     q.dtype.itemsize))
+    out_dq = [(x.shape, jnp.float32) for x in init]
     dkv = p.for_dkv()
-    gk, gv = _call(dataclasses.replace(compiler, num_warps=p.dkv_warps or compiler.num_warps),
-                   functools.partial(_dkv, **{**statics, "p": dkv}),
-                   (p.gathered - 2 * p.front) // dkv.bk, [kv, q, do, lse, delta],
-                   [(like(p.gathered, k.shape[-1]), jnp.float32),
-                    (like(p.gathered, v.shape[-1]), jnp.float32)], "sparse_dkv_gathered",
-                   seq_major, tiles.cost("dkv", table["sparse_dkv_gathered"], dkv.bq, dkv.bk,
-                                         *sizes))
-    dk, dv = _call(compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
-                   [k, v, q, do, lse, delta, gk, gv],
-                   [(like(p.length, k.shape[-1]), k.dtype), (like(p.length, v.shape[-1]),
-                                                             v.dtype)],
-                   "sparse_dkv_gathered_band", seq_major,
-                   tiles.cost("dkv", table["sparse_dkv_gathered_band"], p.band_q, p.band_k,
-                              *sizes, k.dtype.itemsize))
-    return dq, dk, dv
+    cost = tiles.cost("dkv", table["sparse_dkv_gathered"], dkv.bq, dkv.bk, *sizes)
+    gk, gv, *dq_ = _call(  # atomic: one stage (with two, 128 x 128 tiles at 8 warps spill)
+        dataclasses.replace(compiler, num_warps=p.dkv_warps or compiler.num_warps,
+                            num_stages=1 if p.atomic else compiler.num_stages),
+        functools.partial(_dkv, **{**statics, "p": dkv}), (p.gathered - 2 * p.front) // dkv.bk,
+        [kv, q, do, lse, delta, *init],
+        [(like(p.gathered, k.shape[-1]), jnp.float32),
+         (like(p.gathered, v.shape[-1]), jnp.float32), *out_dq], "sparse_dkv_gathered",
+        seq_major, _with_dq(cost, table["sparse_dkv_gathered"], dkv.bq, dkv.bk, sizes[0],
+                            sizes[1]) if p.atomic else cost, {5: 2} if p.atomic else None)
+    cost = tiles.cost("dkv", table["sparse_dkv_gathered_band"], p.band_q, p.band_k, *sizes,
+                      k.dtype.itemsize)
+    dk, dv, *dq_ = _call(
+        compiler, functools.partial(_dkv_band, **statics), p.length // p.band_k,
+        [k, v, q, do, lse, delta, gk, gv, *dq_],
+        [(like(p.length, k.shape[-1]), k.dtype), (like(p.length, v.shape[-1]), v.dtype),
+         *out_dq], "sparse_dkv_gathered_band", seq_major,
+        _with_dq(cost, table["sparse_dkv_gathered_band"], p.band_q, p.band_k, sizes[0],
+                 sizes[1]) if p.atomic else cost, {8: 2} if p.atomic else None)
+    return (dq_[0].astype(q.dtype) if p.atomic else dq), dk, dv

@@ -57,17 +57,19 @@ INTERPRET_PROGRAMS = 3  # interpret mode: a few programs, each walking several i
 
 def option(option: str) -> tuple[tuple[str, ...], tuple] | None:
     """``BlockSizes.parse``'s option of these kernels: ``atomic`` (``BlockSizes.atomic_dq``:
-    the backward's dk/dv items add dq atomically, its dq items gone), or None for another."""
+    the backward's dk/dv items add dq atomically, its dq items gone; so do the gathered
+    kernels' dk/dv programs, ``pallas_gathered``), or None for another."""
     return (("atomic_dq",), (True,)) if option == "atomic" else None
 
 
 def check_options(sizes) -> None:
     """ValueError (one line) for ``BlockSizes.atomic_dq`` not a bool, or without the onepass
-    variant (no other variant reads it)."""
-    if sizes.atomic_dq is not False and (sizes.atomic_dq is not True
-                                         or sizes.variant != "onepass"):
+    variant or the gathered kernels (``pallas_gathered``; no other kernel reads it)."""
+    if sizes.atomic_dq is not False and (sizes.atomic_dq is not True or (
+            sizes.variant != "onepass" and sizes.gathered is not True)):
         raise ValueError(f"BlockSizes.atomic_dq={sizes.atomic_dq!r} (option atomic) needs the "
-                         f"onepass variant, not {sizes.variant!r}: give onepass:atomic")
+                         f"onepass variant, not {sizes.variant!r}, or option gathered: give "
+                         "onepass:atomic or chained:gathered:atomic")
 
 
 def sm_count() -> int:

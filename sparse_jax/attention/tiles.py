@@ -70,7 +70,7 @@ class Compiler:
     summary_k: int = 0  # (BlockSizes.summary_k; 0: block_k)
     gathered: bool = False  # the summary term gathered (BlockSizes.gathered; Triton, chained)
     dkv: tuple[int, int, int] = (0, 0, 0)  # its dk/dv program's tiles, warps (BlockSizes.dkv)
-    atomic_dq: bool = False  # onepass: dq added atomically (BlockSizes.atomic_dq)
+    atomic_dq: bool = False  # onepass, gathered: dq added atomically (BlockSizes.atomic_dq)
 
 
 # ---------------------------------------------------------------------------------------------

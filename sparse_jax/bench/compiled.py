@@ -78,9 +78,10 @@ REFERENCE_16K = ("strided:128@pallas:128x64", "strided:128@pallas:128x128",
 ONEPASS = "strided:128@pallas:onepass:s1"
 ONEPASS_ATOMIC = ONEPASS + ":atomic"  # its backward adding dq atomically, each tile once
 # The fixed pattern's gathered kernels (attention.pallas_gathered) at every length the cost
-# model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles.
-GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles) for n in (
-    8192, 16384, 32768, 65536) for tiles in ("", ":dkv128x128w8"))
+# model predicts (docs/cost_model.md), beside the gathered summary with its own dk/dv tiles,
+# each also with option atomic (dq added by the dk/dv kernels, no dq kernel).
+GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles + atomic) for n in (
+    8192, 16384, 32768, 65536) for atomic in ("", ":atomic") for tiles in ("", ":dkv128x128w8"))
 # The defaults (attention.measured: chained at 16k), the other variant, terms, onepass (both
 # backwards) and the fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",

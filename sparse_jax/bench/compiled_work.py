@@ -15,7 +15,7 @@ def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int =
     program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
     keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
     outputs out; float32 partial results; no reuse through L2)."""
-    from sparse_jax.attention import fused, measured, pallas_gathered
+    from sparse_jax.attention import fused, gathered_plan, measured
 
     # no options: the kernel compiles with the GPU's defaults chosen by measurement
     sizes = sizes or measured.default_sizes("triton", False, spec.kind, n)
@@ -25,7 +25,7 @@ def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int =
         return onepass_work(spec, n, compiler, heads, head_dim, dtype_bytes)
     rows = -(-n // spec.block)
     chained = sizes.variant == "chained"
-    gathered = compiler.gathered and pallas_gathered.plan(spec, n, compiler)
+    gathered = compiler.gathered and gathered_plan.plan(spec, n, compiler)
     if gathered:
         return gathered_work(gathered, heads // compiler.heads_per_program, heads,
                               max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes)
@@ -110,10 +110,12 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
 
 
 def gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> dict:
-    """``tile_work`` of the gathered kernels (``attention.pallas_gathered``): tiles from its
-    ``tables``; bytes as there, the gathered k and v side by side (2d columns) read per visit,
-    the gathered dk and dv written in float32 and read back by the band's dk/dv."""
-    from sparse_jax.attention import pallas_gathered
+    """``tile_work`` of the gathered kernels (``attention.pallas_gathered``): tiles from
+    ``gathered_plan.tables``; bytes as there, the gathered k and v side by side (2d columns)
+    read per visit, the gathered dk and dv written in float32 and read back by the band's
+    dk/dv. With ``plan.atomic`` no dq kernel, and each dk/dv visit adds ``ds k`` to dq (5
+    products a tile; its float32 rows read and written there)."""
+    from sparse_jax.attention import gathered_plan
 
     dkv = plan.for_dkv()
     stats = 2 * 4  # log-sum-exp and delta, float32, per query
@@ -129,12 +131,16 @@ def gathered_work(plan, groups: int, heads: int, d: int, dtype_bytes: int) -> di
                                           plan.band_k * row, plan.band_q * (row + stats),
                                           plan.band_q, plan.band_k)}
     out = {}
-    for name, table in pallas_gathered.tables(plan).items():
+    for name, table in gathered_plan.tables(plan).items():
         own_in, own_out, per_visit, bq, bk = shape[name]
+        atomic = plan.atomic and "dkv" in name
+        if plan.atomic and "dq" in name:
+            continue
         visits = table[:, 0] + table[:, 1]
+        per_visit += 2 * bq * d * 4 if atomic else 0
         out[name] = {"tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
                      "programs": int(len(visits) * groups),
                      "hbm_bytes": int((len(visits) * (own_in + own_out)
                                        + int(visits.sum()) * per_visit) * heads),
-                     "block_q": bq, "block_k": bk}
+                     "block_q": bq, "block_k": bk, **({"products": 5} if atomic else {})}
     return out

@@ -21,7 +21,11 @@ for an H100, compiled on a CPU), beside cuDNN's dense causal attention measured 
   it the compile output cannot say. Each gathered row is therefore given twice: at the fitted
   latency and at half of it (an assumption, the one ``cost_model.DESIGNS`` prices as "summary
   tiles at half today's latency"). TFLOP/s count the kept pairs as the accelerator report does
-  (``common.attention_flops``); "of cuDNN" is that rate over cuDNN's measured one.
+  (``common.attention_flops``); "of cuDNN" is that rate over cuDNN's measured one. The rows
+  with option atomic also give the room left for what the model cannot price there (the
+  atomic adds, every tile of the gathered keys masked): the largest factor on their dk/dv
+  kernels' per-tile latency at which they still reach 80%, and still beat the same kernels
+  without the option.
 
 The table of every row the accelerator report times, printed beside its measurements, is
 ``bench.predictions``'s (predictions.json); these two say more of two kernels.
@@ -208,24 +212,31 @@ def fixed(root: str = cost_model.REPO) -> dict:
         _, length, pattern = row["name"].split(" ", 2)
         rows.append((pattern, int(length[:-1]) * 1024, row))
     spec = PatternSpec("fixed", stride=128, c=32)
+    fitted = {(pattern, n): cost_model.predict(params, cost_model.features(row, pattern), DEVICE)
+              for pattern, n, row in rows}
     out = []
     for pattern, n, row in rows:
         f = cost_model.features(row, pattern)
         flops = attention_flops(1, 8, n, spec.mean_keys(n), 64)
-        ms = {"fitted": cost_model.predict(params, f, DEVICE)}
+        ms = {"fitted": fitted[(pattern, n)]}
         reference = cudnn[n]["tflops"]
-        needed = None
+        needed = backward = None
         if "gathered" in pattern:
             ms["half_latency"] = _at_latency(params, f, HALF)
             target_ms = flops / (TARGET * reference * 1e12) * 1e3
-            needed = _latency_for(params, f, target_ms)
+            needed = _latency_for(params, f, target_ms, top=LATENCY_TOP)
+        if pattern.endswith(":atomic"):  # the atomic adds' room: its dk/dv kernels' latency
+            plain = fitted.get((pattern[:-len(":atomic")], n))
+            backward = {"target": _latency_for(params, f, target_ms, "dkv_gathered", LATENCY_TOP),
+                        "plain": None if plain is None else _latency_for(
+                            params, f, plain, "dkv_gathered", LATENCY_TOP)}
         out.append({"pattern": pattern, "n": n, "kernels": len(f["kernels"]),
                     "xla_kernels": f["xla_kernels"], "predicted_ms": ms,
                     "tflops": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()},
                     "of_cudnn": {k: flops / (v * 1e-3) / 1e12 / reference
                                  for k, v in ms.items()},
                     "cudnn_ms": cudnn[n]["median_ms"], "cudnn_tflops": reference,
-                    "latency_for_target": needed,
+                    "latency_for_target": needed, "backward_latency_for": backward,
                     "parts": {k: v for k, v in cost_model.parts(params, f, DEVICE).items()
                               if k != "kernels"},
                     "per_kernel_ms": {k: v * 1e3 for k, v in cost_model.parts(
@@ -238,15 +249,18 @@ def fixed(root: str = cost_model.REPO) -> dict:
 def fixed_markdown(result: dict) -> str:
     """The table of docs/cost_model.md's section on the gathered kernels."""
     lines = ["| kernel | n | Triton + XLA kernels | predicted ms | of cuDNN | at half the "
-             "latency: ms | of cuDNN | 80% needs latency × |", "|---|---|---|---|---|---|---|---|"]
+             "latency: ms | of cuDNN | 80% needs latency × | atomic: dk/dv latency × for 80%, "
+             "to beat no atomic |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["n"], "gathered" in r["pattern"],
+                                                    r["pattern"].endswith(":atomic"),
                                                     r["pattern"])):
-        half = r["predicted_ms"].get("half_latency")
+        half, room = r["predicted_ms"].get("half_latency"), r.get("backward_latency_for")
         lines.append(f"| `{r['pattern'].split('@')[1]}` | {r['n']} | {r['kernels']} + "
                      f"{r['xla_kernels']} | {r['predicted_ms']['fitted']:#.3g} | "
                      f"{r['of_cudnn']['fitted']:.0%} | "
                      + (f"{half:#.3g} | {r['of_cudnn']['half_latency']:.0%} | "
-                        f"{r['latency_for_target']:.2f} |" if half else "— | — | — |"))
+                        f"{r['latency_for_target']:.2f} |" if half else "— | — | — |")
+                     + (f" {room['target']:.2f}, {room['plain']:.2f} |" if room else " — |"))
     return "\n".join(lines) + "\n"
 
 
