@@ -85,6 +85,7 @@ GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles + atomic) fo
 # The defaults (attention.measured: chained at 16k), the other variant, terms, onepass (both
 # backwards) and the fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
+               "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8:atomic",
                "attention 16k fixed:128:32@pallas:chained:gathered:dkv128x128w8",
                "attention 16k strided:128@pallas:terms", f"attention 16k {ONEPASS}",
                f"attention 16k {ONEPASS_ATOMIC}")

@@ -51,15 +51,17 @@ BASELINES = ["dense@cudnn", "strided:128@pallas", "fixed:128:32@pallas"]
 # strided's one-pass kernels (attention.pallas_onepass; with option atomic, each backward tile
 # visited once) and fixed's gathered ones (attention.pallas_gathered), first: the cost model
 # predicts onepass at 0.279 ms at 16k and 1.24 ms at 64k on an H200, onepass:atomic at 0.263
-# and 0.926, gathered at 1.12 and 13.8 ms (docs/cost_model.md).
-GATHERED = "fixed:128:32@pallas:chained:gathered:dkv128x128w8"
+# and 0.926, gathered at 1.12 and 13.8 ms, gathered:atomic at 0.870 and 9.95
+# (docs/cost_model.md). The atomic rows are the ones the figures rest on.
+GATHERED = ["fixed:128:32@pallas:chained:gathered:dkv128x128w8:atomic",
+            "fixed:128:32@pallas:chained:gathered:dkv128x128w8"]
 ONEPASS = ["strided:128@pallas:onepass:s1", "strided:128@pallas:onepass:s1:atomic"]
-VARIANTS_16K = [*ONEPASS, GATHERED, "fixed:128:32@pallas:chained:sum128x64",
+VARIANTS_16K = [*ONEPASS, *GATHERED, "fixed:128:32@pallas:chained:sum128x64",
                 "strided:128@pallas:terms", "strided:128@pallas:chained:64x32",
                 "strided:128@pallas:chained:one_loop", "strided:128@pallas:chained:32x32",
                 "fixed:128:32@pallas:terms", "fixed:128:32@pallas:128x64:chained:w8",
                 "fixed:128:32@pallas:chained:64x32"]
-VARIANTS_64K = [*ONEPASS, GATHERED, "fixed:128:32@pallas:sum128x64",
+VARIANTS_64K = [*ONEPASS, *GATHERED, "fixed:128:32@pallas:sum128x64",
                 "strided:128@pallas:chained", "fixed:128:32@pallas:chained",
                 "strided:128@pallas:chained:64x32:one_loop", "fixed:128:32@pallas:chained:64x32"]
 VARIANTS_8K_32K = ["strided:128@pallas:terms", "fixed:128:32@pallas:terms",

@@ -43,7 +43,8 @@ from sparse_jax.model.config import ModelConfig
 # compilations of an 8-layer scanned model at 4,096, ~4 s each by the 16k steps' compile times
 # of 3-9 s, and their steps): 130 s.
 CAP, DRY_CAP = 130, 60
-GATHERED = "chained:gathered:dkv128x128w8"  # a kernel option of ModelConfig.kernel
+# a kernel option of ModelConfig.kernel: the gathered kernels with dq added atomically
+GATHERED = "chained:gathered:dkv128x128w8:atomic"
 PROFILE_S = 40  # added to the cap by --profile: two more compilations and a few steps traced
 
 
@@ -68,8 +69,9 @@ def plan(dry_run: bool) -> dict:
          "model": {**preset_model, "attention": "xla"}},
         {"name": "paper 16k fixed@pallas", "batch_size": 2,
          "model": {**paper, "attention": "pallas"}},
-        # the fixed pattern's gathered kernels (attention.pallas_gathered), predicted 2.26x the
-        # dense step (docs/benchmarks/cost_model/predictions.json); the default's step above
+        # the fixed pattern's gathered kernels (attention.pallas_gathered) with option atomic,
+        # predicted past 2x the dense step (docs/benchmarks/cost_model/predictions.json); the
+        # default's step above
         {"name": f"paper 16k fixed@pallas:{GATHERED}", "batch_size": 2,
          "model": {**paper, "attention": "pallas", "kernel": GATHERED}},
         {"name": "paper 16k fixed@xla", "batch_size": 2,
