@@ -19,9 +19,9 @@ exclude_patterns = ["_build", "benchmarks/**", "pattern_study/**", "long_context
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 
-# The tutorial runs at every build; an error in a cell fails the build. Its training cell takes
-# about 100 s on an idle 2-core CPU and three times that on a loaded one: the per-cell limit
-# only catches a hang.
+# The tutorial runs at every build; an error in a cell fails the build. Its training cell (200
+# steps) takes under a minute on an idle 2-core CPU and three times that on a loaded one: the
+# per-cell limit only catches a hang.
 nb_execution_mode = "force"
 nb_execution_timeout = 1800
 nb_execution_raise_on_error = True

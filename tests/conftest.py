@@ -11,7 +11,8 @@ import zipfile
 # twice: XLA's cheap compile (backend optimisation level 0, no expensive LLVM passes) takes about
 # a fifth off their time on a 2-core CPU. XLA reads XLA_FLAGS once, at the first compile, so a
 # first compile happens here and the variable goes back to what it was: the scripts and notebooks
-# the tests start (training runs whose steps are the cost) compile as users' do.
+# the tests start (training runs whose steps are the cost) compile as users' do, but for the
+# processes whose cost is compiling tiny programs (`cheap_compile`).
 _CHEAP_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _XLA_FLAGS = os.environ.get("XLA_FLAGS")
 os.environ["XLA_FLAGS"] = f"{_XLA_FLAGS or ''} {_CHEAP_COMPILE}".strip()
@@ -55,6 +56,13 @@ from sparse_jax import cli  # noqa: E402
 
 # The scripts that tests start find the huge-pages tunable set, so they do not restart for it.
 os.environ.update(cli.huge_pages_env())
+
+
+def cheap_compile(env: dict) -> dict:
+    """`env` with XLA's cheap compile added to its XLA_FLAGS, for a process the test starts whose
+    time is compiling many tiny programs and hardly running them (the 8-device children, the
+    report's dry runs): the same programs, compiled in about four fifths of the time."""
+    return {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {_CHEAP_COMPILE}".strip()}
 
 
 def pytest_sessionfinish(session, exitstatus):

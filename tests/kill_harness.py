@@ -111,15 +111,15 @@ def _metrics(workdir: str) -> list[dict]:
         return [{k: row[k] for k in keep if k in row} for row in map(json.loads, f)]
 
 
-def _params(workdir: str) -> list[np.ndarray]:
-    """The final checkpoint's parameters, as arrays in a fixed order."""
+def _params(workdir: str, steps: int = STEPS) -> list[np.ndarray]:
+    """The final checkpoint's (step `steps`) parameters, as arrays in a fixed order."""
     import jax
     from flax import nnx
 
     from sparse_jax.run import checkpoints
 
     model, _, step = checkpoints.restore_model(workdir)
-    assert step == STEPS, f"the last checkpoint of {workdir} is step {step}, not {STEPS}"
+    assert step == steps, f"the last checkpoint of {workdir} is step {step}, not {steps}"
     return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
 
 
@@ -128,11 +128,14 @@ def _last_line(path) -> str:
     return lines[-1] if lines else ""
 
 
-def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
+def training(kills: int, rng: np.random.Generator, tmp: str, log=print,
+             steps: int = STEPS) -> dict:
     """The training subject: campaigns of killed starts on a fresh workdir, each run to its end
     (a start that finishes ends a campaign; the next starts over), until `kills` kills are
-    done; each campaign is compared with one uninterrupted run. Returns counts and problems (an
-    empty list: passed)."""
+    done; each campaign is compared with one uninterrupted run. Runs of `steps` steps (the
+    suite's quick version: fewer, still several checkpoints, validations and log lines).
+    Returns counts and problems (an empty list: passed)."""
+    length = f"--config.total_steps={steps}"
     data = os.path.join(tmp, "data")
     os.makedirs(data)
     for name in ("kjv.html.gz", "SHA256SUMS"):
@@ -143,7 +146,7 @@ def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
     os.makedirs(logs)
     reference = os.path.join(tmp, "reference")
     for name in ("reference", "probe"):  # the second start compiles nothing: a start's length
-        status, duration = _run(_train_args(os.path.join(tmp, name), corpus), env,
+        status, duration = _run(_train_args(os.path.join(tmp, name), corpus, length), env,
                                 os.path.join(logs, f"{name}.log"), None)
         if status != 0:
             reason = _last_line(os.path.join(logs, f"{name}.log"))
@@ -151,14 +154,14 @@ def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
     shutil.rmtree(os.path.join(tmp, "probe"))
     skip = ("reference", "logs", "jax_cache")
     outside = _files(tmp, skip=skip)
-    want_metrics, want_params = _metrics(reference), _params(reference)
+    want_metrics, want_params = _metrics(reference), _params(reference, steps)
     log(f"training: an uninterrupted start takes {duration:.1f} s; {kills} kills at random "
         "instants of it")
     problems, killed, starts, campaigns = [], 0, 0, 0
     while killed < kills:
         workdir = os.path.join(tmp, f"killed{campaigns}")
         campaigns += 1
-        args = _train_args(workdir, corpus)
+        args = _train_args(workdir, corpus, length)
         while True:
             kill_after = float(rng.uniform(0.0, duration)) if killed < kills else None
             status, _ = _run(args, env, os.path.join(logs, f"{starts}.log"), kill_after)
@@ -177,7 +180,7 @@ def training(kills: int, rng: np.random.Generator, tmp: str, log=print) -> dict:
             problems.append(f"{workdir}: metrics.jsonl rows {steps(got)} against "
                             f"{steps(want_metrics)}" if steps(got) != steps(want_metrics)
                             else f"{workdir}: metrics.jsonl values differ")
-        got_params = _params(workdir)
+        got_params = _params(workdir, steps)
         if len(got_params) != len(want_params) or not all(
                 np.array_equal(a, b) for a, b in zip(got_params, want_params)):
             problems.append(f"{workdir}: the final parameters differ from the uninterrupted "

@@ -22,7 +22,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import files_in, one_line_error
+from conftest import cheap_compile, files_in, one_line_error
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.bench import accelerator, tools
 from sparse_jax.bench.accelerator import attention, preset, tests, train_step
@@ -34,14 +34,16 @@ FAR_CAPS = "--caps=" + ",".join(f"{name}={NO_CAP}" for name in accelerator.MODUL
 
 
 def _report(tmp_path, *args, env=None):
-    """Runs the script with its temporary folder under tmp_path/tmp; (process, output dir).
+    """Runs the script with its temporary folder under tmp_path/tmp, compiling cheaply (its dry
+    run's cost is compiling toy programs: `cheap_compile`); (process, output dir).
     Every stage runs under FAR_CAPS, which no loaded machine reaches, unless ``args`` give
     --caps themselves (the flag given last wins). No timeout: the caps bound it."""
     out, tmp = tmp_path / "report", tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
     proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
                            f"--output_dir={out}", FAR_CAPS, *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
+                          text=True, env=cheap_compile({**os.environ, "TMPDIR": str(tmp),
+                                                        **(env or {})}))
     return proc, out
 
 

@@ -18,9 +18,11 @@ import kill_harness
 
 @pytest.mark.slow  # starts other processes
 def test_training_killed_at_random_instants_ends_bit_exact(tmp_path):
-    """Two kills here (the SIGKILL and SIGTERM of test_train.py hit chosen steps); the manual run
-    makes fifty."""
-    result = kill_harness.training(2, np.random.default_rng(1), str(tmp_path), log=lambda s: None)
+    """Two kills here (the SIGKILL and SIGTERM of test_train.py hit chosen steps), in runs of 20
+    steps (checkpoints at 4, 8, ..., 20, validations at 10 and 20: every phase a kill can hit,
+    as the manual run's 40); the manual run makes fifty."""
+    result = kill_harness.training(2, np.random.default_rng(1), str(tmp_path), log=lambda s: None,
+                                   steps=20)
     assert result["problems"] == []
     assert result["kills"] == 2 and result["starts"] >= 3
 

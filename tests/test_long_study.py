@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import cheap_compile
 from sparse_jax import attention
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.bench import long_study
@@ -29,9 +30,12 @@ def test_dry_run_measures_every_planned_row(tmp_path):
     # A cap no loaded machine reaches (the stage's 240 s were a clock: a busy CPU timed the
     # last run out), and no timeout here: the report's own cap bounds the run.
     out = tmp_path / "study"
+    # Its cost is compiling toy programs (three runs, each calibrated, trained and scored):
+    # compiled cheaply (`cheap_compile`), the same programs.
     proc = subprocess.run([sys.executable, "scripts/accelerator_report.py", "--dry_run",
                            "--stages=study", "--caps=study=86400", f"--output_dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True,
+                          env=cheap_compile(dict(os.environ)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())["stages"]["study"]
     assert result["status"] == "ok", (long_study.missing(result), proc.stdout[-3000:])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import cheap_compile
 from sparse_jax import sharding as S
 from sparse_jax import train
 from sparse_jax.model import transformer as M
@@ -40,8 +41,11 @@ def losses(workdir, split="train"):
 
 
 def child_env(devices):
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    """A child with `devices` CPU devices; it compiles as this process does (`cheap_compile`):
+    its cost is compiling tiny programs, and its results are compared with this process's."""
+    return cheap_compile({**os.environ, "JAX_PLATFORMS": "cpu",
+                          "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
+                          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
 
 
 # ---------------------------------------------------------------------------------------------

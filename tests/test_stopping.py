@@ -2,15 +2,16 @@
 points spread over its run, ends with one line and status 128 + the signal (or 0 if it finished
 first), never a crash, and leaves no child process, no temporary file and nothing damaged.
 
-The points are keyed to the script's own progress, not to a clock: "from the start" (its
-imports and set-up), a moment after one of its output lines appears (a compilation under way
-after "compiling the training step...", a step, a validation, a progress line), or after a
-child process of its own appears. Each point is one run up to it, with $TMPDIR a fresh folder
-and a marker in its environment (which its children inherit); then no process with the marker
-may be left and $TMPDIR must be empty. The same command run to its end afterwards must work
-(training resumes; evaluation writes whole outputs). Every script compiles into a compilation
-cache of its own, so the early points land in real compilations. No wait has a limit that load
-can reach: a run is awaited line by line, with a limit (`SAFETY_S`) only against hanging.
+The points are keyed to the script's own progress, not to a clock: "from the start" (its imports
+and set-up), a moment after one of its output lines appears (a compilation under way after
+"compiling the training step...", a step, a validation, a progress line) or a line of the log
+its worker process writes, or after a child process of its own appears. Each point is one run up
+to it, with $TMPDIR a fresh folder and a marker in its environment (which its children inherit);
+then no process with the marker may be left and $TMPDIR must be empty. The same command run to
+its end afterwards must work (training resumes; evaluation writes whole outputs). Every script
+compiles into a compilation cache of its own, so the early points land in real compilations. No
+wait has a limit that load can reach: a run is awaited line by line, with a limit (`SAFETY_S`)
+only against hanging.
 Linux only (the processes are found in /proc).
 """
 
@@ -31,6 +32,7 @@ SAFETY_S = 1800  # against a hang only: no run comes near it, whatever the load
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 START = None  # a point "from the start": (START, seconds after the process starts)
 CHILD = "child"  # a point after the script's first child process appears
+# (LOG, regex): a point after a line of a log file the script's worker writes ({tmp} filled in)
 STOP_LINE = re.compile(r"^(error: (interrupted|stopped by SIG(TERM|INT))"  # the one line, or
                        r"|Stopped by SIG(TERM|INT) at step \d+; checkpoint saved"  # training's
                        r"|Wrote .*; interrupted by SIG(TERM|INT))")  # the accelerator report's
@@ -44,8 +46,8 @@ def _train(workdir: str, data: str, steps: int = 6) -> list[str]:
 
 
 # Each script: its command ({tmp}: the test's folder, {run}: a trained workdir, {data}: a byte
-# file), the points at which it is signalled (a line's regex or START / CHILD, then seconds),
-# and whether the same command run to its end afterwards must succeed.
+# file), the points at which it is signalled (a line's regex, a (log, regex) pair or START /
+# CHILD, then seconds), and whether the same command run to its end afterwards must succeed.
 SWEEPS = {
     "train": (None, [(START, 0.3), (START, 1.5), (r"^compiling and running the init", 0.3),
                      (r"^compiling the training step", 0.3), (r"^step 2/", 0.0),
@@ -78,8 +80,11 @@ SWEEPS = {
                           f"--config={ROOT}/configs/quickstart.py:data=embedded",
                           "--workdir={tmp}/study", "--patterns=dense", "--steps=4",
                           "--config.optimizer.warmup_steps=1"],
-                         [(START, 0.5), (r"^compiling the training step", 0.3)],
-                         False),  # (the training loop's own stops: train's sweep)
+                         [(START, 0.5), (("{tmp}/study/dense/train.log",
+                                          r"^compiling the training step"), 0.3)],
+                         False),  # (the training loop's own stops: train's sweep; the worker
+    # prints to its train.log, not to the script's output: a point keyed to the script's own
+    # lines was never reached, and that run went on to its end unsignalled)
     "accelerator_report": (["accelerator_report", "--dry_run", "--stages=env",
                             "--output_dir={tmp}/report", "--overwrite"],
                            [(START, 0.5), (CHILD, 0.5)], False),
@@ -145,12 +150,18 @@ class _Run:
         return bool(caught >> (signal.SIGTERM - 1) & 1)
 
     def wait_for(self, pattern, delay: float) -> None:
-        """Until `pattern` (a line's regex, START: the script's start, or CHILD) is reached,
-        then `delay` seconds, or until the script ends."""
+        """Until `pattern` (a line's regex, a (log file, regex) pair, START: the script's
+        start, or CHILD) is reached, then `delay` seconds, or until the script ends."""
         while self.proc.poll() is None and time.monotonic() - self.started < SAFETY_S:
+            if isinstance(pattern, tuple):
+                path, regex = pattern
+                lines = open(path, errors="replace").read().splitlines() \
+                    if os.path.isfile(path) else []
+            else:
+                regex, lines = pattern, self.lines
             if (pattern is START and self.handles()) or (pattern == CHILD and self.children()) or (
                     pattern not in (START, CHILD)
-                    and any(re.search(pattern, line) for line in self.lines)):
+                    and any(re.search(regex, line) for line in lines)):
                 break
             self.new_line.wait(0.05)
             self.new_line.clear()
@@ -215,6 +226,8 @@ def test_a_script_stopped_at_any_instant_ends_cleanly(script, tmp_path, byte_fil
     env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}  # compilations of its own
     sent_any = False
     for i, (pattern, delay) in enumerate(points):
+        if isinstance(pattern, tuple):  # (LOG, regex)
+            pattern = (pattern[0].format(**fill), pattern[1])
         sig = SIGNALS[i % 2]
         run = _Run(argv, tmp_path, env)
         run.wait_for(pattern, delay)

@@ -116,7 +116,7 @@ def start(workdir, byte_file, log):
     args = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
             f"--config={os.path.join(ROOT, 'configs', 'bytes.py')}:size=tiny",
             f"--workdir={workdir}", f"--config.data.path={byte_file}",
-            "--config.total_steps=120", "--config.checkpoint_every=10",
+            "--config.total_steps=60", "--config.checkpoint_every=10",
             "--config.eval_every=40", "--config.log_every=5", "--config.model.dropout=0.1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -145,7 +145,7 @@ def test_resume_after_sigkill_and_sigterm_gives_the_same_losses(tmp_path, byte_f
     run = start(workdir, byte_file, tmp_path / "2.log")
     wait_for(lambda: "Resuming from step" in (tmp_path / "2.log").read_text(), run)
     resumed = int((tmp_path / "2.log").read_text().split("Resuming from step ")[1].split()[0])
-    assert 10 <= resumed < 120
+    assert 10 <= resumed < 60
     wait_for(lambda: max([0] + [r["step"] for r in read_metrics(workdir)]) > resumed + 5, run)
     run.send_signal(signal.SIGTERM)
     assert run.wait() == 128 + signal.SIGTERM
