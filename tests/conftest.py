@@ -4,8 +4,15 @@ import gzip
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 import zipfile
+
+# A suite started in the background by a shell without job control (`pytest ... &`) inherits
+# SIGINT ignored, and so would every process it starts: the stop tests send SIGINT and need it to
+# act, as it does when the suite runs in a terminal or in CI.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The tests in this process compile hundreds of small programs and run most of them once or
 # twice: XLA's cheap compile (backend optimisation level 0, no expensive LLVM passes) takes about
