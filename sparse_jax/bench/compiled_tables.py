@@ -9,6 +9,7 @@ results.md tables, and what fails the check.
 
 from __future__ import annotations
 
+from sparse_jax.attention.patterns import KINDS
 from sparse_jax.bench.compiled_output import TARGETS
 
 
@@ -32,7 +33,7 @@ def _family(row: dict) -> str:
     its whole definition ("16k my_patterns:longformer(window=256)")."""
     _, length, pattern = row["name"].split(" ", 2)
     kind = pattern.split(":")[0].partition("@")[0]
-    built_in = kind in ("dense", "local", "strided", "fixed")
+    built_in = kind in KINDS
     return f"{length} {kind if built_in else pattern.partition('@')[0]}"
 
 

@@ -276,7 +276,9 @@ def _forward_of(program: dict):
 
 def _own_pattern(pattern: str) -> bool:
     """Whether ``pattern`` names a pattern of one's own (``module:name``), not a built-in."""
-    return pattern.split(":")[0].partition("@")[0] not in ("dense", "local", "strided", "fixed")
+    from sparse_jax.attention.patterns import KINDS
+
+    return pattern.split(":")[0].partition("@")[0] not in KINDS
 
 
 def _child(program: dict, target: str) -> None:
