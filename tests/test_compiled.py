@@ -226,3 +226,28 @@ def test_a_cudnn_row_without_cudnn_falls_back_to_xla_and_says_so(tmp_path):
     assert "error" not in row, row.get("error")
     assert row["note"].startswith("fell back") and "dense@xla" in row["note"]
     assert row["planned_gb"] > 0
+
+
+def test_tile_work_counts_every_batch_row():
+    """A batch of sequences: the list-walking kernels run more programs of the same walks; the
+    one-pass kernels' persistent grid keeps its programs and each walks more items. Either way
+    the tiles and bytes grow with the batch (the compile of the preset's B=16 attention read
+    them as B=1's before)."""
+    from sparse_jax.attention.spec import PatternSpec
+    from sparse_jax.bench import compiled_work
+    from sparse_jax.bench.attention import parse_pattern
+
+    spec = PatternSpec("strided", stride=64)
+    for options in ("chained", "onepass:s1", "onepass:s1:atomic"):
+        sizes = parse_pattern(f"strided:64@pallas:{options}", 4096)[2]
+        one, many = (compiled_work.tile_work(spec, 4096, sizes, 8, 64, batch=b) for b in (1, 16))
+        assert one.keys() == many.keys()
+        for name, k in one.items():
+            m = many[name]
+            assert m["hbm_bytes"] == pytest.approx(16 * k["hbm_bytes"], rel=1e-6), name
+            total, total_many = (w["tiles_mean"] * w["programs"] for w in (k, m))
+            assert total_many == pytest.approx(16 * total), name
+            if "onepass" in options:  # one program a resident slot, more items each
+                assert m["programs"] == k["programs"] and m["items"] == 16 * k["items"], name
+            else:
+                assert m["programs"] == 16 * k["programs"], name

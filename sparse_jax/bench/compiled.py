@@ -193,7 +193,7 @@ def build_program(program: dict, mesh):
             def loss(q, k, v):
                 return sparse_attention(q, k, v, spec, implementation,
                                         sizes).astype(jnp.float32).sum()
-            work = (compiled_work.tile_work(spec, n, sizes, heads, d)
+            work = (compiled_work.tile_work(spec, n, sizes, heads, d, batch=program["batch"])
                     if implementation == "pallas" else None)
         return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x), work
     from flax import nnx

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 
-def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2) -> dict:
+def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int = 2,
+              batch: int = 1) -> dict:
     """Per kernel name (``sparse_{forward,dq,dkv}_{kind}``): the key (or query) tiles each
     program visits (mean, max), its programs, its tiles (``block_q`` queries by ``block_k``
     keys) and an estimate of the HBM bytes it moves (own tiles in, listed tiles in per visit,
-    outputs out; float32 partial results; no reuse through L2)."""
+    outputs out; float32 partial results; no reuse through L2), for ``batch`` sequences of
+    ``heads`` heads (a batch row: more programs of the same walks, or on the one-pass kernels'
+    persistent grid more items a program)."""
     from sparse_jax.attention import fused, gathered_plan, measured
 
     # no options: the kernel compiles with the GPU's defaults chosen by measurement
@@ -22,13 +25,14 @@ def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int =
     sizes = dataclasses.replace(sizes, band=0)  # band kernels: a TPU's alone
     compiler = fused.compiler_for(sizes, "triton", interpret=False)
     if sizes.variant == "onepass":
-        return onepass_work(spec, n, compiler, heads, head_dim, dtype_bytes)
+        return onepass_work(spec, n, compiler, heads, head_dim, dtype_bytes, batch)
     rows = -(-n // spec.block)
     chained = sizes.variant == "chained"
     gathered = compiler.gathered and gathered_plan.plan(spec, n, compiler)
     if gathered:
-        return gathered_work(gathered, heads // compiler.heads_per_program, heads,
-                              max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes)
+        return gathered_work(gathered, batch * heads // compiler.heads_per_program,
+                             batch * heads, max(16, 1 << (head_dim - 1).bit_length()),
+                             dtype_bytes)
     if chained:
         _, plan = fused._chain(spec, rows, compiler)
         terms = [(layout, lists, comp) for layout, _, lists, comp, _ in plan]
@@ -37,7 +41,7 @@ def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int =
                  fused._terms(spec, rows, compiler)]
     d = max(16, 1 << (head_dim - 1).bit_length())
     h = compiler.heads_per_program
-    groups = heads // h
+    groups = batch * heads // h
     out = {}
     for index, (layout, lists, comp) in enumerate(terms):
         bq, bk = comp.block_q, comp.block_k
@@ -64,22 +68,26 @@ def tile_work(spec, n: int, sizes, heads: int, head_dim: int, dtype_bytes: int =
             per_head = len(visits) * (own_in + own_out + resume_in) + tiles * per_visit
             out[f"sparse_{name}_{layout.kind}"] = {
                 "tiles_mean": float(visits.mean()), "tiles_max": int(visits.max()),
-                "programs": int(len(visits) * groups), "hbm_bytes": int(per_head * heads),
+                "programs": int(len(visits) * groups),
+                "hbm_bytes": int(per_head * heads * batch),
                 "block_q": bq, "block_k": bk}
     return out
 
 
-def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes: int) -> dict:
+def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes: int,
+                 batch: int = 1) -> dict:
     """``tile_work`` of the one-pass kernels (``pallas_onepass``): per kernel its programs (a
     grid of resident slots), the key tiles each walks over its items (an item: a tile of one
     head; program p takes items p, p + P, ...), the backward's dq and dk/dv items together
     (``products``: matrix products a tile, their mean), or with ``atomic_dq`` its dk/dv items
-    alone (5 products a tile, dq read and written at each); bytes as ``tile_work``'s."""
+    alone (5 products a tile, dq read and written at each); bytes as ``tile_work``'s. A tile's
+    items are its ``batch`` × ``heads`` neighbours (``pallas_onepass._split``)."""
     import numpy as np
 
     from sparse_jax.attention import fused, pallas_onepass
 
     d, b = max(16, 1 << (head_dim - 1).bit_length()), dtype_bytes
+    heads *= batch  # the items of a tile: every batch row's heads
     _, plan = fused._onepass(spec, n, compiler)
     out = {}
     for index, (comp, term, kind) in enumerate(plan):
@@ -96,7 +104,7 @@ def onepass_work(spec, n: int, compiler, heads: int, head_dim: int, dtype_bytes:
             passes["backward"] = [(bwd, 5, bk * 2 * d * (b + o * (1 + r)),
                                    bq * (3 * d * b + 4 + 2 * d * 4))]
         for name, kinds in passes.items():
-            items = np.concatenate([np.repeat(v, heads) for v, *_ in kinds])  # batch 1
+            items = np.concatenate([np.repeat(v, heads) for v, *_ in kinds])
             grid = pallas_onepass.programs(comp, name, len(items))
             walk = np.bincount(np.arange(len(items)) % grid, weights=items, minlength=grid)
             tiles = [int(v.sum()) * heads for v, *_ in kinds]
