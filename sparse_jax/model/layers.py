@@ -23,6 +23,20 @@ from sparse_jax.attention.context import context_attention
 from sparse_jax.attention.spec import PatternSpec
 from sparse_jax.sharding import SEQ_AXIS
 
+# GeLU of a product plus its bias, recomputed by the backward from the product (which the
+# matrix multiply writes anyway): XLA's own derivative keeps the biased input and the tanh as
+# two more [B, n, 4d] residuals, written by the forward and read by the backward.
+_gelu_bias = jax.checkpoint(lambda y, bias: jax.nn.gelu(y + bias))
+
+
+def _linear_gelu(layer: nnx.Linear, x):
+    """``gelu(layer(x))`` (as ``nnx.Linear.__call__`` computes the product) with
+    ``_gelu_bias``'s residuals."""
+    x, kernel, bias = layer.promote_dtype((x, layer.kernel[...], layer.bias[...]),
+                                          dtype=layer.dtype)
+    y = layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+    return _gelu_bias(y, bias)
+
 
 def _dropout(x, rate: float, key):
     if key is None or rate == 0.0:
@@ -277,5 +291,5 @@ class Block(nnx.Module):
     def _finish(self, h_BND, a_BND, dropout_key=None):
         """H + a + b, given the attention branch a."""
         x_BND = self.ff_norm(h_BND + a_BND)
-        b_BND = _dropout(self.ff_out(jax.nn.gelu(self.ff_in(x_BND))), self.dropout, dropout_key)
+        b_BND = _dropout(self.ff_out(_linear_gelu(self.ff_in, x_BND)), self.dropout, dropout_key)
         return h_BND + a_BND + b_BND  # float32 stream + compute-dtype branches -> float32
