@@ -14,7 +14,7 @@ VMEM); per program XLA's planned memory against the device's and the compile tim
       --patterns='my_patterns:longformer(window=256;globals=64;block=128)@pallas'
 
 --programs takes groups (GPU: attention16k, attention64k, attention8k, attention32k, onepass,
-reference16k, gathered, steps, study, million, ci, all; TPU: ci, attention16k, attention64k,
+reference16k, gathered, preset, steps, study, million, ci, all; TPU: ci, attention16k, attention64k,
 tiles8k, tiles16k, bands16k, splash8k, splash16k, splash64k, forward16k, steps, all) or program
 names (--list prints them). --patterns names attention programs of one's own instead, as
 benchmark_attention.py names them (built in or ``module:name(k=v;...)``, a pattern of one's own;

@@ -322,7 +322,8 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     p = accelerator.plan_for(dry_run=False)["preset"]
     # the H100 report: 0.0536 s a step, compiled in 15 s; train.py took 142 s for 1,680 steps
     rows = [{"name": "preset strided@pallas", "step_s": 0.0536, "compile_s": 15},
-            {"name": "preset strided@xla", "step_s": 0.117, "compile_s": 19}]
+            {"name": "preset strided@pallas:onepass:s1:atomic", "step_s": 0.0601,
+             "compile_s": 16}]
     train_s = accelerator.CAPS["preset"] - p["after_s"]
     steps, implementation, timed, how = preset.plan_steps(p, rows, train_s)
     assert implementation == "pallas" and timed is rows[0]
@@ -330,6 +331,9 @@ def test_the_preset_plans_its_steps_from_the_measured_step_to_end_before_its_cap
     assert steps > 500 and f"{steps:,} steps from the measured step" in how
     assert preset.plan_steps(p, rows, 1000)[0] == int(p["train_seconds"] / 0.0536)
     assert preset.plan_steps(p, [], train_s)[:2] == (p["default_steps"], "xla")
+    # the one-pass kernels, timed beside the default, train the preset where they win
+    faster = [rows[0], {**rows[1], "step_s": 0.04}]
+    assert preset.plan_steps(p, faster, train_s)[1] == "pallas:onepass:s1:atomic"
     # a kernel variant that wins the step trains the preset (model.kernel, as train.py takes it)
     rows.append({"name": "preset strided@pallas:terms", "step_s": 0.04, "compile_s": 16})
     variant = {**p, "preset_cases": [*p["preset_cases"], "preset strided@pallas:terms"]}

@@ -82,6 +82,12 @@ ONEPASS_ATOMIC = ONEPASS + ":atomic"  # its backward adding dq atomically, each 
 # each also with option atomic (dq added by the dk/dv kernels, no dq kernel).
 GATHERED = tuple((n, "fixed:128:32@pallas:chained:gathered" + tiles + atomic) for n in (
     8192, 16384, 32768, 65536) for atomic in ("", ":atomic") for tiles in ("", ":dkv128x128w8"))
+# The one-GPU preset's attention as its training step runs it (train_step's preset cases: B=16,
+# 4,096 bytes, strided l=64, 8 heads of 64), in the variants whose steps are measured or
+# predicted: the measured default there (chained), terms, and onepass with either backward.
+PRESET_SHAPE = {"batch": 16, "heads": 8, "head_dim": 64}
+PRESET = tuple(f"strided:64@pallas:{kernel}" for kernel in (
+    "chained", "terms", "onepass:s1", "onepass:s1:atomic"))
 # The defaults (attention.measured: chained at 16k), the other variant, terms, onepass (both
 # backwards) and the fixed pattern's gathered kernels.
 CI_PROGRAMS = ("attention 16k strided:128@pallas", "attention 16k fixed:128:32@pallas",
@@ -95,7 +101,8 @@ def programs() -> list[dict]:
     """Every program the report times, in its order: attention fwd+bwd (bf16, B=1 H=8 d=64) at
     16k (baselines, then the kernel variants), 64k, 8k and 32k (the baselines), strided's
     onepass kernels at 8k-64k, also with option atomic (group "onepass", the report's 16k and
-    64k rows too), the training steps (train_step's cases) and the long-context study's runs.
+    64k rows too), the preset step's attention (B=16 at 4,096: group "preset"), the training
+    steps (train_step's cases) and the long-context study's runs.
     Each: name, group, kind and what to build."""
     from sparse_jax.bench.accelerator import attention, train_step
     from sparse_jax.bench.long_study import plan as study_plan
@@ -127,6 +134,9 @@ def programs() -> list[dict]:
             out.append({"name": f"attention {n // 1024}k {pattern}", "group": "gathered",
                         "kind": "attention", "pattern": pattern, "seq_len": n,
                         **ATTENTION_SHAPE})
+    for pattern in PRESET:  # named apart from the B=1 rows: "preset attention 4k PATTERN"
+        out.append({"name": f"preset attention 4k {pattern}", "group": "preset",
+                    "kind": "attention", "pattern": pattern, "seq_len": 4096, **PRESET_SHAPE})
     for case in train_step.plan(False)["cases"]:
         out.append({"name": f"step {case['name']}", "group": "steps", "kind": "step",
                     "model": case["model"], "batch_size": case["batch_size"]})
@@ -141,8 +151,8 @@ def programs() -> list[dict]:
 
 def select(names: list[str] | None) -> list[dict]:
     """The programs named, or of the groups named ("attention16k", "attention64k", "attention8k",
-    "attention32k", "onepass", "reference16k", "gathered", "steps", "study", "million", "ci"
-    for the CI check's, "all"); ValueError naming an unknown one."""
+    "attention32k", "onepass", "reference16k", "gathered", "preset", "steps", "study",
+    "million", "ci" for the CI check's, "all"); ValueError naming an unknown one."""
     every = programs()
     if not names or names == ["all"]:
         return every
@@ -155,10 +165,8 @@ def select(names: list[str] | None) -> list[dict]:
         if not matches:
             raise ValueError(f"--programs: {name!r} is no program or group; give all, ci, "
                              f"attention16k, attention64k, attention8k, attention32k, "
-                             f"onepass, reference16k, gathered, steps, study, million "
-                             f"or a "
-                             f"name "
-                             f"(--list prints them)")
+                             f"onepass, reference16k, gathered, preset, steps, study, "
+                             f"million or a name (--list prints them)")
         chosen += [p for p in matches if p not in chosen]
     return chosen
 

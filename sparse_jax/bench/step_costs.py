@@ -6,6 +6,8 @@ group on a GPU (bytes at the HBM bandwidth, FLOPs at the bf16 peak, whichever is
 kernel). The step is compiled for an H100 on this CPU with no GPU, as ``compiled`` does.
 
   python -m sparse_jax.bench.step_costs --remat=full,dots,none     # the paper's 16k step
+  python -m sparse_jax.bench.step_costs --case=preset --remat=none --pattern=strided \
+      --kernel=chained                         # the one-GPU preset's step (B=16 at 4,096)
 
 Groups: ``matmul`` (cuBLAS calls and XLA's own GEMM fusions), ``attention`` (Pallas/Triton
 custom calls, cuDNN's fused attention), ``reduce`` (fusions with a reduction: the layer norms'
@@ -242,6 +244,10 @@ def compile_step(model: dict, batch_size: int, tools: str, target: str = "h100"
 PAPER = dict(seq_len=16384, num_layers=30, d_model=512, num_heads=8, pattern="fixed",
              stride=128, c=32, remat="full", scan_layers=True, dtype="bfloat16",
              attention="pallas")
+# configs/bytes.py:size=gpu as the report's train_step times it (no dropout), at batch 16
+PRESET = dict(seq_len=4096, num_layers=8, d_model=512, num_heads=8, pattern="strided",
+              stride=64, rotary=True, dtype="bfloat16", attention="pallas")
+CASES = {"paper": (PAPER, 2), "preset": (PRESET, 16)}
 
 
 def table(rows: dict[str, dict]) -> list[str]:
@@ -263,28 +269,33 @@ def main(argv: list[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", default="paper", choices=sorted(CASES),
+                        help="the paper's 16k step (batch 2) or the one-GPU preset's (batch 16)")
     parser.add_argument("--remat", default="full", help="remat policies, comma-separated")
     parser.add_argument("--attention", default="pallas")
     parser.add_argument("--pattern", default="fixed")
+    parser.add_argument("--kernel", default="", help="Pallas kernel options (ModelConfig.kernel)")
     parser.add_argument("--tools", default=os.environ.get("SPARSE_JAX_GPU_TOOLS", ".gpu_tools"))
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args(argv)
     from sparse_jax.bench import compiled
     from sparse_jax.model.config import ModelConfig
 
+    base, batch = CASES[args.case]
     models = {}
     try:  # every model and the tools checked before the first compile
         for remat in args.remat.split(","):
-            models[remat] = {**PAPER, "remat": remat, "attention": args.attention,
-                             "pattern": args.pattern}
+            models[remat] = {**base, "remat": remat, "attention": args.attention,
+                             "pattern": args.pattern, "kernel": args.kernel}
             ModelConfig(**models[remat])
         compiled.check_tools(args.tools)
     except ValueError as e:
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     rows = {}
     for remat, model in models.items():
-        hlo, planned = compile_step(model, 2, args.tools)
-        label = f"{args.pattern} remat={remat}"
+        hlo, planned = compile_step(model, batch, args.tools)
+        label = f"{args.case} {args.pattern} remat={remat}" + (
+            f" kernel={args.kernel}" if args.kernel else "")
         rows[label] = {**costs(hlo), "planned_gb": planned}
         print(f"{label}: XLA plans {planned:.3g} GB", flush=True)
         print("\n".join(table({label: rows[label]})), flush=True)

@@ -32,7 +32,7 @@ def plan(dry_run: bool) -> dict:
             "startup_s": 40,  # train.py's own seconds beyond steps and compilation
             "after_s": 28,  # kept for evaluate and sample
             "eval_batches": -1, "data_bytes": None, "prompt_bytes": 512, "sample_bytes": 1000,
-            "preset_cases": ["preset strided@pallas", "preset strided@xla"]}
+            "preset_cases": ["preset strided@pallas", "preset strided@pallas:onepass:s1:atomic"]}
 
 
 def inputs(report: dict) -> dict:

@@ -1,7 +1,7 @@
 """Stage train_step: a training step (loss, gradients, AdamW) of the one-GPU preset at 4,096
-bytes, batch 16 (Pallas and XLA: the faster one and its measured step time set the preset
-stage's training), and of the paper's enwik8 model at 16,384 bytes, batch 2: fixed through XLA
-and Pallas, and dense (cuDNN). Then:
+bytes, batch 16 (Pallas with the measured default and with the one-pass kernels: the faster
+one and its measured step time set the preset stage's training), and of the paper's enwik8
+model at 16,384 bytes, batch 2: fixed through XLA and Pallas, and dense (cuDNN). Then:
 
   kernel profile  one more step of the cases in ``kernel_profile`` (the paper's fixed and dense
                   steps) traced with jax.profiler and read back (``bench.kernel_profile``): the
@@ -41,10 +41,12 @@ from sparse_jax.model.config import ModelConfig
 # compilation): its time goes to the kernel profile (two steps traced and read, ~10 s by the
 # H200's 16k steps of 0.17-0.25 s and the profiler's start and stop) and the dense check (three
 # compilations of an 8-layer scanned model at 4,096, ~4 s each by the 16k steps' compile times
-# of 3-9 s, and their steps): 130 s.
+# of 3-9 s, and their steps): 130 s. The preset's XLA step (16 s to compile, 0.103 s a step)
+# gave its place to the one-pass kernels' (a Pallas preset step: ~12 s to compile, ~0.04 s).
 CAP, DRY_CAP = 130, 60
 # a kernel option of ModelConfig.kernel: the gathered kernels with dq added atomically
 GATHERED = "chained:gathered:dkv128x128w8:atomic"
+ONEPASS = "onepass:s1:atomic"  # strided's one-pass kernels, dq added atomically
 PROFILE_S = 40  # added to the cap by --profile: two more compilations and a few steps traced
 
 
@@ -65,8 +67,11 @@ def plan(dry_run: bool) -> dict:
     return {"cases": [
         {"name": "preset strided@pallas", "batch_size": 16,
          "model": {**preset_model, "attention": "pallas"}},
-        {"name": "preset strided@xla", "batch_size": 16,
-         "model": {**preset_model, "attention": "xla"}},
+        # the one-pass kernels with dq added atomically, predicted to take the preset past 30%
+        # MFU (docs/benchmarks/cost_model/predictions.json); the XLA preset step it replaces
+        # measured 0.103 s on the H200 (2026-11-28) and 0.117 s on the H100: 2.3-2.5x Pallas's
+        {"name": f"preset strided@pallas:{ONEPASS}", "batch_size": 16,
+         "model": {**preset_model, "attention": "pallas", "kernel": ONEPASS}},
         {"name": "paper 16k fixed@pallas", "batch_size": 2,
          "model": {**paper, "attention": "pallas"}},
         # the fixed pattern's gathered kernels (attention.pallas_gathered) with option atomic,
