@@ -30,7 +30,6 @@ import sys
 from absl import app, flags
 
 from sparse_jax import cli, sharding
-from sparse_jax.model.config import model_config
 
 _PATTERNS = flags.DEFINE_list("patterns", ["strided", "fixed", "dense"], "Pattern kinds.")
 _STRIDE = flags.DEFINE_integer("stride", 128, "l of strided and fixed.", lower_bound=1)
@@ -53,72 +52,9 @@ _MODEL_STEPS = flags.DEFINE_integer("model_steps", 0, "Instead: train the tiny m
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Most simulated CPU devices.",
                                     lower_bound=1, upper_bound=sharding.MAX_CPU_DEVICES)
 KINDS = ("strided", "fixed", "dense")  # what --patterns takes
-BATCH = 8  # --model_steps: the sequences of a step
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.md and results.json go.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results already in "
                                "--output_dir.")
-
-
-def _mib(x):
-    return f"{x / 2**20:,.1f}"
-
-
-def _train_steps(pattern, seq, devices, steps):
-    """(loss, gradient norm) of `steps` training steps of the tiny bytes model on `devices`
-    devices, each sequence split over `seq` of them, on fixed random batches of 8."""
-    import jax
-    import numpy as np
-
-    from sparse_jax import train
-    from sparse_jax.run import setup
-
-    config = _model_config(pattern, seq, steps)
-    cfg = model_config(config.model)
-    mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
-    if seq > 1:
-        setup.make_mesh(config)  # the run's checks (the split fits the patterns)
-    jitted = train.make_jitted(config, cfg, mesh)
-    state = jitted.init()
-    rng = jax.device_put(jax.random.key(0),
-                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    tokens = np.random.default_rng(0).integers(0, 256, (steps, BATCH, cfg.seq_len + 1),
-                                               np.int32)
-    out = []
-    for batch in tokens:
-        batch = jax.device_put({"inputs": batch[:, :-1], "targets": batch[:, 1:]},
-                               jitted.batch_sharding)
-        state, metrics = jitted.train_step(state, batch, rng)
-        out.append((float(metrics["bits"]), float(metrics["grad_norm"])))
-    return out
-
-
-def _model(devices, steps):
-    """The --model_steps table: split against unsplit, per pattern and P."""
-    lines = ["| pattern | P | steps | loss at the last step | largest relative difference: "
-             "loss | gradient norm |", "|---|---:|---:|---:|---:|---:|"]
-    rows = []
-    for pattern in _PATTERNS.value:
-        whole = _train_steps(pattern, 1, max(devices), steps)
-        for p in devices:
-            split = _train_steps(pattern, p, max(devices), steps)
-            loss, norm = (max(abs(a[i] - b[i]) / abs(a[i]) for a, b in zip(whole, split))
-                          for i in (0, 1))
-            rows.append({"pattern": pattern, "devices": p, "steps": steps, "loss": split[-1][0],
-                         "loss_unsplit": whole[-1][0], "loss_difference": loss,
-                         "grad_norm_difference": norm})
-            lines.append(f"| {pattern} | {p} | {steps} | {split[-1][0]:.6f} | {loss:.1e} | "
-                         f"{norm:.1e} |")
-            print(lines[-1], flush=True)
-    return rows, lines
-
-
-def _model_config(pattern, seq, steps):
-    """configs/bytes.py:size=tiny as --model_steps trains it: `pattern`, split over `seq`."""
-    import configs
-
-    return configs.load("bytes:size=tiny", {
-        "model.pattern": pattern, "mesh.seq": seq, "batch_size": BATCH, "total_steps": steps + 1,
-        "optimizer.warmup_steps": 1})
 
 
 def _specs():
@@ -150,6 +86,9 @@ def check(argv):
     cli.output_dir("output_dir", _OUTPUT_DIR.value, holds=("results.json", "results.md"),
                    overwrite=_OVERWRITE.value)
     if _MODEL_STEPS.value:
+        # the devices first: the checks below start JAX's backends (jax.process_count)
+        sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
+        from sparse_jax.bench.context_costs import model_config
         from sparse_jax.run import setup
 
         if max(devices) > _CPU_DEVICES.value:
@@ -157,7 +96,7 @@ def check(argv):
                                  f"devices, more than --cpu_devices={_CPU_DEVICES.value}")
         for pattern in _PATTERNS.value:  # the run's checks: the batch and the split fit
             for p in devices:
-                config = _model_config(pattern, p, _MODEL_STEPS.value)
+                config = model_config(pattern, p, _MODEL_STEPS.value)
                 try:
                     setup.mesh_shape(config, None, max(devices))
                 except ValueError as e:
@@ -168,40 +107,20 @@ def check(argv):
 def main(argv):
     devices = [int(d) for d in _DEVICES.value]
     sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
+    from sparse_jax.bench import context_costs
+
     if _MODEL_STEPS.value:
-        rows, lines = _model(devices, _MODEL_STEPS.value)
+        rows, lines = context_costs.model_rows(_PATTERNS.value, devices, _MODEL_STEPS.value)
         _write(rows, lines, "Context parallelism: the model trained split and unsplit")
         return
-    from sparse_jax.bench import context_costs, tools
-
-    specs = _specs()
-    rows = context_costs.cost_rows(specs, [int(n) for n in _N.value], devices, _HEADS.value,
-                             _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
-                             compile_memory=_MEMORY.value, measure_time=_TIME.value)
+    rows = context_costs.cost_rows(_specs(), [int(n) for n in _N.value], devices, _HEADS.value,
+                                   _HEAD_DIM.value, implementation=_IMPLEMENTATION.value,
+                                   compile_memory=_MEMORY.value, measure_time=_TIME.value)
     command = "python scripts/context_parallel.py " + " ".join(sys.argv[1:])
     date = datetime.date.today().isoformat()
     lines = [f"`{command.strip()}` on {date}: H={_HEADS.value}, d={_HEAD_DIM.value}, batch 1, "
              f"float32, implementation {_IMPLEMENTATION.value}; MiB per device.", "",
-             "| pattern | n | P | sent: forward | + backward | arguments | outputs | "
-             "temporaries | total | total / P=1 | seconds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    first = {(r["pattern"], r["n"]): r["memory"]["total"] for r in rows  # "total / P=1": only
-             if r.get("memory") and r["devices"] == 1}  # against the P=1 row, when measured
-    for row in rows:
-        if "skipped" in row:
-            lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
-                         f"{row['skipped']} |||||||")
-            continue
-        memory = row.get("memory")
-        cells = [""] * 5
-        if memory:
-            cells = [_mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
-            ratio = tools.ratio(memory["total"], first.get((row["pattern"], row["n"])))
-            cells.append(tools.NOT_MEASURED if ratio is None else f"{ratio:.3f}")
-        cells.append(f"{row['seconds']:.3f}" if "seconds" in row else "")
-        lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
-                     f"{_mib(row['sent']['forward']['total'])} | "
-                     f"{_mib(row['sent']['backward']['total'])} | " + " | ".join(cells) + " |")
+             *context_costs.cost_table(rows)]
     print("\n".join(lines))
     _write(rows, lines, "Context parallelism: bytes sent and per-device memory")
 

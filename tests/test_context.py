@@ -10,6 +10,7 @@ no devices.
 import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -280,3 +281,18 @@ def test_a_model_split_is_checked_for_every_distinct_pattern_of_its_layers():
         assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="tuples of PatternSpecs"):
         C.check_model_split([("strided",)], 512, 8)
+
+
+@pytest.mark.slow
+def test_the_model_trained_split_and_unsplit_agrees_from_the_script(tmp_path):
+    """``scripts/context_parallel.py --model_steps``: its checks start JAX's backends, so the
+    script splits the CPU into devices before them (it did so after, and a split run then
+    found one device and stopped)."""
+    out = subprocess.run([sys.executable, "scripts/context_parallel.py", "--model_steps=1",
+                          "--devices=2", "--patterns=strided", f"--output_dir={tmp_path}"],
+                         cwd=os.path.dirname(TESTS), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        (row,) = json.load(f)["rows"]
+    assert row["devices"] == 2 and row["loss_difference"] < 1e-5, row

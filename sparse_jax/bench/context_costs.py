@@ -2,7 +2,8 @@
 tests that hold the library to its figures: the bytes one device sends per layer by collective
 (``communication_bytes``), XLA's planned memory of an attention forward + backward
 (``planned_memory``), the time of one (``step_seconds``) and the table of all three
-(``cost_rows``), for a sequence split over devices as ``attention.context`` runs it.
+(``cost_rows``, ``cost_table``), for a sequence split over devices as ``attention.context``
+runs it; and the tiny model trained with each sequence split and unsplit (``model_rows``).
 """
 
 from __future__ import annotations
@@ -159,3 +160,101 @@ def cost_rows(specs, lengths, device_counts, heads: int, head_dim: int, *, batch
                                                   dtype, implementation)
                 rows.append(row)
     return rows
+
+
+def cost_table(rows: list[dict]) -> list[str]:
+    """``cost_rows``' rows as a markdown table, MiB per device; "total / P=1" against the
+    pattern's P=1 row at its length, where that was compiled."""
+    from sparse_jax.bench import tools
+
+    mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
+    lines = ["| pattern | n | P | sent: forward | + backward | arguments | outputs | "
+             "temporaries | total | total / P=1 | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    first = {(r["pattern"], r["n"]): r["memory"]["total"] for r in rows
+             if r.get("memory") and r["devices"] == 1}
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
+                         f"{row['skipped']} |||||||")
+            continue
+        memory = row.get("memory")
+        cells = [""] * 5
+        if memory:
+            cells = [mib(memory[k]) for k in ("arguments", "outputs", "temporaries", "total")]
+            ratio = tools.ratio(memory["total"], first.get((row["pattern"], row["n"])))
+            cells.append(tools.NOT_MEASURED if ratio is None else f"{ratio:.3f}")
+        cells.append(f"{row['seconds']:.3f}" if "seconds" in row else "")
+        lines.append(f"| {row['pattern']} | {row['n']:,} | {row['devices']} | "
+                     f"{mib(row['sent']['forward']['total'])} | "
+                     f"{mib(row['sent']['backward']['total'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The model trained with each sequence split and unsplit (scripts/context_parallel.py
+# --model_steps).
+
+MODEL_BATCH = 8  # the sequences of a step
+
+
+def model_config(pattern: str, seq: int, steps: int):
+    """configs/bytes.py:size=tiny (2 layers, d=64, context 256, l=16) as the comparison trains
+    it: `pattern`, each sequence split over `seq` devices, ``MODEL_BATCH`` sequences a step."""
+    import configs
+
+    return configs.load("bytes:size=tiny", {
+        "model.pattern": pattern, "mesh.seq": seq, "batch_size": MODEL_BATCH,
+        "total_steps": steps + 1, "optimizer.warmup_steps": 1})
+
+
+def train_steps(pattern: str, seq: int, devices: int, steps: int) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of `steps` training steps (``train.make_jitted``'s, as a run takes
+    them) of ``model_config`` on `devices` devices, each sequence split over `seq` of them, on
+    fixed random batches."""
+    import numpy as np
+
+    from sparse_jax import sharding, train
+    from sparse_jax.model.config import model_config as to_model
+    from sparse_jax.run import setup
+
+    config = model_config(pattern, seq, steps)
+    cfg = to_model(config.model)
+    mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
+    if seq > 1:
+        setup.make_mesh(config)  # the run's checks (the split fits the patterns)
+    jitted = train.make_jitted(config, cfg, mesh)
+    state = jitted.init()
+    rng = jax.device_put(jax.random.key(0),
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    tokens = np.random.default_rng(0).integers(0, 256, (steps, MODEL_BATCH, cfg.seq_len + 1),
+                                               np.int32)
+    out = []
+    for batch in tokens:
+        batch = jax.device_put({"inputs": batch[:, :-1], "targets": batch[:, 1:]},
+                               jitted.batch_sharding)
+        state, metrics = jitted.train_step(state, batch, rng)
+        out.append((float(metrics["bits"]), float(metrics["grad_norm"])))
+    return out
+
+
+def model_rows(patterns, device_counts, steps: int) -> tuple[list[dict], list[str]]:
+    """Per pattern and P, the largest relative difference of the losses and gradient norms over
+    `steps` steps between each sequence unsplit (data over max(P) devices) and split over P:
+    the rows and their markdown table (each line printed as it is made)."""
+    lines = ["| pattern | P | steps | loss at the last step | largest relative difference: "
+             "loss | gradient norm |", "|---|---:|---:|---:|---:|---:|"]
+    rows = []
+    for pattern in patterns:
+        whole = train_steps(pattern, 1, max(device_counts), steps)
+        for p in device_counts:
+            split = train_steps(pattern, p, max(device_counts), steps)
+            loss, norm = (max(abs(a[i] - b[i]) / abs(a[i]) for a, b in zip(whole, split))
+                          for i in (0, 1))
+            rows.append({"pattern": pattern, "devices": p, "steps": steps, "loss": split[-1][0],
+                         "loss_unsplit": whole[-1][0], "loss_difference": loss,
+                         "grad_norm_difference": norm})
+            lines.append(f"| {pattern} | {p} | {steps} | {split[-1][0]:.6f} | {loss:.1e} | "
+                         f"{norm:.1e} |")
+            print(lines[-1], flush=True)
+    return rows, lines
