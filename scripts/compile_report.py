@@ -67,26 +67,22 @@ _CYCLES = flags.DEFINE_bool("cycles", None, "TPU: libtpu's static cycles per Mos
                             "(default: on for v5p and v6e; v5e's profiler aborts).")
 
 
+def _compiler():
+    """The module that knows the target's compiler, a GPU's (Triton, ptxas: ``compiled``) or a
+    TPU's (Mosaic: ``compiled_tpu``), and the folder of its packages."""
+    compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
+    return compiled_for, (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
+                          or compiled_for.DEFAULT_TOOLS)
+
+
 def _chosen(compiled_for) -> list[dict]:
     """The programs of --programs (default all, or none beside --patterns), then one attention
-    program per --patterns and --seq_lens (each checked to parse at its length, a pattern of
-    one's own imported and checked too); ValueError naming what is wrong."""
-    from sparse_jax.bench.attention import parse_pattern
-
+    program per --patterns and --seq_lens; ValueError naming what is wrong."""
     names = _PROGRAMS.value if _PROGRAMS.value is not None else (
         [] if _PATTERNS.value else ["all"])
     chosen = compiled_for.select(names) if names else []
     lengths = cli.integers("seq_lens", _SEQ_LENS.value, high=1 << 20)
-    for pattern in _PATTERNS.value:
-        for n in lengths:
-            try:
-                parse_pattern(pattern, n)
-            except ValueError as e:
-                raise ValueError(f"--patterns: {e}") from None
-            length = f"{n // 1024}k" if n % 1024 == 0 else str(n)  # as the report's names
-            chosen.append({"name": f"attention {length} {pattern}", "group": "patterns",
-                           "kind": "attention", "pattern": pattern, "seq_len": n,
-                           **compiled_for.ATTENTION_SHAPE})
+    chosen += compiled.pattern_programs(_PATTERNS.value, lengths, compiled_for.ATTENTION_SHAPE)
     if not chosen:
         raise ValueError("--programs and --patterns name nothing to compile")
     return chosen
@@ -95,7 +91,7 @@ def _chosen(compiled_for) -> list[dict]:
 def check(argv):
     """Every flag, before any program compiles or anything is written."""
     cli.no_arguments(argv)
-    compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
+    compiled_for, tools = _compiler()
     if _CYCLES.value is not None and compiled_for is compiled:
         raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
                              "or v6e)")
@@ -104,8 +100,6 @@ def check(argv):
         return
     try:
         chosen = _chosen(compiled_for)
-        tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
-                 or compiled_for.DEFAULT_TOOLS)
         cli.input_dir("tools", tools, "the folder of the compilers' packages")
         compiled_for.check_tools(tools)
     except ValueError as e:
@@ -120,30 +114,13 @@ def check(argv):
                    _OVERWRITE.value)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    # The module that knows the target's compiler: a GPU's (Triton, ptxas) or a TPU's (Mosaic).
-    compiled_for = compiled if _TARGET.value in compiled.TARGETS else compiled_tpu
-    if _CYCLES.value is not None and compiled_for is compiled:
-        raise app.UsageError("--cycles: static cycles come from a TPU's compiler (--target=v5p "
-                             "or v6e)")
+def main(argv):  # the flags checked by `check` first
+    compiled_for, tools = _compiler()
     if _LIST.value:
         for p in compiled_for.programs():
             print(f"{p['group']:13} {p['name']}")
         return
-    try:
-        chosen = _chosen(compiled_for)
-        tools = (_TOOLS.value or os.environ.get(compiled_for.TOOLS_ENV)
-                 or compiled_for.DEFAULT_TOOLS)
-        compiled_for.check_tools(tools)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    out = _OUTPUT_DIR.value
-    if out and not _OVERWRITE.value and any(
-            os.path.exists(os.path.join(out, f)) for f in ("results.md", "results.json")):
-        raise app.UsageError(f"--output_dir={out} already holds results: give --overwrite to "
-                             "replace them, or another folder")
+    chosen = _chosen(compiled_for)
     options = {} if compiled_for is compiled else {"cycles": _CYCLES.value}
     rows = []
     for i, program in enumerate(chosen, 1):
@@ -152,15 +129,16 @@ def main(argv):
         rows.append(row)
         print(f"[{i}/{len(chosen)}] {row['name']}: {compiled_for.progress(row)}", flush=True)
     date = datetime.date.today().isoformat()
-    command = "python scripts/compile_report.py " + " ".join(argv[0:0] + sys.argv[1:])
+    command = ("python scripts/compile_report.py " + " ".join(sys.argv[1:])).strip()
     header = [f"# Deviceless compile for {compiled_for.TARGETS[_TARGET.value].name}", "",
-              f"`{command.strip()}` on {date}, {compiled_for.versions(tools)}: compiler "
-              "figures, not measurements."]
+              f"`{command}` on {date}, {compiled_for.versions(tools)}: compiler figures, not "
+              "measurements."]
     text = compiled_for.markdown(rows, _TARGET.value, header)
+    out = _OUTPUT_DIR.value
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump({"target": _TARGET.value, "date": date, "command": command.strip(),
+            json.dump({"target": _TARGET.value, "date": date, "command": command,
                        "rows": rows}, f, indent=1)
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(text)

@@ -171,6 +171,26 @@ def select(names: list[str] | None) -> list[dict]:
     return chosen
 
 
+def pattern_programs(patterns, lengths, shape: dict) -> list[dict]:
+    """An attention program (group "patterns", named as the report's) per pattern string
+    (built in or ``module:name(k=v;...)``, as benchmark_attention.py names them) and length,
+    each parsed at its length first (a pattern of one's own imported and checked): ValueError
+    naming a bad one, before any compile."""
+    from sparse_jax.bench.attention import parse_pattern
+
+    out = []
+    for pattern in patterns:
+        for n in lengths:
+            try:
+                parse_pattern(pattern, n)
+            except ValueError as e:
+                raise ValueError(f"--patterns: {e}") from None
+            length = f"{n // 1024}k" if n % 1024 == 0 else str(n)
+            out.append({"name": f"attention {length} {pattern}", "group": "patterns",
+                        "kind": "attention", "pattern": pattern, "seq_len": n, **shape})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The child: one deviceless compile.
 
