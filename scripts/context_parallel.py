@@ -88,7 +88,7 @@ def check(argv):
     if _MODEL_STEPS.value:
         # the devices first: the checks below start JAX's backends (jax.process_count)
         sharding.set_cpu_devices(min(max(devices), _CPU_DEVICES.value))
-        from sparse_jax.bench.context_costs import model_config
+        from sparse_jax.bench.context_costs import tiny_config
         from sparse_jax.run import setup
 
         if max(devices) > _CPU_DEVICES.value:
@@ -96,7 +96,7 @@ def check(argv):
                                  f"devices, more than --cpu_devices={_CPU_DEVICES.value}")
         for pattern in _PATTERNS.value:  # the run's checks: the batch and the split fit
             for p in devices:
-                config = model_config(pattern, p, _MODEL_STEPS.value)
+                config = tiny_config(pattern, p, _MODEL_STEPS.value)
                 try:
                     setup.mesh_shape(config, None, max(devices))
                 except ValueError as e:

@@ -315,7 +315,7 @@ def test_the_presets_step_is_predicted_from_its_measured_one_at_batch_16():
     params = cost_model.calibrate()["params"]
     rows = {r["row"]: r for r in predictions.preset_rows(params)}
     base = predictions.PRESET_BASE
-    assert set(rows) == set(predictions.PRESET_KERNELS)
+    assert set(rows) == set(predictions.PRESET_CASES)
     assert rows["preset strided@pallas"]["ms"] == pytest.approx(base["ms"])
     assert not predictions.judge(45.52, rows["preset strided@pallas:terms"]["ms"])[1]
     for case in ("preset strided@pallas:onepass:s1", "preset strided@pallas:onepass:s1:atomic"):

@@ -198,7 +198,7 @@ def cost_table(rows: list[dict]) -> list[str]:
 MODEL_BATCH = 8  # the sequences of a step
 
 
-def model_config(pattern: str, seq: int, steps: int):
+def tiny_config(pattern: str, seq: int, steps: int):
     """configs/bytes.py:size=tiny (2 layers, d=64, context 256, l=16) as the comparison trains
     it: `pattern`, each sequence split over `seq` devices, ``MODEL_BATCH`` sequences a step."""
     import configs
@@ -210,7 +210,7 @@ def model_config(pattern: str, seq: int, steps: int):
 
 def train_steps(pattern: str, seq: int, devices: int, steps: int) -> list[tuple[float, float]]:
     """(loss, gradient norm) of `steps` training steps (``train.make_jitted``'s, as a run takes
-    them) of ``model_config`` on `devices` devices, each sequence split over `seq` of them, on
+    them) of ``tiny_config`` on `devices` devices, each sequence split over `seq` of them, on
     fixed random batches."""
     import numpy as np
 
@@ -218,7 +218,7 @@ def train_steps(pattern: str, seq: int, devices: int, steps: int) -> list[tuple[
     from sparse_jax.model.config import model_config as to_model
     from sparse_jax.run import setup
 
-    config = model_config(pattern, seq, steps)
+    config = tiny_config(pattern, seq, steps)
     cfg = to_model(config.model)
     mesh = sharding.make_mesh(-1, 1, seq, devices=jax.devices()[:devices])
     if seq > 1:

@@ -114,13 +114,15 @@ def measured_rows(root: str = REPO, paths=MEASURED) -> list[dict]:
     return out
 
 
-def static_rows(root: str = REPO, paths=STATIC) -> dict[tuple[str, int], dict]:
-    """The compile reports' attention programs with Triton kernels, by (pattern, n)."""
+def static_rows(root: str = REPO, paths=STATIC, prefix: str = "attention "
+                ) -> dict[tuple[str, int], dict]:
+    """The compile reports' attention programs with Triton kernels, by (pattern, n): those
+    named ``PREFIX LENGTH PATTERN`` (the B=1 H=8 rows; "preset attention ": the preset's, B=16)."""
     out = {}
     for path in paths:
         for row in json.loads(_read(root, path))["rows"]:
-            if row["name"].startswith("attention ") and row.get("kernels"):
-                _, length, pattern = row["name"].split(" ", 2)
+            if row["name"].startswith(prefix) and row.get("kernels"):
+                length, pattern = row["name"][len(prefix):].split(" ", 1)
                 n = int(length[:-1]) * 1024 if length.endswith("k") else int(length)
                 out[(pattern, n)] = row
     return out

@@ -59,11 +59,10 @@ PRESET_BASE = {"case": "preset strided@pallas:chained", "report": "h200_2026-11-
                "ms": 41.61, "kernel": "strided:64@pallas:chained", "n": 4096, "layers": 8,
                "device": "NVIDIA H200", "mfu": 0.2491,
                "static": "docs/benchmarks/compiled_h100/preset/results.json"}
-# The report's preset steps (train_step's case names) and the kernel each runs at 4,096
-PRESET_KERNELS = {"preset strided@pallas": "strided:64@pallas:chained",
-                  "preset strided@pallas:terms": "strided:64@pallas:terms",
-                  "preset strided@pallas:onepass:s1": "strided:64@pallas:onepass:s1",
-                  "preset strided@pallas:onepass:s1:atomic": "strided:64@pallas:onepass:s1:atomic"}
+# The preset steps predicted (train_step's case names; a case runs "strided:64@pallas" with the
+# options after its "@pallas", the measured default at 4,096 where it names no variant)
+PRESET_CASES = ("preset strided@pallas", "preset strided@pallas:terms",
+                "preset strided@pallas:onepass:s1", "preset strided@pallas:onepass:s1:atomic")
 
 
 def _row(entry: dict, where: str) -> dict:
@@ -213,16 +212,17 @@ STATIC = (*((path, "terms") for path in cost_model.STATIC),
           ("docs/benchmarks/compiled_h100/defaults/results.json", "measured"))
 
 
-def static_index(root: str = cost_model.REPO, paths=STATIC) -> dict:
+def static_index(root: str = cost_model.REPO, paths=STATIC, prefix: str = "attention ") -> dict:
     """{(pattern as it ran, n): compiled row} of the compile reports `paths` ((path, what an
-    unnamed row ran) pairs): each Pallas row named with its variant (``BlockSizes``'s: "terms",
-    "chained", ...) made explicit, so that a row compiled before the measured defaults and one
-    after are told apart. The first report to hold a program wins."""
+    unnamed row ran) pairs; rows named with `prefix`, as ``cost_model.static_rows``): each
+    Pallas row named with its variant (``BlockSizes``'s: "terms", "chained", ...) made
+    explicit, so that a row compiled before the measured defaults and one after are told
+    apart. The first report to hold a program wins."""
     out = {}
     for path, convention in paths:
         if not os.path.exists(os.path.join(root, path)):
             continue
-        for (pattern, n), row in cost_model.static_rows(root, (path,)).items():
+        for (pattern, n), row in cost_model.static_rows(root, (path,), prefix).items():
             if "@pallas" in pattern:
                 head, opts = _variant_options(pattern, n if convention == "measured" else None)
                 pattern = f"{head}@pallas:" + ":".join(sorted(opts))
@@ -304,40 +304,32 @@ def step_ms(fwdbwd_ms: float, fwd_ms: float, base_fwdbwd_ms: float, base_fwd_ms:
     return base["ms"] + calls * (new - old)
 
 
-def preset_static(root: str = cost_model.REPO, base: dict = PRESET_BASE) -> dict:
-    """{pattern: compiled row} of the preset's attention at B=16 (``compiled.PRESET``)."""
-    path = os.path.join(root, base["static"])
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        rows = json.load(f)["rows"]
-    return {row["name"].split(" ", 3)[3]: row for row in rows
-            if row["name"].startswith("preset attention ") and row.get("kernels")}
-
-
 def preset_rows(params: dict, root: str = cost_model.REPO, cases=None,
                 base: dict = PRESET_BASE) -> list[dict]:
-    """The preset's steps (``PRESET_KERNELS``; `cases`: only those of these names) from the
+    """The preset's steps (``PRESET_CASES``; `cases`: only those of these names) from the
     measured one (``PRESET_BASE``): each layer's attention (forward + backward once: no remat)
     moved by the modelled difference of its kernel's and the measured kernel's, the rest of
     the step as measured (the model's changes since, which move bytes outside attention, not
     counted: ``docs/cost_model.md``)."""
-    static = preset_static(root, base)
-    if base["kernel"] not in static:
+    n = base["n"]
+    static = static_index(root, ((base["static"], "measured"),), "preset attention ")
+    found = static_for(base["kernel"], n, static)
+    if found is None:
         return []
-    old = cost_model.predict(params, cost_model.features(static[base["kernel"]], base["kernel"]),
-                             base["device"])
+    old = cost_model.predict(params, cost_model.features(found[1], found[0]), base["device"])
     rows = []
-    for case, kernel in PRESET_KERNELS.items():
-        if kernel not in static or (cases is not None and case not in cases):
+    for case in PRESET_CASES:
+        kernel = "strided:64@pallas" + case.partition("@pallas")[2]
+        found = static_for(kernel, n, static)
+        if found is None or (cases is not None and case not in cases):
             continue
-        new = cost_model.predict(params, cost_model.features(static[kernel], kernel),
+        new = cost_model.predict(params, cost_model.features(found[1], found[0]),
                                  base["device"])
         ms = base["ms"] + base["layers"] * (new - old)
         rows.append({"stage": "train_step", "row": case, "device": base["device"],
                      "ms": round(ms, 2), "mfu": round(base["mfu"] * base["ms"] / ms, 4),
                      "how": f"the measured preset step ({base['report']}, {base['ms']} ms with "
-                            f"{base['kernel']}) with {kernel}'s modelled forward + backward at "
+                            f"{base['kernel']}) with {found[0]}'s modelled forward + backward at "
                             f"B=16 in place of that kernel's, in each of {base['layers']} layers"})
     return rows
 

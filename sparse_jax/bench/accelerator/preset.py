@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from sparse_jax.bench.accelerator import train_step
 from sparse_jax.bench.accelerator.common import CODE_CORPUS, REPO, emit, fmt, run_script
 
 # The H100 report: 1,680 steps of 0.0536 s took 142 s in train.py (52 s beyond the steps:
@@ -32,7 +33,8 @@ def plan(dry_run: bool) -> dict:
             "startup_s": 40,  # train.py's own seconds beyond steps and compilation
             "after_s": 28,  # kept for evaluate and sample
             "eval_batches": -1, "data_bytes": None, "prompt_bytes": 512, "sample_bytes": 1000,
-            "preset_cases": ["preset strided@pallas", "preset strided@pallas:onepass:s1:atomic"]}
+            "preset_cases": ["preset strided@pallas",
+                             f"preset strided@pallas:{train_step.ONEPASS}"]}
 
 
 def inputs(report: dict) -> dict:
